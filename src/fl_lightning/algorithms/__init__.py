@@ -1,0 +1,7 @@
+"""Server-side algorithms. Configs name them by class, e.g. ``algorithm: {class_path: FedProx, init_args: {mu: 0.01}}``."""
+
+from fl_lightning.algorithms.base import Algorithm, FedAvg, RunContext
+from fl_lightning.algorithms.fedprox import FedProx
+from fl_lightning.algorithms.scaffold import Scaffold
+
+__all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "RunContext"]

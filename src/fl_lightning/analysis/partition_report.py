@@ -1,0 +1,168 @@
+"""What a partition looks like: sizes, label histograms, label skew, a table and a plot.
+
+Label skew is the total-variation distance TV_i = 0.5 * sum_c |P_i(c) - P(c)| between client
+i's label distribution and the distribution over all examples held by clients: 0 when a
+client mirrors the population, 1 when it shares no label mass with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def _label_counts(client_indices: Sequence, y: np.ndarray, num_classes: int) -> np.ndarray:
+    counts = np.zeros((len(client_indices), num_classes), dtype=np.int64)
+    for i, idx in enumerate(client_indices):
+        labels = y[np.asarray(torch.as_tensor(idx, dtype=torch.long))]
+        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+            raise ValueError(f"client {i} has a label outside [0, {num_classes})")
+        counts[i] = np.bincount(labels, minlength=num_classes)
+    return counts
+
+
+def _tv_distances(counts: np.ndarray) -> List[Optional[float]]:
+    total = counts.sum(axis=0)
+    global_p = total / max(int(total.sum()), 1)
+    tv: List[Optional[float]] = []
+    for row in counts:
+        n = int(row.sum())
+        tv.append(None if n == 0 else float(0.5 * np.abs(row / n - global_p).sum()))
+    return tv
+
+
+def partition_report(
+    client_indices: Sequence[torch.Tensor],
+    targets,
+    num_classes: int,
+    budgets: Optional[Sequence[float]] = None,
+) -> Dict:
+    """Describe a partition as a JSON-ready dict.
+
+    Keys: ``num_clients``, ``num_classes``, ``num_examples`` (held by clients), ``sizes``,
+    ``label_counts`` (list of per-client lists of length num_classes), ``num_labels`` (distinct
+    labels per client), ``global_distribution`` (over all client-held examples), ``tv_distance``
+    (per client; None for an empty client), ``budgets`` (if given) and ``summary`` with
+    min/median/max/mean size and mean/max TV over non-empty clients.
+    """
+    y = np.asarray(targets.cpu() if isinstance(targets, torch.Tensor) else targets).reshape(-1).astype(np.int64)
+    counts = _label_counts(client_indices, y, int(num_classes))
+    sizes = counts.sum(axis=1)
+    total = counts.sum(axis=0)
+    tv = _tv_distances(counts)
+    tv_known = [t for t in tv if t is not None]
+    report = {
+        "num_clients": len(client_indices),
+        "num_classes": int(num_classes),
+        "num_examples": int(sizes.sum()),
+        "sizes": sizes.tolist(),
+        "label_counts": counts.tolist(),
+        "num_labels": (counts > 0).sum(axis=1).tolist(),
+        "global_distribution": (total / max(int(total.sum()), 1)).tolist(),
+        "tv_distance": tv,
+        "summary": {
+            "min_size": int(sizes.min()) if len(sizes) else 0,
+            "median_size": float(np.median(sizes)) if len(sizes) else 0.0,
+            "max_size": int(sizes.max()) if len(sizes) else 0,
+            "mean_size": float(sizes.mean()) if len(sizes) else 0.0,
+            "mean_tv": float(np.mean(tv_known)) if tv_known else None,
+            "max_tv": float(np.max(tv_known)) if tv_known else None,
+        },
+    }
+    if budgets is not None:
+        report["budgets"] = [float(b) for b in torch.as_tensor(budgets, dtype=torch.float64).reshape(-1)]
+    return report
+
+
+def _top_labels(row: Sequence[int], k: int = 3) -> str:
+    row = np.asarray(row)
+    top = [c for c in np.argsort(-row, kind="stable")[:k] if row[c] > 0]
+    return " ".join(f"{c}:{row[c]}" for c in top)
+
+
+def format_report(report: Dict, top_k: int = 3) -> str:
+    """A plain-text table, one line per client: id, size, TV, (budget,) top labels."""
+    s = report["summary"]
+    mean_tv = "n/a" if s["mean_tv"] is None else f"{s['mean_tv']:.3f}"
+    lines = [
+        f"{report['num_clients']} clients, {report['num_examples']} examples, {report['num_classes']} classes; "
+        f"size min/median/max {s['min_size']}/{s['median_size']:g}/{s['max_size']}; mean TV {mean_tv}",
+    ]
+    budgets = report.get("budgets")
+    header = f"{'client':>6} {'size':>7} {'TV':>6}" + (f" {'budget(M)':>9}" if budgets else "") + "  top labels (label:count)"
+    lines.append(header)
+    for i, (n, tv, row) in enumerate(zip(report["sizes"], report["tv_distance"], report["label_counts"])):
+        tv_s = "  n/a" if tv is None else f"{tv:.3f}"
+        b_s = f" {budgets[i] / 1e6:9.1f}" if budgets else ""
+        lines.append(f"{i:>6} {n:>7} {tv_s:>6}{b_s}  {_top_labels(row, top_k)}")
+    return "\n".join(lines)
+
+
+def _plot(report: Dict, path: Path) -> None:
+    # Figure + Agg canvas directly: no pyplot global state, no display needed.
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(report["label_counts"], dtype=np.float64).reshape(report["num_clients"], -1)
+    n_clients, n_classes = counts.shape
+    height = min(max(3.0, 0.12 * n_clients + 1.5), 16.0)
+    fig = Figure(figsize=(11, height))
+    FigureCanvasAgg(fig)
+    y = np.arange(n_clients)
+    if n_classes <= 20:
+        # few classes: stacked bars read directly as "how many of each label"
+        ax = fig.add_subplot(1, 1, 1)
+        colors = colormaps["tab20"](np.arange(n_classes) % 20)
+        left = np.zeros(n_clients)
+        for c in range(n_classes):
+            ax.barh(y, counts[:, c], left=left, color=colors[c], height=0.85, label=str(c), linewidth=0)
+            left += counts[:, c]
+        ax.legend(title="label", fontsize=6, title_fontsize=7, ncol=1, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.set_xlabel("examples")
+    else:
+        # many classes: a heat-map of counts beside the per-client sizes stays legible at 100 x 100
+        ax, ax_size = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [4, 1]})
+        im = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
+        fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01, label="examples")
+        ax.set_xlabel("label")
+        ax_size.barh(y, counts.sum(axis=1), height=0.85, color="tab:gray")
+        ax_size.set_xlabel("examples")
+    ax.set_ylabel("client")
+    ax.set_ylim(-0.5, n_clients - 0.5)
+    s = report["summary"]
+    mean_tv = "n/a" if s["mean_tv"] is None else f"{s['mean_tv']:.3f}"
+    fig.suptitle(f"{n_clients} clients, sizes {s['min_size']}-{s['max_size']}, mean TV {mean_tv}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same folder, so no half-written file remains."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_report(report: Dict, out_dir) -> Dict[str, Path]:
+    """Write ``partition.json`` and ``partition.png`` into ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "partition.json", "png": out / "partition.png"}
+    _atomic_write(paths["json"], lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
+    _atomic_write(paths["png"], lambda p: _plot(report, p))
+    return paths
+
+
+__all__ = ["format_report", "partition_report", "save_report"]

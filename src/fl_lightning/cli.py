@@ -1,0 +1,136 @@
+"""Command line: ``python -m fl_lightning <fit|evaluate|partition|models> --config file.yaml``.
+
+Each subcommand is a function whose typed, documented parameters become its options
+(jsonargparse), so ``--help`` lists every field with its docstring and ``--print_config``
+prints a complete runnable config. Config errors end with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from jsonargparse import ArgumentParser, lazy_instance, set_parsing_settings
+
+from fl_lightning.algorithms import Algorithm, FedAvg
+from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
+                                 ModelConfig, PartitionConfig, validate)
+from fl_lightning.errors import ConfigError
+
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def fit(
+    data: DataConfig = DataConfig(),
+    partition: PartitionConfig = PartitionConfig(),
+    model: ModelConfig = ModelConfig(),
+    algorithm: Algorithm = lazy_instance(FedAvg),
+    train: LocalTrainConfig = LocalTrainConfig(),
+    federation: FederationConfig = FederationConfig(),
+    eval: EvalConfig = EvalConfig(),
+    fabric: FabricConfig = FabricConfig(),
+    name: str = "run",
+    out_dir: str = "runs",
+    seed: int = 0,
+    resume: Optional[str] = None,
+    checkpoint_every: int = 1,
+    stop_after: Optional[int] = None,
+):
+    """Train a federation and write runs/<name>/ (config, metrics, TensorBoard, checkpoints).
+
+    Args:
+        data: dataset and server-held splits.
+        partition: how training examples are split between clients.
+        model: architecture of the global model.
+        algorithm: server-side algorithm (FedAvg, FedProx, Scaffold, ...).
+        train: local training of each client.
+        federation: rounds and cohort size.
+        eval: evaluation schedule.
+        fabric: devices, precision and strategy passed to Lightning Fabric.
+        name: run name; outputs go to <out_dir>/<name>/.
+        out_dir: parent directory of runs.
+        seed: seed of every random draw (partition, sampling, initialization, local training).
+        resume: 'auto' continues <out_dir>/<name> from its last checkpoint, or a checkpoint path.
+        checkpoint_every: save the last checkpoint every this many rounds (and at the end).
+        stop_after: stop with a checkpoint once this many rounds are done (e.g. a job's time
+            limit); the same command with --resume auto continues exactly.
+    """
+
+
+def evaluate(
+    run: str,
+    checkpoint: str = "best",
+    fabric: FabricConfig = FabricConfig(),
+):
+    """Evaluate a finished run's checkpoint on the test set and the server validation split.
+
+    Args:
+        run: run directory (holding config.yaml and checkpoints/).
+        checkpoint: 'best', 'last' or a checkpoint path.
+        fabric: devices and precision for evaluation.
+    """
+
+
+def partition(
+    data: DataConfig = DataConfig(),
+    partition: PartitionConfig = PartitionConfig(),
+    seed: int = 0,
+    out: Optional[str] = None,
+):
+    """Print and save a partition's per-client sizes, label histograms and TV distances.
+
+    Args:
+        data: dataset and server-held splits.
+        partition: partition to build.
+        seed: partition seed.
+        out: directory for partition.json and partition.png (default: runs/partition-<method>).
+    """
+
+
+COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m fl_lightning", description=__doc__.splitlines()[0],
+                            exit_on_error=False)
+    subcommands = parser.add_subcommands(dest="command")
+    parser.subcommand_parsers = {}
+    for name, function in COMMANDS.items():
+        sub = ArgumentParser(exit_on_error=False)
+        sub.add_argument("--config", action="config", help="YAML config file")
+        sub.add_function_arguments(function, as_group=False)
+        subcommands.add_subcommand(name, sub, help=function.__doc__.splitlines()[0])
+        parser.subcommand_parsers[name] = sub
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        cfg = parser.parse_args(argv)
+        command = cfg.command
+        args = parser.instantiate(cfg)[command]
+        resolved = parser.subcommand_parsers[command].dump(cfg[command], skip_none=False)
+        from fl_lightning.commands import COMMANDS as RUNNERS
+
+        RUNNERS[command](args, resolved)
+    except ConfigError as error:
+        return _fail(str(error))
+    except Exception as error:  # jsonargparse reports bad keys and types as ArgumentError
+        if type(error).__name__ in ("ArgumentError", "NSKeyError") or error.__class__.__module__.startswith("jsonargparse"):
+            return _fail(_first_line(str(error)))
+        raise
+    return 0
+
+
+def _first_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[0] if lines else message
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2

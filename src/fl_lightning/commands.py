@@ -1,0 +1,86 @@
+"""What each CLI subcommand does once its arguments are parsed: check, then run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from fl_lightning.config import validate
+from fl_lightning.data.datasets import check_dataset
+from fl_lightning.data.partition import validate_partition_params
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.run_dir import RunDir
+
+
+def _check_model(model) -> None:
+    from fl_lightning.elastic.models import MODELS
+
+    if model.name not in MODELS:
+        raise ConfigError("model.name", f"unknown model {model.name!r}; known: {', '.join(sorted(MODELS))}")
+
+
+def _check_data(data, partition) -> None:
+    check_dataset(data.name, data.root, data.download, **data.options)
+    # The pool size is only known after loading; the loader checks it again then.
+    validate_partition_params(partition.method, num_examples=10**12, num_clients=partition.num_clients,
+                              alpha=partition.alpha, gamma=partition.gamma, min_size=partition.min_size)
+
+
+def fit_command(args, config_yaml: str) -> dict:
+    """Validate everything that can be checked cheaply, then train."""
+    from fl_lightning.federation.loop import RunSpec, run_fit
+
+    validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
+    if args.checkpoint_every < 1:
+        raise ConfigError("checkpoint_every", "must be >= 1")
+    _check_data(args.data, args.partition)
+    _check_model(args.model)
+    args.algorithm.check(args.train)
+    resume_from = RunDir(args.out_dir, args.name).resolve_resume(args.resume)
+    spec = RunSpec(name=args.name, out_dir=args.out_dir, seed=args.seed, data=args.data,
+                   partition=args.partition, model=args.model, train=args.train,
+                   federation=args.federation, eval=args.eval, fabric=args.fabric,
+                   algorithm=args.algorithm, resume_from=str(resume_from) if resume_from else None,
+                   config_yaml=config_yaml, checkpoint_every=args.checkpoint_every,
+                   stop_after=args.stop_after)
+    summary = run_fit(spec)
+    if summary is not None:
+        print(json.dumps(summary, indent=2))
+    return summary
+
+
+def evaluate_command(args, config_yaml: str) -> dict:
+    """Re-evaluate a saved checkpoint of a run on its test set and validation split."""
+    from fl_lightning.federation.evaluate_run import evaluate_run
+
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
+    result = evaluate_run(run, args.checkpoint, args.fabric)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def partition_command(args, config_yaml: str) -> dict:
+    """Build the partition, print its report and save partition.json / partition.png."""
+    from fl_lightning.analysis.partition_report import format_report, partition_report, save_report
+    from fl_lightning.data.federated import build_federated_data
+
+    _check_data(args.data, args.partition)
+    if args.data.val_size < 0 or args.data.calib_size < 0:
+        raise ConfigError("data.val_size", "must be >= 0")
+    fed = build_federated_data(args.data, args.partition, args.seed)
+    targets = fed.bundle.train_targets
+    report = partition_report(fed.clients, targets, fed.bundle.num_classes)
+    out = Path(args.out or f"runs/partition-{args.partition.method}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_report(report, out)
+    (out / "config.yaml").write_text(config_yaml)
+    print(format_report(report))
+    print(f"saved {out / 'partition.json'} and {out / 'partition.png'}")
+    return report
+
+
+COMMANDS = {"fit": fit_command, "evaluate": evaluate_command, "partition": partition_command}

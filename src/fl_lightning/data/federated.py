@@ -1,0 +1,72 @@
+"""From config to a federated dataset: load, carve server-held splits, partition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from fl_lightning.config import DataConfig, PartitionConfig
+from fl_lightning.data.base import DatasetBundle
+from fl_lightning.data.budgets import zipf_budgets
+from fl_lightning.data.datasets import load_dataset
+from fl_lightning.data.partition import make_partition
+from fl_lightning.data.splits import carve_server_splits
+from fl_lightning.errors import ConfigError
+
+
+@dataclass
+class FederatedData:
+    """A dataset split between clients and the server.
+
+    ``clients[i]`` holds dataset indices (into ``bundle.train``) of client i's shard;
+    ``val`` and ``calib`` are server-held indices carved out of the training pool before
+    partitioning; the test set is ``bundle.test``.
+    """
+
+    bundle: DatasetBundle
+    clients: List[torch.Tensor]
+    val: torch.Tensor
+    calib: torch.Tensor
+    budgets: Optional[torch.Tensor]
+
+    def state_dict(self) -> dict:
+        """The partition as saved with a run (a pure function of config and seed)."""
+        out = {f"client/{i}": idx for i, idx in enumerate(self.clients)}
+        out.update({"val": self.val, "calib": self.calib})
+        if self.budgets is not None:
+            out["budgets"] = self.budgets
+        return out
+
+
+def client_budgets(partition: PartitionConfig, seed: int) -> torch.Tensor:
+    """Every client's MAC budget (FEAST Supp. A), a pure function of the config and seed."""
+    b = partition.budgets
+    return zipf_budgets(partition.num_clients, seed, s=b.zipf_s, b_min=b.b_min, b_max=b.b_max)
+
+
+def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int,
+                         bundle: Optional[DatasetBundle] = None) -> FederatedData:
+    if bundle is None:
+        bundle = load_dataset(data.name, root=data.root, download=data.download,
+                              augment=data.augment, **data.options)
+    targets = bundle.train_targets
+    if data.val_size + data.calib_size >= len(targets):
+        raise ConfigError("data.val_size", f"val_size + calib_size must be < {len(targets)} training examples")
+    pool, val, calib = carve_server_splits(targets, data.val_size, data.calib_size, seed)
+    budgets = client_budgets(partition, seed)
+    groups = None
+    if partition.method == "natural":
+        if bundle.groups is None:
+            raise ConfigError("partition.method", f"natural needs a dataset with natural groups; {data.name} has none")
+        in_pool = torch.zeros(len(targets), dtype=torch.bool)
+        in_pool[pool] = True
+        position = torch.full((len(targets),), -1, dtype=torch.long)
+        position[pool] = torch.arange(len(pool))
+        groups = [position[torch.as_tensor(g, dtype=torch.long)[in_pool[torch.as_tensor(g, dtype=torch.long)]]] for g in bundle.groups]
+    shards = make_partition(partition.method, targets[pool], partition.num_clients, seed,
+                            alpha=partition.alpha, gamma=partition.gamma, budgets=budgets,
+                            groups=groups, min_size=partition.min_size, b_cap=partition.budgets.b_cap)
+    clients = [pool[torch.as_tensor(s, dtype=torch.long)] for s in shards]
+    return FederatedData(bundle, clients, val, calib, budgets)

@@ -1,0 +1,127 @@
+"""Position-wise, sample-count-weighted aggregation with value and count accumulators.
+
+For every global position ``u`` the new value is ``sum_i n_i theta_i[u] / sum_i n_i`` over the
+clients whose region covers ``u``; positions that no participant covers keep their value
+(FEAST Eq. 7, HAS-FL's coordinate-wise rule). Dense FedAvg is the special case where every
+region is the whole tensor, and then each count is a single number.
+
+Accumulators are plain tensors (:meth:`SparseAccumulator.tensors`), so the runtime sums them
+across ranks with one all-reduce before calling :meth:`SparseAccumulator.result`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from fl_lightning.elastic.regions import Full, LeadingSlice, Region
+from fl_lightning.elastic.routing import RegionMap
+
+
+def aggregated_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Floating-point entries are averaged; integer buffers (BN step counters) are kept."""
+    return [k for k, v in state.items() if v.is_floating_point()]
+
+
+class SparseAccumulator:
+    """Accumulates weighted client values into global positions.
+
+    Args:
+        global_state: the server's state dict (names -> tensors); read, never written here.
+        dense: every client returns whole tensors, so counts are scalars (FedAvg).
+        dtype: accumulator precision (float64 keeps sums of many clients exact enough that
+            the order of clients across ranks does not matter in float32 results).
+    """
+
+    def __init__(self, global_state: Mapping[str, torch.Tensor], dense: bool = False,
+                 dtype: torch.dtype = torch.float64):
+        self.global_state = global_state
+        self.dense = dense
+        self.keys = aggregated_keys(global_state)
+        self.values: Dict[str, torch.Tensor] = {
+            k: torch.zeros(global_state[k].shape, dtype=dtype, device=global_state[k].device) for k in self.keys
+        }
+        # Counts are built from the regions lazily: clients with identical regions add once.
+        self._pending: Dict[str, Dict[tuple, list]] = defaultdict(dict)
+        self.counts: Optional[Dict[str, torch.Tensor]] = None
+
+    def add(self, local_state: Mapping[str, torch.Tensor], weight: float, regions: RegionMap) -> None:
+        """Add one client's returned values with weight ``n_i``."""
+        for local_key, (global_key, region) in regions.items():
+            if global_key not in self.values:
+                continue
+            if self.dense and not region.covers_all():
+                raise ValueError(f"dense aggregation got a partial region for {global_key}")
+            region.scatter_add(self.values[global_key], local_state[local_key], alpha=weight)
+            entry = self._pending[global_key].setdefault(_region_key(region), [region, 0.0])
+            entry[1] += weight
+
+    def _build_counts(self) -> Dict[str, torch.Tensor]:
+        counts = {}
+        for key in self.keys:
+            value = self.values[key]
+            pending = self._pending.get(key, {})
+            if self.dense:
+                counts[key] = value.new_tensor(sum(w for _, w in pending.values()))
+                continue
+            count = torch.zeros_like(value)
+            for region, weight in pending.values():
+                region.fill_add(count, weight)
+            counts[key] = count
+        return counts
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every accumulator, for a cross-rank sum (values under ``v/``, counts under ``c/``)."""
+        if self.counts is None:
+            self.counts = self._build_counts()
+        out = {f"v/{k}": v for k, v in self.values.items()}
+        out.update({f"c/{k}": c for k, c in self.counts.items()})
+        return out
+
+    def load_tensors(self, reduced: Mapping[str, torch.Tensor]) -> None:
+        """Take back the cross-rank sums produced from :meth:`tensors`."""
+        self.values = {k: reduced[f"v/{k}"] for k in self.keys}
+        self.counts = {k: reduced[f"c/{k}"] for k in self.keys}
+
+    def result(self) -> Dict[str, torch.Tensor]:
+        """New global tensors: value / count where covered, the old value elsewhere."""
+        if self.counts is None:
+            self.counts = self._build_counts()
+        out = {}
+        for key in self.keys:
+            old = self.global_state[key]
+            value, count = self.values[key], self.counts[key]
+            if self.dense:
+                out[key] = (value / count).to(old.dtype) if count > 0 else old.clone()
+                continue
+            covered = count > 0
+            mean = value / torch.where(covered, count, torch.ones_like(count))
+            out[key] = torch.where(covered, mean, old.to(mean.dtype)).to(old.dtype)
+        return out
+
+
+def _region_key(region: Region) -> tuple:
+    if isinstance(region, LeadingSlice):
+        return ("leading", tuple(region.local_shape))
+    return ("id", id(region))
+
+
+def heterofl_average(global_state: Mapping[str, torch.Tensor], client_states: list,
+                     regions: list) -> Dict[str, torch.Tensor]:
+    """HeteroFL's original rule: each position is the plain (count-normalized, not
+    sample-weighted) mean over the clients covering it (Diao et al., 2021)."""
+    acc = SparseAccumulator(global_state, dense=False)
+    for state, region_map in zip(client_states, regions):
+        acc.add(state, 1.0, region_map)
+    return acc.result()
+
+
+def fedavg_average(global_state: Mapping[str, torch.Tensor], client_states: list,
+                   weights: list) -> Dict[str, torch.Tensor]:
+    """FedAvg's dense sample-weighted mean of whole models."""
+    acc = SparseAccumulator(global_state, dense=True)
+    for state, weight in zip(client_states, weights):
+        acc.add(state, weight, {k: (k, Full(v.shape)) for k, v in state.items()})
+    return acc.result()

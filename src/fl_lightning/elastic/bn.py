@@ -1,0 +1,71 @@
+"""Batch-norm statistics: reset and recalibrate (Once-for-All's ``set_running_statistics``).
+
+Weight-shared widths disagree on activation statistics, so running statistics collected while
+training one mixture of widths fit none of them well. Before evaluating an operating point,
+reset the statistics and re-estimate them on a few server-held batches in that configuration.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def batch_norms(model: nn.Module) -> list[_BatchNorm]:
+    """Every batch-norm layer that tracks running statistics."""
+    return [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+def reset_bn_statistics(model: nn.Module) -> None:
+    """Running mean 0, variance 1 and batch count 0 in every batch-norm layer."""
+    for bn in batch_norms(model):
+        bn.reset_running_stats()
+
+
+def _default_forward(model: nn.Module) -> Callable[[Any], Any]:
+    def forward(batch):
+        # Accept (inputs, targets) pairs as data loaders yield them.
+        return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+    return forward
+
+
+@torch.no_grad()
+def recalibrate_bn(model: nn.Module, batches: Iterable[Any],
+                   forward: Optional[Callable[[Any], Any]] = None) -> int:
+    """Re-estimate running statistics from ``batches``; returns the number of batches used.
+
+    Statistics are reset, then each batch is forwarded with only the batch-norm layers in
+    training mode (dropout and the like stay off, so the result depends on the batches and
+    their order only) and ``momentum=None``, so the running statistics are the plain average
+    of the per-batch statistics. Modes and momenta are restored afterwards; no trainable
+    parameter changes. ``forward(batch)`` defaults to ``model(batch)`` (or ``model(batch[0])``
+    for tuples), so set the operating point (e.g. ``model.set_active(spec)``) beforehand.
+    """
+    batches = iter(batches)
+    first = next(batches, None)
+    if first is None:
+        raise ValueError("recalibrate_bn needs at least one batch")
+    forward = forward or _default_forward(model)
+    norms = batch_norms(model)
+    modes = {m: m.training for m in model.modules()}
+    momenta = {bn: bn.momentum for bn in norms}
+    count = 0
+    try:
+        model.eval()
+        for bn in norms:
+            bn.reset_running_stats()
+            bn.momentum = None
+            bn.train()
+        for batch in itertools.chain([first], batches):
+            forward(batch)
+            count += 1
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+        for bn, momentum in momenta.items():
+            bn.momentum = momentum
+    return count

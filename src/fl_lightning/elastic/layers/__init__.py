@@ -1,0 +1,1 @@
+"""Elastic layers: full parameters, leading-slice forward, extraction to plain modules."""

@@ -1,0 +1,295 @@
+"""The interface every elastic model implements, and a reusable base for width-only models.
+
+:class:`ElasticModel` is what federation code, allocation policies, MAC counting and split
+learning are written against:
+
+- ``spec_type``: the frozen dataclass naming an operating point; ``max_spec()``/``min_spec()``
+  bound the space (``fl_lightning.elastic.specs.spec_le`` orders it).
+- ``set_active(spec)``: subsequent forwards of this (full, weight-sharing) model use the subnet.
+- ``forward(x) = forward_head(forward_features(x))`` as in timm: features are the last
+  block's output, the head pools and classifies.
+- ``block_names``: named block boundaries in forward order. ``forward_until(x, name)`` runs the
+  input through block ``name`` (inclusive) and ``forward_from(h, name)`` continues from there to
+  the logits, so ``forward_from(forward_until(x, n), n) == forward(x)`` for every ``n``.
+- ``regions(spec, kind, offset)``: the RegionMap of a client holding that subnet: every
+  state-dict key (parameters and buffers) -> (global key, region). ``kind`` is ``"leading"``
+  (HeteroFL, FjORD, FEAST) or ``"rolling"`` (FedRolex, window start ``offset`` in every
+  scaled dimension); models without a rolling meaning may refuse it.
+- ``extract(spec, kind, offset) -> Routed``: a plain module built directly at the subnet's size
+  holding copies of exactly those regions. ``write_back`` of an untouched extraction is the
+  identity, and in eval mode its forward equals the elastic forward after ``set_active(spec)``.
+- ``arch_key()``: a hashable description of the architecture (not the weights), which keys
+  memoized per-spec figures such as MACs.
+- ``input_dtype``: None for real-valued inputs; token models set ``torch.long`` so that MAC
+  counting feeds them ids.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Hashable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fl_lightning.elastic.layers.conv import ElasticConv2d
+from fl_lightning.elastic.layers.linear import ElasticLinear
+from fl_lightning.elastic.layers.norm import ElasticBatchNorm2d
+from fl_lightning.elastic.regions import LeadingSlice, Region, RollingSlice
+from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
+from fl_lightning.elastic.specs import WidthSpec, scale_channels
+
+_instances = itertools.count()
+
+
+def _hashable(value: Any) -> Hashable:
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+class ElasticModel(nn.Module, abc.ABC):
+    """A weight-sharing network whose operating points are described by ``spec_type``.
+
+    Subclasses pass their architecture arguments to ``super().__init__(**arch)`` so that
+    :meth:`arch_key` can tell identical architectures apart from different ones.
+    """
+
+    spec_type: ClassVar[type]
+    input_dtype: ClassVar[Optional[torch.dtype]] = None
+
+    def __init__(self, **arch: Any):
+        super().__init__()
+        # Without arguments, every instance is its own architecture (memoization stays correct).
+        key = _hashable(arch) if arch else ("instance", next(_instances))
+        self._arch_key = (type(self).__module__, type(self).__qualname__, key)
+        self.active_spec: Any = None
+
+    def arch_key(self) -> Hashable:
+        return self._arch_key
+
+    # -- operating points -------------------------------------------------------------------
+    @abc.abstractmethod
+    def max_spec(self) -> Any: ...
+
+    @abc.abstractmethod
+    def min_spec(self) -> Any: ...
+
+    @abc.abstractmethod
+    def set_active(self, spec: Any) -> None: ...
+
+    # -- forward pieces ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def blocks(self) -> "OrderedDict[str, Callable[[torch.Tensor], torch.Tensor]]":
+        """Named blocks in forward order; their boundaries are the split points."""
+
+    @abc.abstractmethod
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def block_names(self) -> list[str]:
+        return list(self.blocks())
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks().values():
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def _block_index(self, name: str) -> int:
+        names = self.block_names
+        if name not in names:
+            raise KeyError(f"unknown block {name!r}; blocks are {names}")
+        return names.index(name)
+
+    def forward_until(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Run ``x`` through the blocks up to and including ``name``."""
+        stop = self._block_index(name)
+        for block in itertools.islice(self.blocks().values(), stop + 1):
+            x = block(x)
+        return x
+
+    def forward_from(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        """Continue from the output of block ``name`` to the logits."""
+        start = self._block_index(name)
+        for block in itertools.islice(self.blocks().values(), start + 1, None):
+            h = block(h)
+        return self.forward_head(h)
+
+    # -- routing ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def regions(self, spec: Any, kind: str = "leading", offset: int = 0) -> RegionMap: ...
+
+    @abc.abstractmethod
+    def extract(self, spec: Any, kind: str = "leading", offset: int = 0) -> Routed: ...
+
+
+# ------------------------------------------------------------------------------------------
+# Width-only models (HeteroFL / FjORD / FedRolex style)
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerKit:
+    """Layer constructors; the elastic and the plain kit build the same state-dict keys."""
+
+    conv: Callable[..., nn.Module]
+    bn: Callable[[int], nn.Module]
+    linear: Callable[[int, int], nn.Module]
+
+
+def _plain_conv(in_channels, out_channels, kernel_size, stride=1, padding=None, bias=False):
+    padding = kernel_size // 2 if padding is None else padding
+    return nn.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
+
+
+LAYER_KITS = {
+    True: LayerKit(ElasticConv2d, ElasticBatchNorm2d, ElasticLinear),
+    False: LayerKit(_plain_conv, nn.BatchNorm2d, nn.Linear),
+}
+
+
+def tag(module: nn.Module, *groups: Optional[int]) -> nn.Module:
+    """Record which channel group each leading dimension of ``module.weight`` belongs to.
+
+    ``groups`` are (out, in) for conv/linear and (channels,) for batch norm; a group is a stage
+    index or None for a fixed dimension (image channels, classes). Bias and running statistics
+    follow the first group.
+    """
+    module.channel_groups = tuple(groups)
+    return module
+
+
+def _tensor_groups(name: str, groups: tuple) -> tuple:
+    if name == "weight":
+        return groups
+    if name == "num_batches_tracked":
+        return ()
+    return groups[:1]  # bias, running_mean, running_var
+
+
+def _leading(shape: torch.Size, local: Sequence[int], groups: tuple, offset: int) -> Region:
+    return LeadingSlice(shape, local)
+
+
+def _rolling(shape: torch.Size, local: Sequence[int], groups: tuple, offset: int) -> Region:
+    if all(g is None for g in groups):
+        return LeadingSlice(shape, local)  # nothing scaled (e.g. a batch counter): whole tensor
+    # One offset for every group, reduced modulo each group's full size, so channel j of a
+    # layer's output window is channel j of the next layer's input window.
+    starts = [offset % shape[d] if g is not None else 0 for d, g in enumerate(groups)]
+    return RollingSlice(shape, starts, local)
+
+
+REGION_KINDS: dict[str, Callable[..., Region]] = {"leading": _leading, "rolling": _rolling}
+
+# Initialisers that fill a fresh tensor in place; skipped while building a routing target.
+_INITIALISERS = frozenset({
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_,
+    nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.constant_, nn.init.ones_,
+    nn.init.zeros_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_,
+    nn.init.xavier_normal_, nn.init.orthogonal_,
+})
+
+
+class uninitialized(TorchFunctionMode):
+    """Build modules without running their initialisers (tensors hold arbitrary values).
+
+    Extraction overwrites every tensor of the module it builds, so initialising it first would
+    only cost time (random number generation is most of a small model's construction).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _INITIALISERS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+class WidthElasticModel(ElasticModel):
+    """An elastic model whose spec is one width ratio per stage (:class:`WidthSpec`).
+
+    Subclasses build their layers from ``self.kit`` (elastic or plain), ``tag`` every layer
+    with parameters, set ``self.channels`` (full channels per stage), and implement
+    :meth:`build_plain`, which constructs the same architecture with plain layers at given
+    per-stage channels. Regions, activation and extraction are then generic.
+    """
+
+    spec_type = WidthSpec
+
+    def __init__(self, channels: Sequence[int], elastic: bool, min_width: float, **arch: Any):
+        super().__init__(channels=tuple(channels), elastic=elastic, min_width=min_width, **arch)
+        self.channels = tuple(int(c) for c in channels)
+        self.elastic = elastic
+        self.min_width = min_width
+        self.kit = LAYER_KITS[elastic]
+
+    # -- specs ------------------------------------------------------------------------------
+    def max_spec(self) -> WidthSpec:
+        return WidthSpec.uniform(1.0, len(self.channels))
+
+    def min_spec(self) -> WidthSpec:
+        return WidthSpec.uniform(self.min_width, len(self.channels))
+
+    def stage_channels(self, spec: WidthSpec) -> tuple[int, ...]:
+        """Physical channels per stage for ``spec``."""
+        if not isinstance(spec, WidthSpec) or len(spec.widths) != len(self.channels):
+            raise ValueError(f"{type(self).__name__} needs a WidthSpec with {len(self.channels)} "
+                             f"widths, got {spec!r}")
+        return tuple(scale_channels(c, w) for c, w in zip(self.channels, spec.widths))
+
+    def set_active(self, spec: WidthSpec) -> None:
+        sizes = self.stage_channels(spec)
+        if not self.elastic and sizes != self.channels:
+            raise ValueError(f"a plain {type(self).__name__} only runs at its own size, got {spec}")
+        for module in self._tagged().values():
+            if hasattr(module, "active_out"):
+                out_group = module.channel_groups[0]
+                module.active_out = None if out_group is None else sizes[out_group]
+        self.active_spec = spec
+
+    # -- routing ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def build_plain(self, channels: Sequence[int]) -> "WidthElasticModel":
+        """This architecture with plain layers and ``channels`` per stage (weights arbitrary)."""
+
+    def _tagged(self) -> dict[str, nn.Module]:
+        return {name: m for name, m in self.named_modules() if hasattr(m, "channel_groups")}
+
+    def regions(self, spec: WidthSpec, kind: str = "leading", offset: int = 0) -> RegionMap:
+        if kind not in REGION_KINDS:
+            raise ValueError(f"unknown region kind {kind!r}; known: {sorted(REGION_KINDS)}")
+        make = REGION_KINDS[kind]
+        sizes = self.stage_channels(spec)
+        regions: RegionMap = {}
+        for prefix, module in self._tagged().items():
+            tensors = {**module._parameters, **module._buffers}
+            for name, tensor in tensors.items():
+                if tensor is None:
+                    continue
+                groups = _tensor_groups(name, module.channel_groups)
+                local = [tensor.shape[d] if g is None else sizes[g] for d, g in enumerate(groups)]
+                key = f"{prefix}.{name}"
+                regions[key] = (key, make(tensor.shape, local, groups, offset))
+        missing = set(self.state_dict()) - set(regions)
+        if missing:
+            raise RuntimeError(f"untagged tensors in {type(self).__name__}: {sorted(missing)}")
+        return regions
+
+    def extract(self, spec: WidthSpec, kind: str = "leading", offset: int = 0) -> Routed:
+        regions = self.regions(spec, kind, offset)  # covers every tensor, so all get overwritten
+        reference = next(self.parameters())
+        with uninitialized():
+            module = self.build_plain(self.stage_channels(spec))
+        unrouted = {k for k, _ in itertools.chain(module.named_parameters(), module.named_buffers())} - set(regions)
+        if unrouted:  # e.g. a non-persistent buffer: it would keep arbitrary values
+            raise RuntimeError(f"extracted {type(module).__name__} has tensors outside its regions: {sorted(unrouted)}")
+        module = module.to(device=reference.device, dtype=reference.dtype)
+        load_routed_state(module, self.state_dict(), regions)
+        return Routed(module.train(self.training), regions)

@@ -1,0 +1,70 @@
+"""A small width-elastic CNN for digits, EMNIST and CIFAR-sized images."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_lightning.elastic.models import register_model
+from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, tag
+from fl_lightning.elastic.specs import scale_channels
+
+
+class ConvBlock(nn.Module):
+    """conv3x3 - BN - ReLU - optional 2x2 max pool."""
+
+    def __init__(self, kit: LayerKit, in_channels: int, out_channels: int,
+                 in_group, out_group: int, pool: bool):
+        super().__init__()
+        self.conv = tag(kit.conv(in_channels, out_channels, 3), out_group, in_group)
+        self.bn = tag(kit.bn(out_channels), out_group)
+        self.pool = nn.MaxPool2d(2) if pool else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(F.relu(self.bn(self.conv(x))))
+
+
+@register_model("cnn")
+class CNN(WidthElasticModel):
+    """Conv blocks (each a stage of the width spec), global average pool, linear head.
+
+    Args:
+        num_classes: classifier outputs (fixed across widths).
+        input_shape: (channels, height, width) of one input; any size works. Blocks after the
+            first halve the resolution with a max pool while it is at least 2.
+        channels: full output channels of each conv block.
+        width: multiplier applied to ``channels`` to build the full (server) model.
+        min_width: smallest width ratio, returned by ``min_spec()``.
+        elastic: elastic layers (a server model) or plain ones (a deployed subnet).
+    """
+
+    def __init__(self, num_classes: int, input_shape: Sequence[int], channels: Sequence[int] = (32, 64, 128),
+                 width: float = 1.0, min_width: float = 0.0625, elastic: bool = True):
+        full = tuple(scale_channels(c, width) for c in channels)
+        super().__init__(full, elastic, min_width, num_classes=num_classes, input_shape=tuple(input_shape))
+        self.num_classes = num_classes
+        self.input_shape = tuple(input_shape)
+        in_channels, side = self.input_shape[0], min(self.input_shape[1:])
+        blocks, in_group = OrderedDict(), None
+        for stage, out_channels in enumerate(full):
+            # Pool after every block but the last (global pooling follows) while resolution allows.
+            pool = stage < len(full) - 1 and side >= 2
+            side = side // 2 if pool else side
+            blocks[f"block{stage}"] = ConvBlock(self.kit, in_channels, out_channels, in_group, stage, pool)
+            in_channels, in_group = out_channels, stage
+        self.features = nn.ModuleDict(blocks)
+        self.fc = tag(self.kit.linear(in_channels, num_classes), None, in_group)
+
+    def blocks(self):
+        return OrderedDict(self.features.items())
+
+    def forward_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.adaptive_avg_pool2d(features, 1).flatten(1))
+
+    def build_plain(self, channels: Sequence[int]) -> "CNN":
+        return CNN(self.num_classes, self.input_shape, channels=channels, width=1.0,
+                   min_width=self.min_width, elastic=False)

@@ -1,0 +1,13 @@
+"""The one error type that the CLI turns into a one-line message and exit status 2."""
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or input, detected before any work starts.
+
+    The message names the offending key first, e.g. ``data.alpha: must be > 0, got -1``.
+    """
+
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}")

@@ -1,0 +1,47 @@
+"""Per-client state that persists across rounds (control variates, estimates, prompts)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Mapping
+
+import torch
+
+ClientState = Dict[str, torch.Tensor]
+
+
+class ClientStateStore:
+    """Server-side store of per-client tensors, created on first use from ``initial``.
+
+    Ranks train disjoint clients, so after a round :meth:`sync` sums each cohort member's
+    state across ranks (owners contribute their values, the others zeros) to give every rank
+    the same store.
+    """
+
+    def __init__(self, initial: Callable[[], ClientState]):
+        self.initial = initial
+        self.states: Dict[int, ClientState] = {}
+
+    def get(self, client: int) -> ClientState:
+        if client not in self.states:
+            self.states[client] = self.initial()
+        return self.states[client]
+
+    def set(self, client: int, state: ClientState) -> None:
+        self.states[client] = state
+
+    def sync(self, fabric, cohort: Iterable[int], owned: Iterable[int]) -> None:
+        if fabric.world_size == 1:
+            return
+        owned = set(owned)
+        for client in cohort:
+            state = self.get(client) if client in owned else {k: torch.zeros_like(v) for k, v in self.initial().items()}
+            self.states[client] = fabric.all_reduce(state, reduce_op="sum")
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {f"{client}/{key}": value for client, state in self.states.items() for key, value in state.items()}
+
+    def load_state_dict(self, flat: Mapping[str, torch.Tensor]) -> None:
+        self.states = {}
+        for name, value in flat.items():
+            client, key = name.split("/", 1)
+            self.states.setdefault(int(client), {})[key] = value

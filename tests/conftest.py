@@ -1,0 +1,31 @@
+import os
+
+import pytest
+
+# Tests run on CPU with few threads so the suite behaves the same on 2-core CI machines.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture
+def spec_factory(tmp_path):
+    """Build a small RunSpec on digits; keyword overrides replace whole sections or fields."""
+    from fl_lightning.algorithms import FedAvg
+    from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
+                                     ModelConfig, PartitionConfig)
+    from fl_lightning.federation.loop import RunSpec
+
+    def make(name="t", algorithm=None, **overrides):
+        sections = dict(
+            data=DataConfig(name="digits", val_size=100),
+            partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5),
+            model=ModelConfig(name="cnn"),
+            train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05),
+            federation=FederationConfig(rounds=3, clients_per_round=3),
+            eval=EvalConfig(every=1),
+            fabric=FabricConfig(accelerator="cpu", devices=1),
+        )
+        sections.update(overrides)
+        return RunSpec(name=name, out_dir=str(tmp_path / "runs"), seed=0,
+                       algorithm=algorithm or FedAvg(), **sections)
+
+    return make

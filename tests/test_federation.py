@@ -1,0 +1,153 @@
+"""The round loop: FedAvg/FedProx/SCAFFOLD semantics, resume exactness, rank independence."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fl_lightning.algorithms import FedAvg, FedProx, Scaffold
+from fl_lightning.config import FederationConfig, LocalTrainConfig, PartitionConfig
+from fl_lightning.data.federated import build_federated_data
+from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.federation.loop import build_global_model, run_fit
+from fl_lightning.modules.control_variates import option_ii_update
+
+
+def final_model(spec):
+    return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")["model"]
+
+
+def float_items(state):
+    return {k: v for k, v in state.items() if v.is_floating_point()}
+
+
+def test_fedavg_one_client_one_step_equals_centralized_sgd(spec_factory):
+    spec = spec_factory(partition=PartitionConfig(method="iid", num_clients=1),
+                        federation=FederationConfig(rounds=1, clients_per_round=1),
+                        train=LocalTrainConfig(steps=1, batch_size=10_000, lr=0.1, momentum=0.9, weight_decay=1e-3))
+    run_fit(spec)
+    fed = build_federated_data(spec.data, spec.partition, spec.seed)
+    model = build_global_model(spec, fed)
+    idx = fed.clients[0]
+    x, y = fed.bundle.train.data[idx], fed.bundle.train.targets[idx]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    model.train()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    got = final_model(spec)
+    for key, want in float_items(model.state_dict()).items():
+        torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_fedprox_with_zero_mu_equals_fedavg(spec_factory):
+    a = spec_factory(name="avg", algorithm=FedAvg())
+    b = spec_factory(name="prox", algorithm=FedProx(mu=0.0))
+    run_fit(a)
+    run_fit(b)
+    for key, value in final_model(a).items():
+        assert torch.equal(value, final_model(b)[key]), key
+
+
+def test_fedprox_pulls_towards_global_model(spec_factory):
+    a = spec_factory(name="avg", algorithm=FedAvg(), federation=FederationConfig(rounds=1, clients_per_round=3))
+    b = spec_factory(name="prox", algorithm=FedProx(mu=10.0), federation=FederationConfig(rounds=1, clients_per_round=3))
+    run_fit(a)
+    run_fit(b)
+    fed = build_federated_data(a.data, a.partition, a.seed)
+    init = float_items(build_global_model(a, fed).state_dict())
+    moved = lambda s: sum((s[k] - v).pow(2).sum() for k, v in init.items() if "weight" in k)
+    assert moved(final_model(b)) < moved(final_model(a))
+
+
+def test_option_ii_formula():
+    c_i, c, x, y = [torch.tensor([1.0])], [torch.tensor([0.5])], [torch.tensor([2.0])], [torch.tensor([1.0])]
+    assert torch.allclose(option_ii_update(c_i, c, x, y, steps=4, lr=0.5)[0], torch.tensor([1.0 - 0.5 + 1.0 / 2.0]))
+
+
+def test_scaffold_control_variates_after_one_round(spec_factory):
+    spec = spec_factory(name="scaffold", algorithm=Scaffold(),
+                        partition=PartitionConfig(method="iid", num_clients=4),
+                        federation=FederationConfig(rounds=1, clients_per_round=1),
+                        train=LocalTrainConfig(steps=3, batch_size=8, lr=0.1))
+    run_fit(spec)
+    ckpt = load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")
+    client_row = json.loads((Path(spec.out_dir) / spec.name / "clients.jsonl").read_text().splitlines()[0])
+    client, steps = client_row["client"], client_row["steps"]
+    fed = build_federated_data(spec.data, spec.partition, spec.seed)
+    x0 = dict(build_global_model(spec, fed).named_parameters())
+    x1 = ckpt["model"]
+    for name, before in x0.items():
+        c_i = ckpt["algorithm"][f"clients/{client}/{name}"]
+        expected = (before.detach() - x1[name]) / (steps * 0.1)  # c = c_i = 0 before the round
+        torch.testing.assert_close(c_i, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ckpt["algorithm"][f"c/{name}"], expected / 4, rtol=1e-4, atol=1e-5)
+
+
+def test_scaffold_correction_changes_the_local_step(spec_factory):
+    base = dict(partition=PartitionConfig(method="iid", num_clients=2),
+                federation=FederationConfig(rounds=3, clients_per_round=1),
+                train=LocalTrainConfig(steps=2, batch_size=8, lr=0.1))
+    a, b = spec_factory(name="avg", **base), spec_factory(name="scaffold", algorithm=Scaffold(), **base)
+    run_fit(a)
+    run_fit(b)
+    assert any(not torch.equal(v, final_model(b)[k]) for k, v in float_items(final_model(a)).items())
+
+
+@pytest.mark.parametrize("algorithm", [FedAvg, Scaffold])
+def test_resume_is_bit_exact(spec_factory, algorithm):
+    train = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, lr_schedule="cosine")
+    whole = spec_factory(name="whole", algorithm=algorithm(), train=train,
+                         federation=FederationConfig(rounds=4, clients_per_round=3))
+    run_fit(whole)
+    part = spec_factory(name="part", algorithm=algorithm(), train=train,
+                        federation=FederationConfig(rounds=4, clients_per_round=3))
+    part.stop_after = 2
+    run_fit(part)
+    assert load_checkpoint(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")["round"] == 2
+    resumed = copy.copy(part)
+    resumed.stop_after = None
+    resumed.algorithm = algorithm()
+    resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
+    run_fit(resumed)
+    for key, value in final_model(whole).items():
+        assert torch.equal(value, final_model(resumed)[key]), key
+    rows = [json.loads(l) for l in (Path(part.out_dir) / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_run_directory_contents(spec_factory):
+    spec = spec_factory(name="outputs")
+    summary = run_fit(spec)
+    run = Path(spec.out_dir) / "outputs"
+    assert (run / "checkpoints" / "best.ckpt").is_file() and (run / "partition.pt").is_file()
+    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"train_loss", "test_acc", "val_acc", "bytes_sent", "bytes_received", "round_seconds"} <= set(rows[-1])
+    assert summary["best"]["round"] >= 0 and 0 <= summary["final"]["test_acc"] <= 1
+
+
+def _cli(args, cwd):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "fl_lightning", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_two_processes_match_one_process(tmp_path):
+    common = ["fit", "--data.name", "digits", "--data.val_size", "100", "--partition.num_clients", "6",
+              "--federation.rounds", "2", "--federation.clients_per_round", "5", "--train.batch_size", "16",
+              "--train.momentum", "0.9", "--eval.every", "2", "--fabric.accelerator", "cpu",
+              "--fabric.threads_per_rank", "1", "--out_dir", str(tmp_path)]
+    one = _cli(common + ["--name", "one"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _cli(common + ["--name", "two", "--fabric.devices", "2", "--fabric.strategy", "ddp"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.ckpt")["model"]
+    b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last.ckpt")["model"]
+    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert diff <= 1e-5

@@ -1,0 +1,242 @@
+"""FEAST's OFA-style supernet: size, MAC span, extraction, envelope routing, nestedness."""
+
+import pytest
+import torch
+
+from fl_lightning.elastic.envelope import (communication, envelope, full_param_count, route_envelope,
+                                           routed_param_count)
+from fl_lightning.elastic.macs import spec_macs
+from fl_lightning.elastic.models import build_model
+from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec, make_divisible
+from fl_lightning.elastic.regions import LeadingSlice
+from fl_lightning.elastic.routing import write_back
+from fl_lightning.elastic.specs import spec_le
+
+SHAPE = (3, 16, 16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: a second intra-op thread gains nothing, and on a busy CPU each
+    operator can wait milliseconds for it, which makes these tests 100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A narrowed supernet (same search space, 1/8 width, up to 2 extra blocks) with
+    non-trivial BN statistics, so eval-mode outputs depend on every sliced tensor."""
+    torch.manual_seed(0)
+    model = build_model("ofa_resnet", 10, SHAPE, width_scale=0.125, max_extra_blocks=2, divisor=2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.0)
+                m.bias.uniform_(-0.1, 0.1)
+    return model.eval()
+
+
+@pytest.fixture
+def x():
+    return torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(1))
+
+
+def specs(model, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [model.sample_spec(g) for _ in range(n)]
+
+
+def raise_spec(model, spec, g):
+    """A random spec coordinate-wise >= ``spec``."""
+    def up(v, top):
+        return int(torch.randint(v, top + 1, (1,), generator=g))
+    exps = model.expansions
+    return OFASpec(tuple(up(d, m) for d, m in zip(spec.d, model.max_extra_blocks)),
+                   tuple(exps[up(exps.index(e), len(exps) - 1)] for e in spec.e),
+                   tuple(up(w, m) for w, m in zip(spec.w, model.max_width_index)))
+
+
+def coverage(model, regions_list):
+    """Count accumulators of the global shape: how many region maps cover each position."""
+    counts = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    for regions in regions_list:
+        for _, (key, region) in regions.items():
+            region.fill_add(counts[key], 1.0)
+    return counts
+
+
+# -- the paper-scale supernet ----------------------------------------------------------------
+
+def test_full_supernet_has_55_68m_parameters():
+    with torch.device("meta"):
+        model = build_model("ofa_resnet", 100, (3, 32, 32))
+    assert full_param_count(model) == 55_677_412
+    assert abs(full_param_count(model) / 1e6 - 55.68) < 0.01
+    assert model.stem_width(9) == 128
+    assert [model.stage_width(l, 9) for l in range(4)] == [256, 512, 1024, 2048]
+    assert [len(stage) for stage in model.stages] == [9, 9, 9, 9]
+    assert model.stages[3][0].conv2.weight.shape[0] == 512  # middle = 0.25 x 2048
+
+
+def test_mac_span_covers_25m_to_600m_at_32px():
+    with torch.device("meta"):
+        full = build_model("ofa_resnet", 100, (3, 32, 32))
+    big = OFASpec((1, 1, 1, 1), (0.25,) * 4, (9,) * 5)
+    # MACs of a spec do not depend on which (reduced) supernet holds it: count on small ones.
+    low = spec_macs(full.reduced(full.min_spec()), full.min_spec(), (3, 32, 32))
+    high = spec_macs(full.reduced(big), big, (3, 32, 32))
+    assert low < 25e6 and high > 600e6  # the max spec (d=8888) is larger still
+
+
+def test_tinyimagenet_stem_sees_full_resolution():
+    cifar = OFAResNet(200, (3, 32, 32), max_extra_blocks=0, max_width_index=(0,) * 5)
+    tiny = OFAResNet(200, (3, 64, 64), max_extra_blocks=0, max_width_index=(0,) * 5)
+    assert tiny.arch["stage_strides"] == (2, 2, 2, 2) and cifar.arch["stage_strides"] == (1, 2, 2, 2)
+    spec = cifar.min_spec()
+    c, t = spec_macs(cifar, spec, (3, 32, 32)), spec_macs(tiny, spec, (3, 64, 64))
+    assert c < t < 2 * c  # same stage resolutions; only the stem and one 1x1 conv run at 64 px
+    assert tiny(torch.randn(1, 3, 64, 64)).shape == (1, 200)
+
+
+# -- specs ---------------------------------------------------------------------------------
+
+def test_make_divisible_is_monotone():
+    for divisor in (1, 2, 8):
+        values = [make_divisible(v / 10, divisor) for v in range(1, 3000)]
+        assert values == sorted(values)
+
+
+def test_bad_specs_are_refused(small):
+    with pytest.raises(ValueError, match="d\\[0\\]"):
+        small.set_active(OFASpec((3, 0, 0, 0), (0.1,) * 4, (0,) * 5))
+    with pytest.raises(ValueError, match="e\\[1\\]"):
+        small.set_active(OFASpec((0,) * 4, (0.1, 0.3, 0.1, 0.1), (0,) * 5))
+    reduced = small.reduced(OFASpec((1,) * 4, (0.25,) * 4, (4,) * 5))
+    with pytest.raises(ValueError, match="w\\[2\\]"):
+        reduced.set_active(OFASpec((0,) * 4, (0.1,) * 4, (0, 0, 5, 0, 0)))
+    with pytest.raises(ValueError, match="len"):
+        OFASpec((0,) * 4, (0.1,) * 3, (0,) * 5)
+
+
+# -- extraction ------------------------------------------------------------------------------
+
+def test_extracted_forward_equals_elastic_forward(small, x):
+    for spec in [small.min_spec(), small.max_spec(), *specs(small, 8, seed=2)]:
+        small.set_active(spec)
+        expected = small(x)
+        routed = small.extract(spec)
+        assert all(type(m) in (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear)
+                   for m in routed.module.modules() if next(m.parameters(recurse=False), None) is not None)
+        torch.testing.assert_close(routed.module.eval()(x), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(routed.module.forward_head(routed.module.forward_features(x)), expected,
+                                   atol=1e-5, rtol=0)
+        for name in small.block_names:
+            torch.testing.assert_close(small.forward_from(small.forward_until(x, name), name), expected)
+
+
+def test_extract_then_write_back_is_identity(small):
+    spec = specs(small, 1, seed=3)[0]
+    routed = small.extract(spec)
+    before = {k: v.clone() for k, v in small.state_dict().items()}
+    after = {k: v.clone() for k, v in before.items()}
+    write_back(after, routed.module.state_dict(), routed.regions)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    # Changed local values land exactly on the routed positions.
+    local = {k: v + 1 if v.is_floating_point() else v for k, v in routed.module.state_dict().items()}
+    write_back(after, local, routed.regions)
+    covered = coverage(small, [routed.regions])
+    for key in before:
+        if before[key].is_floating_point():
+            torch.testing.assert_close(after[key] - before[key], covered[key], atol=1e-6, rtol=0)
+
+
+def test_nested_specs_have_nested_regions(small):
+    g = torch.Generator().manual_seed(4)
+    for a in specs(small, 10, seed=5):
+        b = raise_spec(small, a, g)
+        assert spec_le(a, b)
+        ra, rb = small.regions(a), small.regions(b)
+        assert set(ra) <= set(rb)
+        for key, (global_key, region) in ra.items():
+            outer = rb[key][1]
+            assert rb[key][0] == global_key
+            assert isinstance(region, LeadingSlice) and outer.contains(region), key
+
+
+# -- envelope routing --------------------------------------------------------------------------
+
+def test_envelope_is_coordinatewise_max_with_all_expansions():
+    a = OFASpec((0, 3, 1, 0), (0.1, 0.1, 0.14, 0.1), (2, 5, 1, 0, 3))
+    b = OFASpec((2, 1, 1, 0), (0.1, 0.18, 0.1, 0.1), (1, 6, 1, 2, 0))
+    env = envelope([a, b])
+    assert env == OFASpec((2, 3, 1, 0), (0.25,) * 4, (2, 6, 1, 2, 3))
+    assert spec_le(a, env) and spec_le(b, env)
+
+
+def test_routed_envelope_runs_every_spec_like_the_global_supernet(small, x):
+    for seed in range(4):
+        group = specs(small, 1 + seed, seed=10 + seed)
+        routed = route_envelope(small, group)
+        reduced = routed.module.eval()
+        assert reduced.max_spec() == envelope(group)
+        for l, stage in enumerate(reduced.stages):
+            # Supp. C: middle channels sized for the largest expansion at the routed width.
+            out = small.stage_width(l, reduced.max_width_index[l + 1])
+            assert stage[0].conv2.weight.shape[0] == small.mid_width(out, 0.25)
+        for spec in group:
+            small.set_active(spec)
+            reduced.set_active(spec)
+            torch.testing.assert_close(reduced(x), small(x), atol=1e-5, rtol=0)
+
+
+def test_routed_module_holds_exactly_the_routed_parameters(small):
+    for seed in range(3):
+        group = specs(small, 3, seed=20 + seed)
+        routed = route_envelope(small, group)
+        numel = sum(p.numel() for p in routed.module.parameters())
+        assert numel == routed.payload_numel() == routed_param_count(small, group)
+        assert numel < full_param_count(small)
+        assert set(routed.regions) == set(routed.module.state_dict())
+    whole = route_envelope(small, [small.max_spec()])
+    assert routed_param_count(small, [small.max_spec()]) == full_param_count(small)
+    assert all(region.covers_all() for _, region in whole.regions.values())
+
+
+def test_routed_positions_cover_exactly_the_union(small):
+    groups = [specs(small, 3, seed=30 + i) for i in range(3)]
+    routed = [route_envelope(small, group) for group in groups]
+    counts = coverage(small, [r.regions for r in routed])
+    # Each client covers its envelope's leading slices once; together, exactly their union.
+    expected = coverage(small, [small.regions(envelope(group)) for group in groups])
+    for key in counts:
+        assert torch.equal(counts[key], expected[key]), key
+    for group, r in zip(groups, routed):
+        own = coverage(small, [r.regions])
+        members = coverage(small, [small.regions(spec) for spec in group])
+        for key in own:
+            assert own[key].max() <= 1
+            assert torch.all(own[key][members[key] > 0] == 1), key  # every member's positions
+
+
+def test_budget_nested_sets_route_nested_supports(small):
+    # Prop. 1: A_i within A_j implies U_i within U_j.
+    pool = specs(small, 6, seed=40)
+    smaller = coverage(small, [route_envelope(small, pool[:3]).regions])
+    larger = coverage(small, [route_envelope(small, pool).regions])
+    for key in smaller:
+        assert torch.all(larger[key][smaller[key] > 0] > 0), key
+
+
+def test_communication_accounting(small):
+    sets = [specs(small, 2, seed=50 + i) for i in range(4)]
+    report = communication(small, sets)
+    full = full_param_count(small)
+    assert report["full_payload"] == 2 * 4 * full
+    assert report["routed_payload"] == 2 * sum(routed_param_count(small, s) for s in sets)
+    assert report["reduction"] == pytest.approx(report["full_payload"] / report["routed_payload"])
