@@ -21,8 +21,13 @@ ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_one_thread():
+    # tiny tensors: intra-op threads only add synchronisation, badly so on a busy machine
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _assert_regions_match(module: nn.Module, regions: dict) -> None:

@@ -130,6 +130,7 @@ def test_run_directory_contents(spec_factory):
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"train_loss", "test_acc", "val_acc", "bytes_sent", "bytes_received", "round_seconds"} <= set(rows[-1])
     assert summary["best"]["round"] >= 0 and 0 <= summary["final"]["test_acc"] <= 1
+    assert 0 <= summary["best"]["test_acc"] <= 1
 
 
 def _cli(args, cwd):

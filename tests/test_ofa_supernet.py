@@ -11,6 +11,7 @@ from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec, make_divi
 from fl_lightning.elastic.regions import LeadingSlice
 from fl_lightning.elastic.routing import write_back
 from fl_lightning.elastic.specs import spec_le
+from fl_lightning.errors import ConfigError
 
 SHAPE = (3, 16, 16)
 
@@ -121,6 +122,8 @@ def test_bad_specs_are_refused(small):
         reduced.set_active(OFASpec((0,) * 4, (0.1,) * 4, (0, 0, 5, 0, 0)))
     with pytest.raises(ValueError, match="len"):
         OFASpec((0,) * 4, (0.1,) * 3, (0,) * 5)
+    with pytest.raises(ConfigError, match="max_extra_blocks"):
+        build_model("ofa_resnet", 10, SHAPE, max_extra_blocks=(1, 2))
 
 
 # -- extraction ------------------------------------------------------------------------------
@@ -203,6 +206,9 @@ def test_routed_module_holds_exactly_the_routed_parameters(small):
         assert numel == routed.payload_numel() == routed_param_count(small, group)
         assert numel < full_param_count(small)
         assert set(routed.regions) == set(routed.module.state_dict())
+        # Copies, not views of the global tensors: local training must not touch the server.
+        shared = {t.untyped_storage().data_ptr() for t in small.state_dict().values()}
+        assert not shared & {t.untyped_storage().data_ptr() for t in routed.module.state_dict().values()}
     whole = route_envelope(small, [small.max_spec()])
     assert routed_param_count(small, [small.max_spec()]) == full_param_count(small)
     assert all(region.covers_all() for _, region in whole.regions.values())

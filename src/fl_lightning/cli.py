@@ -8,9 +8,10 @@ prints a complete runnable config. Config errors end with one line naming the ke
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from jsonargparse import ArgumentParser, lazy_instance, set_parsing_settings
 
@@ -73,23 +74,35 @@ def evaluate(
     """
 
 
-def partition(
-    data: DataConfig = DataConfig(),
-    partition: PartitionConfig = PartitionConfig(),
-    seed: int = 0,
-    out: Optional[str] = None,
-):
+def partition(out: Optional[str] = None):
     """Print and save a partition's per-client sizes, label histograms and TV distances.
 
+    Takes the same experiment config as ``fit`` (only data, partition and seed matter).
+
     Args:
-        data: dataset and server-held splits.
-        partition: partition to build.
-        seed: partition seed.
-        out: directory for partition.json and partition.png (default: runs/partition-<method>).
+        out: directory for partition.json and partition.png (default: <out_dir>/<name>-partition).
     """
 
 
-COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition}
+def models(
+    model: ModelConfig = ModelConfig(),
+    data: DataConfig = DataConfig(),
+    widths: List[float] = [0.0625, 0.125, 0.25, 0.5, 0.75, 1.0],
+    num_classes: Optional[int] = None,
+    input_shape: Optional[List[int]] = None,
+):
+    """Print parameters and MACs (fvcore, one multiply-add = one MAC) per width tier.
+
+    Args:
+        model: architecture to inspect.
+        data: dataset that fixes classes and input shape (unless both are given below).
+        widths: uniform width multipliers to list.
+        num_classes: classes of the head (default: the dataset's).
+        input_shape: one example's shape, e.g. [3, 32, 32] (default: the dataset's).
+    """
+
+
+COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition, "models": models}
 
 
 def build_parser() -> ArgumentParser:
@@ -100,6 +113,8 @@ def build_parser() -> ArgumentParser:
     for name, function in COMMANDS.items():
         sub = ArgumentParser(exit_on_error=False)
         sub.add_argument("--config", action="config", help="YAML config file")
+        if name == "partition":  # reads a fit config as it is
+            sub.add_function_arguments(fit, as_group=False)
         sub.add_function_arguments(function, as_group=False)
         subcommands.add_subcommand(name, sub, help=function.__doc__.splitlines()[0])
         parser.subcommand_parsers[name] = sub
@@ -113,7 +128,9 @@ def main(argv: Optional[list] = None) -> int:
         cfg = parser.parse_args(argv)
         command = cfg.command
         args = parser.instantiate(cfg)[command]
-        resolved = parser.subcommand_parsers[command].dump(cfg[command], skip_none=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # skip_none's deprecation; unset keys must still print
+            resolved = parser.subcommand_parsers[command].dump(cfg[command], skip_none=False)
         from fl_lightning.commands import COMMANDS as RUNNERS
 
         RUNNERS[command](args, resolved)

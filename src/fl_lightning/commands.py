@@ -69,12 +69,11 @@ def partition_command(args, config_yaml: str) -> dict:
     from fl_lightning.data.federated import build_federated_data
 
     _check_data(args.data, args.partition)
-    if args.data.val_size < 0 or args.data.calib_size < 0:
-        raise ConfigError("data.val_size", "must be >= 0")
+    validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
     fed = build_federated_data(args.data, args.partition, args.seed)
     targets = fed.bundle.train_targets
     report = partition_report(fed.clients, targets, fed.bundle.num_classes)
-    out = Path(args.out or f"runs/partition-{args.partition.method}")
+    out = Path(args.out or Path(args.out_dir) / f"{args.name}-partition")
     out.mkdir(parents=True, exist_ok=True)
     save_report(report, out)
     (out / "config.yaml").write_text(config_yaml)
@@ -83,4 +82,35 @@ def partition_command(args, config_yaml: str) -> dict:
     return report
 
 
-COMMANDS = {"fit": fit_command, "evaluate": evaluate_command, "partition": partition_command}
+def models_command(args, config_yaml: str) -> list:
+    """Parameters and MACs of an architecture's width tiers."""
+    from fl_lightning.elastic.macs import format_model_table, model_table
+    from fl_lightning.elastic.models import build_model
+    from fl_lightning.elastic.specs import WidthSpec
+
+    _check_model(args.model)
+    if args.num_classes is None or args.input_shape is None:
+        check_dataset(args.data.name, args.data.root, args.data.download, **args.data.options)
+        from fl_lightning.data.datasets import load_dataset
+
+        bundle = load_dataset(args.data.name, root=args.data.root, download=args.data.download, **args.data.options)
+        num_classes = args.num_classes or bundle.num_classes
+        input_shape = tuple(args.input_shape or bundle.input_shape)
+    else:
+        num_classes, input_shape = args.num_classes, tuple(args.input_shape)
+    for w in args.widths:
+        if not 0 < w <= 1:
+            raise ConfigError("widths", f"every width must be in (0, 1], got {w}")
+    model = build_model(args.model.name, num_classes, input_shape, **args.model.kwargs)
+    top = model.max_spec()
+    if not isinstance(top, WidthSpec):
+        raise ConfigError("model.name", f"{args.model.name} has no width tiers to list")
+    specs = [WidthSpec.uniform(w, len(top.widths)) for w in sorted(args.widths)]
+    rows = model_table(model, specs, input_shape)
+    print(f"{args.model.name}: {num_classes} classes, input {list(input_shape)}")
+    print(format_model_table(rows))
+    return rows
+
+
+COMMANDS = {"fit": fit_command, "evaluate": evaluate_command, "partition": partition_command,
+            "models": models_command}

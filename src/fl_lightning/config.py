@@ -103,6 +103,9 @@ class EvalConfig:
     """Evaluate every this many rounds (and after the last round)."""
     batch_size: int = 512
     """Evaluation batch size."""
+    test: str = "every"
+    """When to score the test set: every (at each evaluation, for curves; it never selects) or
+    final (once, at the end, on the best-validation and the last model)."""
 
 
 @dataclass
@@ -147,6 +150,7 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
         ("train.lr_decay", 0 < train.lr_decay <= 1, "must be in (0, 1]"),
         ("eval.every", evaluation.every >= 1, "must be >= 1"),
         ("eval.batch_size", evaluation.batch_size >= 1, "must be >= 1"),
+        ("eval.test", evaluation.test in ("every", "final"), "must be every or final"),
         ("data.val_size", data.val_size >= 0, "must be >= 0"),
         ("data.calib_size", data.calib_size >= 0, "must be >= 0"),
         ("fabric.devices", fabric.devices >= 1, "must be >= 1"),

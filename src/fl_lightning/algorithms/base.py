@@ -20,6 +20,7 @@ from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
 from fl_lightning.federation.client_store import ClientStateStore
+from fl_lightning.federation.evaluation import evaluate
 from fl_lightning.federation.local_training import ClientResult
 from fl_lightning.modules.supervised import SupervisedClient
 
@@ -84,12 +85,27 @@ class Algorithm:
         """Extra per-round sums to all-reduce across ranks (besides the accumulators)."""
         return {}
 
+    def round_metrics(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Extra per-round figures for the metrics file and TensorBoard (from the reduced sums)."""
+        return {}
+
     def finish_round(self, new_state: Dict[str, torch.Tensor], sums: Dict[str, torch.Tensor],
                      cohort: List[int], owned: List[int]) -> None:
         """Apply the aggregated tensors to the global model."""
         with torch.no_grad():
             for key, value in new_state.items():
                 self.global_state[key].copy_(value)
+
+    def evaluate(self, fabric, split: str, batch_size: int) -> Dict[str, float]:
+        """Metrics of the global model on a server split ('val' or 'test'); ``acc`` is the
+        figure that selects checkpoints on 'val'."""
+        data = self.ctx.extras["data"]
+        dataset, indices = data.split(split)
+        return evaluate(fabric, self.ctx.model, dataset, indices, data.bundle.num_classes, batch_size)
+
+    def report(self, summary: dict) -> str:
+        """Text printed at the end of a run (tables of the final evaluation); empty by default."""
+        return ""
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Server state beyond the global model (empty for FedAvg)."""

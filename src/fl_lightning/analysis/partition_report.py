@@ -109,6 +109,7 @@ def _plot(report: Dict, path: Path) -> None:
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     counts = np.asarray(report["label_counts"], dtype=np.float64).reshape(report["num_clients"], -1)
     n_clients, n_classes = counts.shape
@@ -135,6 +136,7 @@ def _plot(report: Dict, path: Path) -> None:
         ax_size.barh(y, counts.sum(axis=1), height=0.85, color="tab:gray")
         ax_size.set_xlabel("examples")
     ax.set_ylabel("client")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(-0.5, n_clients - 0.5)
     s = report["summary"]
     mean_tv = "n/a" if s["mean_tv"] is None else f"{s['mean_tv']:.3f}"

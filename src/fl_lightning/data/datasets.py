@@ -74,7 +74,8 @@ def check_dataset(name: str, root: str = "data", download: bool = False, **optio
     _CHECKS[name](str(root), bool(download), **options)
 
 
-def load_dataset(name: str, root: str = "data", download: bool = False, augment: bool = True, **options) -> DatasetBundle:
+def load_dataset(name: str, root: str = "data", download: bool = False, augment: bool = True,
+                 **options) -> DatasetBundle:
     """Load dataset ``name`` from ``root`` (see ``docs/datasets.md`` for the layouts).
 
     ``download`` fetches it first where torchvision can (CIFAR, EMNIST); ``augment=False``
@@ -116,7 +117,7 @@ def _bundle(name, train, train_eval, test, num_classes, input_shape, **fields) -
                          num_classes=num_classes, input_shape=tuple(input_shape), **fields)
 
 
-def _positive_int(key: str, value, minimum: int = 1) -> int:
+def _int_at_least(key: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"data.options.{key}", f"must be an integer >= {minimum}, got {value!r}")
     return int(value)
@@ -162,7 +163,8 @@ def per_class_tail_split(targets: torch.Tensor, test_fraction: float):
 
 
 @register("digits", _check_digits)
-def load_digits(root: str = "data", download: bool = False, augment: bool = True, *, test_fraction: float = 0.2) -> DatasetBundle:
+def load_digits(root: str = "data", download: bool = False, augment: bool = True, *,
+                test_fraction: float = 0.2) -> DatasetBundle:
     """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes), offline.
 
     The last ``test_fraction`` of each class (in the file's order) is the test set. Pixels
@@ -184,16 +186,16 @@ def load_digits(root: str = "data", download: bool = False, augment: bool = True
 
 def _check_synthetic(root, download, *, num_classes=10, image_size=32, channels=3, num_train=5000,
                      num_test=1000, seed=0, noise=1.0, max_shift=None):
-    _positive_int("num_classes", num_classes, 2)
-    _positive_int("image_size", image_size, 4)
-    _positive_int("channels", channels, 1)
-    _positive_int("num_train", num_train, 1)
-    _positive_int("num_test", num_test, 1)
-    _positive_int("seed", seed, 0)
+    _int_at_least("num_classes", num_classes, 2)
+    _int_at_least("image_size", image_size, 4)
+    _int_at_least("channels", channels, 1)
+    _int_at_least("num_train", num_train, 1)
+    _int_at_least("num_test", num_test, 1)
+    _int_at_least("seed", seed, 0)
     if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
         raise ConfigError("data.options.noise", f"must be a number >= 0, got {noise!r}")
     if max_shift is not None:
-        _positive_int("max_shift", max_shift, 0)
+        _int_at_least("max_shift", max_shift, 0)
 
 
 _SYNTHETIC_BACKGROUNDS = 32
@@ -232,12 +234,14 @@ def synthetic_prototypes(num_classes: int, channels: int, size: int, seed: int) 
 
 
 def _shifted(patterns: torch.Tensor, which: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """``patterns[which[i]]`` circularly shifted by ``shifts[i] = (dy, dx)``, in one gather."""
-    n, (_, channels, size, _) = len(which), patterns.shape
-    rows = (torch.arange(size).view(1, size) - shifts[:, :1]) % size
-    cols = (torch.arange(size).view(1, size) - shifts[:, 1:]) % size
-    return patterns[which.view(n, 1, 1, 1), torch.arange(channels).view(1, channels, 1, 1),
-                    rows.view(n, 1, size, 1), cols.view(n, 1, 1, size)]
+    """``patterns[which[i]]`` circularly shifted by ``shifts[i] = (dy, dx)``.
+
+    Every shift of a pattern is a window of the pattern tiled 2x2, so one indexing of the
+    (uncopied) window view gathers all examples at once.
+    """
+    _, _, h, w = patterns.shape
+    windows = patterns.repeat(1, 1, 2, 2).unfold(2, h, 1).unfold(3, w, 1)  # [K, C, h+1, w+1, h, w]
+    return windows[which, :, (-shifts[:, 0]) % h, (-shifts[:, 1]) % w]
 
 
 def synthetic_examples(protos: torch.Tensor, backgrounds: torch.Tensor, n: int, generator: torch.Generator,
@@ -312,7 +316,8 @@ def _check_cifar(name: str):
         base, files, title = _CIFAR[name]
         found = _cifar_root(name, root)
         if found is None or not all(os.path.isfile(os.path.join(found, base, f)) for f in files):
-            layout = f"{root}/{base}/{{{','.join(files)}}} (the python version from https://www.cs.toronto.edu/~kriz/cifar.html)"
+            layout = (f"{root}/{base}/{{{','.join(files)}}} "
+                      "(the python version from https://www.cs.toronto.edu/~kriz/cifar.html)")
             raise _missing(root, title, layout, downloadable=True)
 
     return check
@@ -498,7 +503,8 @@ def _folder_bundle(name, parts: dict, stats, crop, padding, augment, in_memory, 
     test = sets.pop("test")
     extras = dict(fields.pop("extras", {}))
     extras.update(sets)
-    return _bundle(name, train, train.with_transform(eval_tf), test, num_classes, (3, crop, crop), extras=extras, **fields)
+    return _bundle(name, train, train.with_transform(eval_tf), test, num_classes, (3, crop, crop),
+                   extras=extras, **fields)
 
 
 def _cinic_base(root: str) -> Optional[str]:
@@ -511,11 +517,13 @@ def _cinic_base(root: str) -> Optional[str]:
 
 def _check_cinic10(root, download, *, in_memory=False):
     if _cinic_base(root) is None:
-        raise _missing(root, "CINIC-10", f"{root}/cinic10/{{train,valid,test}}/<class>/*.png (or {root} itself holding train, valid, test)")
+        raise _missing(root, "CINIC-10", f"{root}/cinic10/{{train,valid,test}}/<class>/*.png "
+                       f"(or {root} itself holding train, valid, test)")
 
 
 @register("cinic10", _check_cinic10)
-def load_cinic10(root: str = "data", download: bool = False, augment: bool = True, *, in_memory: bool = False) -> DatasetBundle:
+def load_cinic10(root: str = "data", download: bool = False, augment: bool = True, *,
+                 in_memory: bool = False) -> DatasetBundle:
     """CINIC-10 from its folder layout; the ``valid`` split is ``bundle.extras["valid"]``.
 
     Classes are the sorted folder names of ``train``. Transforms as for CIFAR-10 (crop with
@@ -523,7 +531,8 @@ def load_cinic10(root: str = "data", download: bool = False, augment: bool = Tru
     transform. ``in_memory`` decodes every image once up front instead of on access.
     """
     base = _cinic_base(root)
-    classes = sorted(d for d in os.listdir(os.path.join(base, "train")) if os.path.isdir(os.path.join(base, "train", d)))
+    train_dir = os.path.join(base, "train")
+    classes = sorted(d for d in os.listdir(train_dir) if os.path.isdir(os.path.join(train_dir, d)))
     parts = {split: scan_class_folders(os.path.join(base, split), classes) for split in ("train", "valid", "test")}
     return _folder_bundle("cinic10", parts, CINIC10_STATS, 32, 4, augment, in_memory, len(classes), None,
                           extras={"classes": classes})
@@ -542,7 +551,8 @@ def _check_tinyimagenet(root, download, *, in_memory=False):
 
 
 @register("tinyimagenet", _check_tinyimagenet)
-def load_tinyimagenet(root: str = "data", download: bool = False, augment: bool = True, *, in_memory: bool = False) -> DatasetBundle:
+def load_tinyimagenet(root: str = "data", download: bool = False, augment: bool = True, *,
+                      in_memory: bool = False) -> DatasetBundle:
     """TinyImageNet-200: 100,000 training images, the 10,000 labelled ``val`` images as test.
 
     Classes are the sorted wnids of ``wnids.txt``; ``val/val_annotations.txt`` (tab-separated
@@ -585,12 +595,13 @@ def domainnet_domains(base: str) -> list[str]:
 
 
 def _check_domainnet(root, download, *, domains=None, image_size=64, classes=None, in_memory=False):
-    _positive_int("image_size", image_size, 8)
+    _int_at_least("image_size", image_size, 8)
     base = _domainnet_base(root)
     found = domainnet_domains(base) if base else []
     if not found:
         raise _missing(root, "DomainNet", f"{root}/domainnet/<domain>/<class>/*.jpg with the split files "
-                       f"{root}/domainnet/<domain>_train.txt and <domain>_test.txt (lines 'domain/class/file.jpg label')")
+                       f"{root}/domainnet/<domain>_train.txt and <domain>_test.txt "
+                       "(lines 'domain/class/file.jpg label')")
     if domains is not None:
         if isinstance(domains, str) or not domains:
             raise ConfigError("data.options.domains", "must be a non-empty list of domain names or null")
@@ -644,4 +655,4 @@ def load_domainnet(root: str = "data", download: bool = False, augment: bool = T
                           extras={"test_groups": groups["test"], "classes": list(classes) if classes else None})
 
 
-register("shakespeare", lambda root, download, **options: check_shakespeare(root, download, **options))(load_shakespeare)
+register("shakespeare", check_shakespeare)(load_shakespeare)

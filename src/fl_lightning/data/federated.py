@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
+from torch.utils.data import Dataset
 
 from fl_lightning.config import DataConfig, PartitionConfig
 from fl_lightning.data.base import DatasetBundle
@@ -30,6 +31,15 @@ class FederatedData:
     val: torch.Tensor
     calib: torch.Tensor
     budgets: Optional[torch.Tensor]
+    server: Optional[Dataset] = None
+    """Dataset that ``val`` and ``calib`` index (default: the training pool, unaugmented)."""
+
+    def split(self, name: str) -> Tuple[Dataset, Optional[torch.Tensor]]:
+        """(dataset, indices) of a server-side split: 'test', 'val' or 'calib'."""
+        if name == "test":
+            return self.bundle.test, None
+        server = self.server if self.server is not None else self.bundle.train_eval
+        return server, {"val": self.val, "calib": self.calib}[name]
 
     def state_dict(self) -> dict:
         """The partition as saved with a run (a pure function of config and seed)."""

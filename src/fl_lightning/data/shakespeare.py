@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -28,7 +27,7 @@ import torch
 from ..errors import ConfigError
 from .base import ArrayDataset, DatasetBundle
 
-# LEAF's models/shakespeare/language_utils.py: ALL_LETTERS; a character's class is its index.
+# LEAF's language_utils.py ALL_LETTERS; a character's class is its index in this string.
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 NUM_LETTERS = len(ALL_LETTERS)  # 80
 # The 95 printable ASCII characters (space to tilde), the vocabulary size HAS-FL reports.
@@ -140,7 +139,7 @@ def _speaker(line: str) -> Optional[str]:
 
 
 def role_key(name: str) -> str:
-    """A name as LEAF spells users: upper case, each run of other characters one underscore."""
+    """A name as a user key: upper case, each run of other characters one underscore."""
     return re.sub(r"[\W_]+", "_", name.upper()).strip("_")
 
 
@@ -152,7 +151,7 @@ def parse_play(text: str, name: str = "PLAY") -> ParsedPlay:
     ``MRS. PAGE.``), optionally followed by a bracketed direction; its lines run until the
     next speaker or heading. A speech resumes after a stage direction (``[Exeunt ...]``),
     so lines after one stay with the current speaker. Stage directions in square brackets
-    (also over several lines, and the odd ``{`` typo for ``[``) are removed; act and scene
+    (also over several lines, and the odd brace typed for a bracket) are removed; act and scene
     headings end the current speech. Poems have no headings and give no roles.
     """
     roles: dict[str, list[str]] = {}
@@ -160,10 +159,13 @@ def parse_play(text: str, name: str = "PLAY") -> ParsedPlay:
     speaker: Optional[str] = None
     in_direction = False
     prev_blank = True
-    for raw in text.replace("\r\n", "\n").replace("{", "[").split("\n"):
+    # Braces only occur as typos for square brackets ("{Aside.]", "[Exeunt.}").
+    text = text.replace("\r\n", "\n").replace("{", "[").replace("}", "]")
+    for raw in text.split("\n"):
         line = raw.strip()
-        if in_direction:
-            # Inside a multi-line direction: skip to its closing bracket.
+        if in_direction and line:
+            # Inside a multi-line direction: skip to its closing bracket (a blank line also
+            # ends it, so that an unclosed bracket cannot swallow the rest of the play).
             if "]" not in line:
                 prev_blank = False
                 continue
@@ -173,7 +175,7 @@ def parse_play(text: str, name: str = "PLAY") -> ParsedPlay:
                 prev_blank = False
                 continue
         if not line:
-            prev_blank = True
+            prev_blank, in_direction = True, False
             continue
         after_blank, prev_blank = prev_blank, False
         if after_blank and _HEADING_RE.match(line):
@@ -265,7 +267,8 @@ def _read_leaf_split(leaf_dir: str, split: str) -> dict[str, dict]:
 
 def _encode_leaf(xs: Sequence[str], ys: Sequence[str], vocabulary: str, seq_length: int, where: str):
     if any(len(s) != seq_length for s in xs):
-        raise ConfigError("data.options.seq_length", f"LEAF JSON in {where} holds windows that are not {seq_length} characters long")
+        raise ConfigError("data.options.seq_length",
+                          f"LEAF JSON in {where} holds windows that are not {seq_length} characters long")
     x = encode("".join(xs), vocabulary).view(len(xs), seq_length)
     y = encode("".join(ys), vocabulary)
     if len(y) != len(xs):
@@ -309,6 +312,15 @@ def _concat(parts: list, seq_length: int):
     return x, y, groups
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"data.options.{key}", f"must be an integer >= {minimum}, got {value!r}")
+
+
 def resolve_source(root: str, source: str = "auto", plays_dir: Optional[str] = None):
     """``("leaf", dir)`` or ``("plays", dir)``: where the Shakespeare data is read from."""
     leaf_dir = os.path.join(root, "shakespeare", "data")
@@ -328,26 +340,26 @@ def check_shakespeare(root: str = "data", download: bool = False, *, source: str
         raise ConfigError("data.options.source", f"must be one of {', '.join(SOURCES)}, got {source!r}")
     if vocabulary not in VOCABULARIES:
         raise ConfigError("data.options.vocabulary", f"must be one of {', '.join(VOCABULARIES)}, got {vocabulary!r}")
-    if not 0.0 < float(test_fraction) < 1.0:
-        raise ConfigError("data.options.test_fraction", f"must be in (0, 1), got {test_fraction}")
-    if int(min_samples_per_role) < 0:
-        raise ConfigError("data.options.min_samples_per_role", f"must be >= 0, got {min_samples_per_role}")
-    if max_roles is not None and int(max_roles) < 1:
-        raise ConfigError("data.options.max_roles", f"must be >= 1 or null, got {max_roles}")
-    if int(seq_length) < 1:
-        raise ConfigError("data.options.seq_length", f"must be >= 1, got {seq_length}")
+    if not _is_number(test_fraction) or not 0.0 < test_fraction < 1.0:
+        raise ConfigError("data.options.test_fraction", f"must be a number in (0, 1), got {test_fraction!r}")
+    _check_int("min_samples_per_role", min_samples_per_role, 0)
+    if max_roles is not None:
+        _check_int("max_roles", max_roles, 1)
+    _check_int("seq_length", seq_length, 1)
     kind, where = resolve_source(root, source, plays_dir)
     if kind == "leaf":
         if not _leaf_files(where, "train"):
             raise ConfigError("data.root", f"no LEAF Shakespeare JSON under '{where}': expected "
                               f"{where}/train/*.json and {where}/test/*.json (LEAF's preprocess.sh output)")
         if int(seq_length) != SEQ_LENGTH:
-            raise ConfigError("data.options.seq_length", f"LEAF JSON windows are {SEQ_LENGTH} characters; use source: plays for other lengths")
+            raise ConfigError("data.options.seq_length",
+                              f"LEAF JSON windows are {SEQ_LENGTH} characters; use source: plays for other lengths")
         return
     if not os.path.isdir(where) or not play_files(where):
         raise ConfigError("data.root", f"no Shakespeare data under '{root}': expected LEAF JSON at "
                           f"{root}/shakespeare/data/{{train,test}}/*.json or plain-text plays at "
-                          f"{where}/<play>.txt (one Project Gutenberg text per play); it cannot be downloaded here")
+                          f"{where}/<play>.txt (one Project Gutenberg text per play); "
+                          "it cannot be downloaded automatically")
     if plays is not None:
         if isinstance(plays, str):
             raise ConfigError("data.options.plays", "must be a list of play names, not a string")
@@ -385,7 +397,9 @@ def load_shakespeare(root: str = "data", download: bool = False, augment: bool =
     roles = _largest(roles, max_roles)
     if not roles:
         raise ConfigError("data.options.min_samples_per_role",
-                          f"no role in '{where}' has {min_samples_per_role} or more windows with both a training and a test part")
+                          f"no role in '{where}' has {min_samples_per_role} or more windows and text enough for "
+                          f"both a training and a test part (test windows start {seq_length - 1} "
+                          "after the last training one)")
     train_x, train_y, groups = _concat([(r.train_x, r.train_y) for r in roles], seq_length)
     test_x, test_y, test_groups = _concat([(r.test_x, r.test_y) for r in roles], seq_length)
     train = ArrayDataset(train_x, train_y)

@@ -18,9 +18,12 @@ from collections import OrderedDict
 from typing import Any, Hashable, Iterable, Sequence
 
 import torch
-from fvcore.nn import FlopCountAnalysis
-from fvcore.nn.jit_handles import get_shape
 from torch import nn
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)  # fvcore's import touches deprecated torch.jit APIs
+    from fvcore.nn import FlopCountAnalysis
+    from fvcore.nn.jit_handles import get_shape
 
 
 def _prod(shape: Sequence[int]) -> int:

@@ -28,21 +28,29 @@ def train_client(fabric, module: L.LightningModule, data: ClientData, cfg: Local
     The module's ``configure_optimizers`` builds the optimizer; precision handling (autocast,
     loss scaling) comes from Fabric's precision plugin; ``on_before_optimizer_step`` lets a
     module correct gradients (SCAFFOLD) after clipping, as a Trainer would call it.
+
+    A module with ``automatic_optimization = False`` backpropagates inside ``training_step``
+    (several passes per batch, each through ``self.manual_backward``) and returns the loss
+    to report; the loop still zeroes, clips and steps once per batch.
     """
     start = time.perf_counter()
     precision = fabric.strategy.precision
     optimizer = module.configure_optimizers()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     module.train()
+    manual = not module.automatic_optimization
+    if manual:
+        module._fabric = fabric  # routes manual_backward through Fabric's precision plugin
     batches = data.steps(cfg.steps, generator) if cfg.steps else (
         b for _ in range(cfg.epochs) for b in data.epoch(generator))
     total = torch.zeros((), device=params[0].device)
     steps = 0
     for steps, batch in enumerate(batches, start=1):
+        optimizer.zero_grad(set_to_none=True)
         with precision.forward_context():
             loss = module.training_step(batch, steps - 1)
-        optimizer.zero_grad(set_to_none=True)
-        precision.backward(loss, module)
+        if not manual:
+            precision.backward(loss, module)
         if cfg.grad_clip is not None:
             precision.unscale_gradients(optimizer)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

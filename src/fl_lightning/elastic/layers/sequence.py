@@ -210,11 +210,11 @@ class ElasticLSTM(nn.LSTM):
         out = {}
         for layer in range(self.num_layers):
             in_ = input_size if layer == 0 else hidden_size
-            shapes = {f"weight_ih_l{layer}": (4 * hidden_size, in_),
-                      f"weight_hh_l{layer}": (4 * hidden_size, hidden_size)}
+            shapes = {f"weight_ih_l{layer}": (LSTM_GATES * hidden_size, in_),
+                      f"weight_hh_l{layer}": (LSTM_GATES * hidden_size, hidden_size)}
             if self.bias:
-                shapes[f"bias_ih_l{layer}"] = (4 * hidden_size,)
-                shapes[f"bias_hh_l{layer}"] = (4 * hidden_size,)
+                shapes[f"bias_ih_l{layer}"] = (LSTM_GATES * hidden_size,)
+                shapes[f"bias_hh_l{layer}"] = (LSTM_GATES * hidden_size,)
             for name, local_shape in shapes.items():
                 out[name] = GateBlockSlice(getattr(self, name).shape, local_shape, LSTM_GATES)
         return out

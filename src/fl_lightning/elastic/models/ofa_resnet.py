@@ -35,6 +35,7 @@ from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit
 from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
+from fl_lightning.errors import ConfigError
 
 EXPANSION_CHOICES = (0.10, 0.14, 0.18, 0.22, 0.25)
 WIDTH_MULTIPLIERS = tuple(round(0.1 * (i + 1), 1) for i in range(10))
@@ -393,20 +394,25 @@ def _leading_only(kind: str) -> None:
 
 
 def _check_arch(arch: dict) -> None:
-    """Fail early, naming the argument, on inconsistent architecture options."""
+    """Fail early, naming the option, on inconsistent architecture options."""
+    def bad(key: str, problem: str) -> ConfigError:
+        return ConfigError(f"model.kwargs.{key}", problem)
+
     stages = len(arch["stage_channels"])
     if stages < 1:
-        raise ValueError("stage_channels: need at least one stage")
+        raise bad("stage_channels", "need at least one stage")
     if len(arch["max_extra_blocks"]) != stages or min(arch["max_extra_blocks"]) < 0:
-        raise ValueError(f"max_extra_blocks: need {stages} values >= 0, got {arch['max_extra_blocks']}")
+        raise bad("max_extra_blocks", f"need {stages} values >= 0, got {arch['max_extra_blocks']}")
     if len(arch["stage_strides"]) != stages:
-        raise ValueError(f"stage_strides: need {stages} values, got {arch['stage_strides']}")
+        raise bad("stage_strides", f"need {stages} values, got {arch['stage_strides']}")
     widths = arch["max_width_index"]
     if len(widths) != stages + 1 or any(not 0 <= w < len(arch["width_multipliers"]) for w in widths):
-        raise ValueError(f"max_width_index: need {stages + 1} indexes into width_multipliers, got {widths}")
+        raise bad("max_width_index", f"need {stages + 1} indexes into width_multipliers, got {widths}")
     if not arch["expansions"] or not all(0 < e <= 1 for e in arch["expansions"]):
-        raise ValueError(f"expansions: need ratios in (0, 1], got {arch['expansions']}")
+        raise bad("expansions", f"need ratios in (0, 1], got {arch['expansions']}")
     if not arch["width_multipliers"] or not all(0 < m <= 1 for m in arch["width_multipliers"]):
-        raise ValueError(f"width_multipliers: need values in (0, 1], got {arch['width_multipliers']}")
-    if arch["width_scale"] <= 0 or arch["divisor"] < 1:
-        raise ValueError("width_scale must be > 0 and divisor >= 1")
+        raise bad("width_multipliers", f"need values in (0, 1], got {arch['width_multipliers']}")
+    if arch["width_scale"] <= 0:
+        raise bad("width_scale", f"must be > 0, got {arch['width_scale']}")
+    if arch["divisor"] < 1:
+        raise bad("divisor", f"must be >= 1, got {arch['divisor']}")
