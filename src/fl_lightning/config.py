@@ -8,7 +8,7 @@ resolved configuration is saved next to each run. ``validate`` checks what types
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from fl_lightning.errors import ConfigError
 
@@ -25,10 +25,17 @@ class DataConfig:
     """Apply the dataset's training augmentation (random crop and flip for images)."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Dataset-specific options, e.g. ``{num_classes: 10, image_size: 32}`` for synthetic."""
+    randaugment: Optional[List[int]] = None
+    """RandAugment [num_ops, magnitude] ahead of the training transform, e.g. [2, 6] (FEAST);
+    uint8 image datasets only."""
+    server_source: str = "train"
+    """Where the server-held validation and calibration splits come from: train (carved out of
+    the training pool before partitioning) or valid (the dataset's separate validation split,
+    e.g. CINIC-10's valid/, so every training example goes to clients)."""
     val_size: int = 0
-    """Training examples held by the server for validation and checkpoint selection."""
+    """Server-held examples for validation and checkpoint selection."""
     calib_size: int = 0
-    """Training examples held by the server for batch-norm recalibration."""
+    """Server-held examples for batch-norm recalibration."""
 
 
 @dataclass
@@ -51,6 +58,9 @@ class PartitionConfig:
     """Number of clients N."""
     alpha: float = 0.3
     """Dirichlet concentration (alpha_data for gamma_dirichlet)."""
+    alpha_eff: Optional[float] = None
+    """If set, alpha (alpha_data) is chosen so that alpha_eff = alpha_data N_train / (K N)
+    (FEAST Supp. Eq. 8; the paper matches alpha_eff = 0.45 across datasets)."""
     gamma: float = 1.0
     """gamma_dirichlet: expected data share proportional to min(budget, b_cap)^gamma."""
     min_size: int = 10
@@ -134,6 +144,7 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
         ("partition.num_clients", partition.num_clients >= 1, "must be >= 1"),
         ("partition.alpha", partition.alpha > 0, "must be > 0"),
         ("partition.gamma", partition.gamma >= 0, "must be >= 0"),
+        ("partition.alpha_eff", partition.alpha_eff is None or partition.alpha_eff > 0, "must be > 0 or null"),
         ("partition.min_size", partition.min_size >= 0, "must be >= 0"),
         ("federation.rounds", federation.rounds >= 1, "must be >= 1"),
         ("federation.clients_per_round", federation.clients_per_round >= 1, "must be >= 1"),
@@ -152,6 +163,10 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
         ("eval.batch_size", evaluation.batch_size >= 1, "must be >= 1"),
         ("eval.test", evaluation.test in ("every", "final"), "must be every or final"),
         ("data.val_size", data.val_size >= 0, "must be >= 0"),
+        ("data.server_source", data.server_source in ("train", "valid"), "must be train or valid"),
+        ("data.randaugment", data.randaugment is None or (len(data.randaugment) == 2 and data.randaugment[0] >= 1
+                                                          and 0 <= data.randaugment[1] <= 30),
+         "must be [num_ops >= 1, magnitude in 0..30]"),
         ("data.calib_size", data.calib_size >= 0, "must be >= 0"),
         ("fabric.devices", fabric.devices >= 1, "must be >= 1"),
         ("fabric.num_nodes", fabric.num_nodes >= 1, "must be >= 1"),

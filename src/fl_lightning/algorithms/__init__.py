@@ -2,6 +2,7 @@
 
 from fl_lightning.algorithms.base import Algorithm, FedAvg, RunContext
 from fl_lightning.algorithms.fedprox import FedProx
+from fl_lightning.algorithms.feast import CacheSearch, Feast
 from fl_lightning.algorithms.scaffold import Scaffold
 
-__all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "RunContext"]
+__all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext"]

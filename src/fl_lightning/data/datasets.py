@@ -649,7 +649,8 @@ def load_domainnet(root: str = "data", download: bool = False, augment: bool = T
     parts, groups = {}, {}
     for split, rs in rows.items():
         parts[split] = ([p for _, (p, _, _) in rs], [label for _, (_, _, label) in rs])
-        groups[split] = [[i for i, (d, _) in enumerate(rs) if d == domain] for domain in chosen]
+        domain_of = torch.tensor([chosen.index(d) for d, _ in rs], dtype=torch.long)
+        groups[split] = [torch.nonzero(domain_of == k).flatten() for k in range(len(chosen))]
     return _folder_bundle("domainnet", parts, IMAGENET_STATS, int(image_size), int(image_size) // 8, augment,
                           in_memory, num_classes, int(image_size), groups=groups["train"], group_names=chosen,
                           extras={"test_groups": groups["test"], "classes": list(classes) if classes else None})

@@ -7,13 +7,14 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset
+from torchvision.transforms import v2
 
 from fl_lightning.config import DataConfig, PartitionConfig
 from fl_lightning.data.base import DatasetBundle
 from fl_lightning.data.budgets import zipf_budgets
 from fl_lightning.data.datasets import load_dataset
-from fl_lightning.data.partition import make_partition
-from fl_lightning.data.splits import carve_server_splits
+from fl_lightning.data.partition import alpha_data_for, make_partition
+from fl_lightning.data.splits import carve_server_splits, groups_to_pool, to_dataset_indices
 from fl_lightning.errors import ConfigError
 
 
@@ -56,27 +57,55 @@ def client_budgets(partition: PartitionConfig, seed: int) -> torch.Tensor:
     return zipf_budgets(partition.num_clients, seed, s=b.zipf_s, b_min=b.b_min, b_max=b.b_max)
 
 
+def with_randaugment(dataset: Dataset, num_ops: int, magnitude: int) -> Dataset:
+    """The dataset seen through RandAugment(num_ops, magnitude) and then its own transform."""
+    stored = getattr(dataset, "data", None)
+    if not hasattr(dataset, "with_transform") or (stored is not None and stored.dtype != torch.uint8):
+        raise ConfigError("data.randaugment", "needs a dataset of uint8 images (cifar, cinic10, tinyimagenet, domainnet)")
+    steps = [v2.RandAugment(num_ops=num_ops, magnitude=magnitude)]
+    if dataset.transform is not None:
+        steps.append(dataset.transform)
+    return dataset.with_transform(v2.Compose(steps))
+
+
+def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
+    """(client pool indices, val indices, calib indices, dataset the server splits index)."""
+    if data.server_source == "valid":
+        valid = bundle.extras.get("valid")
+        if valid is None:
+            raise ConfigError("data.server_source", f"{data.name} has no separate validation split")
+        valid_targets = torch.as_tensor(valid.targets, dtype=torch.long)
+        if data.val_size + data.calib_size > len(valid_targets):
+            raise ConfigError("data.val_size", f"val_size + calib_size must be <= {len(valid_targets)} validation examples")
+        rest, val, calib = carve_server_splits(valid_targets, data.val_size, data.calib_size, seed)
+        return torch.arange(len(bundle.train_targets)), val, calib, valid
+    targets = bundle.train_targets
+    if data.val_size + data.calib_size >= len(targets):
+        raise ConfigError("data.val_size", f"val_size + calib_size must be < {len(targets)} training examples")
+    pool, val, calib = carve_server_splits(targets, data.val_size, data.calib_size, seed)
+    return pool, val, calib, None
+
+
 def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int,
                          bundle: Optional[DatasetBundle] = None) -> FederatedData:
     if bundle is None:
         bundle = load_dataset(data.name, root=data.root, download=data.download,
                               augment=data.augment, **data.options)
+    if data.randaugment:
+        bundle.train = with_randaugment(bundle.train, *data.randaugment)
     targets = bundle.train_targets
-    if data.val_size + data.calib_size >= len(targets):
-        raise ConfigError("data.val_size", f"val_size + calib_size must be < {len(targets)} training examples")
-    pool, val, calib = carve_server_splits(targets, data.val_size, data.calib_size, seed)
+    pool, val, calib, server = _server_pool(data, bundle, seed)
     budgets = client_budgets(partition, seed)
     groups = None
     if partition.method == "natural":
         if bundle.groups is None:
             raise ConfigError("partition.method", f"natural needs a dataset with natural groups; {data.name} has none")
-        in_pool = torch.zeros(len(targets), dtype=torch.bool)
-        in_pool[pool] = True
-        position = torch.full((len(targets),), -1, dtype=torch.long)
-        position[pool] = torch.arange(len(pool))
-        groups = [position[torch.as_tensor(g, dtype=torch.long)[in_pool[torch.as_tensor(g, dtype=torch.long)]]] for g in bundle.groups]
+        groups = groups_to_pool(bundle.groups, pool)
+    alpha = partition.alpha
+    if partition.alpha_eff is not None:
+        alpha = alpha_data_for(partition.alpha_eff, len(pool), bundle.num_classes, partition.num_clients)
     shards = make_partition(partition.method, targets[pool], partition.num_clients, seed,
-                            alpha=partition.alpha, gamma=partition.gamma, budgets=budgets,
+                            alpha=alpha, gamma=partition.gamma, budgets=budgets,
                             groups=groups, min_size=partition.min_size, b_cap=partition.budgets.b_cap)
-    clients = [pool[torch.as_tensor(s, dtype=torch.long)] for s in shards]
-    return FederatedData(bundle, clients, val, calib, budgets)
+    clients = to_dataset_indices(shards, pool)
+    return FederatedData(bundle, clients, val, calib, budgets, server)

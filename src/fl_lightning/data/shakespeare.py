@@ -300,12 +300,13 @@ def _largest(roles: list, max_roles: Optional[int]) -> list:
 
 
 def _concat(parts: list, seq_length: int):
-    """Concatenate per-role (x, y) and return the tensors plus each role's index list."""
+    """Concatenate per-role (x, y) and return the tensors plus each role's indices (a
+    LongTensor per role: millions of Python ints would cost seconds and memory)."""
     xs = [p[0] for p in parts]
     ys = [p[1] for p in parts]
     groups, start = [], 0
     for y in ys:
-        groups.append(list(range(start, start + len(y))))
+        groups.append(torch.arange(start, start + len(y)))
         start += len(y)
     x = torch.cat(xs) if xs else torch.empty((0, seq_length), dtype=torch.long)
     y = torch.cat(ys) if ys else torch.empty((0,), dtype=torch.long)

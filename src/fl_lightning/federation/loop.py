@@ -97,7 +97,9 @@ class Federation:
                                            **spec.model.kwargs),
             num_clients=spec.partition.num_clients, client_sizes=[len(c) for c in self.fed.clients],
             train=spec.train, seed=spec.seed, budgets=self.fed.budgets,
-            extras={"data": self.fed, "run_dir": run_dir.path}))
+            extras={"data": self.fed, "run_dir": run_dir.path, "rounds": spec.federation.rounds,
+                    "clients_per_round": spec.federation.clients_per_round,
+                    "resuming": spec.resume_from is not None}))
         self.shards = [ClientData(bundle.train, idx, spec.train.batch_size, fabric.device) for idx in self.fed.clients]
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         if spec.resume_from:

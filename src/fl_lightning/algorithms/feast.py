@@ -1,0 +1,237 @@
+"""FEAST (Khan and Daneshtalab, 2026): federated shared-space training of an elastic ResNet.
+
+Server side of Algorithm 1: each client's affordable set A_i from the fixed variant cache
+(Eq. 3), budget-tailored routing of the envelope over A_i (Eq. 4; a flag turns it off),
+local multi-variant co-training (``modules/feast_client.py``, Algorithm 2) and position-wise
+sample-count-weighted sparse aggregation (Eq. 7). Evaluation recalibrates BN for every
+operating point on the server's calibration split and reports every cached variant and the
+population accuracy under largest-affordable serving (Supp. E.1, Table 1).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.analysis import feast_accounting as accounting
+from fl_lightning.elastic.bn import recalibrate_bn
+from fl_lightning.elastic.envelope import full_param_count, route_envelope
+from fl_lightning.elastic.models.ofa_resnet import OFAResNet
+from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.client_data import eval_batches
+from fl_lightning.federation.evaluation import evaluate
+from fl_lightning.federation.seeding import derive_seed
+from fl_lightning.modules.feast_client import RULES, FeastClient
+from fl_lightning.modules.mixing import AlternatingMixer
+
+INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # seed streams of the random intermediate and of Mixup/CutMix
+
+
+@dataclass
+class CacheSearch:
+    """How the variant cache is built when no cache file is given (Supp. B.1, Table 1)."""
+
+    segments: List[List[float]] = field(default_factory=lambda: [[50e6, 596e6, 50, 0.31], [25e6, 75e6, 6, 0.40]])
+    """[lowest MACs, highest MACs, number of targets, effectiveness ceiling rho_0] per segment."""
+    population: int = 256
+    """Genetic-search population per target."""
+    generations: int = 512
+    """Genetic-search generations per target."""
+    mutation: float = 0.3
+    """Mutation probability."""
+    seed: int = 0
+    """Search seed (the cache is built once, before federation)."""
+
+
+class Feast(Algorithm):
+    """FEAST: min / random-intermediate / local-max co-training with in-place distillation,
+    budget-tailored sub-supernet routing and sparse aggregation."""
+
+    dense = False
+
+    def __init__(self, cache: Optional[str] = None, search: CacheSearch = CacheSearch(), routing: bool = True,
+                 rule: str = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
+                 cutmix_alpha: float = 1.0, mix_schedule: str = "random", calib_batch_size: int = 100,
+                 kappa: float = 3.0):
+        """
+        Args:
+            cache: JSON file of cached variants (architectures and MACs); built by the genetic
+                search below and saved to the run directory when not given.
+            search: genetic-search settings used when no cache file is given.
+            routing: send each client only the envelope of its affordable variants (Eq. 4);
+                false sends the full supernet (same result when every client affords everything).
+            rule: local training rule: full, min_max_kd, min_max, min_only, max_only (Table 2).
+            rho_kd: weight of the distillation term in the student loss (Eq. 9).
+            temperature: distillation temperature (1: no scaling).
+            mixup_alpha: Mixup's Beta parameter (alternates with CutMix; 0 disables).
+            cutmix_alpha: CutMix's Beta parameter (0 disables).
+            mix_schedule: how Mixup and CutMix alternate: random (each batch picks one with
+                probability 1/2, as the authors' DeepFedNAS code does), alternate (even / odd
+                batches), mixup, cutmix, or none.
+            calib_batch_size: batch size of BN recalibration on the server's calibration split.
+            kappa: forward-plus-backward factor of the training-MAC proxy (Eq. 26).
+        """
+        self.cache_path, self.search, self.routing, self.rule = cache, search, routing, rule
+        self.rho_kd, self.temperature = rho_kd, temperature
+        self.mixup_alpha, self.cutmix_alpha, self.mix_schedule = mixup_alpha, cutmix_alpha, mix_schedule
+        self.calib_batch_size, self.kappa = calib_batch_size, kappa
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def check(self, train) -> None:
+        if self.rule not in RULES:
+            raise ConfigError("algorithm.rule", f"must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if not 0 <= self.rho_kd <= 1:
+            raise ConfigError("algorithm.rho_kd", f"must be in [0, 1], got {self.rho_kd}")
+        if self.mix_schedule not in ("random", "alternate", "mixup", "cutmix", "none"):
+            raise ConfigError("algorithm.mix_schedule", "must be random, alternate, mixup, cutmix or none")
+        if self.temperature <= 0:
+            raise ConfigError("algorithm.temperature", "must be > 0")
+        if self.cache_path is not None and not Path(self.cache_path).is_file():
+            raise ConfigError("algorithm.cache", f"no cache file at {self.cache_path}")
+        for i, seg in enumerate(self.search.segments):
+            if len(seg) != 4 or not 0 < seg[0] <= seg[1] or int(seg[2]) < 1:
+                raise ConfigError(f"algorithm.search.segments[{i}]", "must be [low MACs, high MACs, count >= 1, rho_0]")
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        if not isinstance(ctx.model, OFAResNet):
+            raise ConfigError("model.name", "FEAST trains an ofa_resnet supernet")
+        data = ctx.extras["data"]
+        if len(data.calib) == 0:
+            raise ConfigError("data.calib_size", "FEAST recalibrates BN on server-held data; set it > 0")
+        self.input_shape = tuple(data.bundle.input_shape)
+        self.cache = self._load_or_build_cache(ctx)
+        self.sets = accounting.affordable_sets(self.cache, ctx.budgets.tolist())
+        for client, s in enumerate(self.sets):
+            if not s:
+                raise ConfigError("partition.budgets.b_min",
+                                  f"client {client}'s budget {float(ctx.budgets[client]) / 1e6:.1f}M MACs affords no "
+                                  f"cached variant (smallest: {self.cache.macs[0] / 1e6:.1f}M)")
+        self.served = sorted({s[-1] for s in self.sets})
+        self.routed_params = accounting.client_routed_params(ctx.model, self.cache, self.sets)
+        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
+        description = self.describe_population()
+        if ctx.fabric.is_global_zero:
+            print(description)
+            run_dir = Path(ctx.extras["run_dir"])
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "accounting.json").write_text(json.dumps(self.accounting, indent=2))
+
+    def _load_or_build_cache(self, ctx):
+        from fl_lightning.elastic.search.cache import VariantCache, build_cache
+
+        run_dir = Path(ctx.extras["run_dir"])
+        saved = run_dir / "cache.json"
+        if self.cache_path is not None:
+            return VariantCache.load(self.cache_path, ctx.model)
+        if ctx.extras.get("resuming") and saved.is_file():  # a resumed run keeps the cache it started with
+            return VariantCache.load(saved, ctx.model)
+        s = self.search
+        cache = build_cache(ctx.model, self.input_shape, segments=[tuple(seg) for seg in s.segments],
+                            population=s.population, generations=s.generations, mutation=s.mutation, seed=s.seed)
+        if ctx.fabric.is_global_zero:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cache.save(saved)
+        return cache
+
+    def describe_population(self) -> str:
+        ctx = self.ctx
+        summary = accounting.population_summary(self.cache, ctx.budgets.tolist(), ctx.client_sizes, self.routed_params)
+        comm = accounting.communication(full_param_count(ctx.model), self.routed_params)
+        compute = accounting.training_computation(self.cache, self.sets, ctx.client_sizes,
+                                                  ctx.extras.get("rounds", 1), ctx.extras.get("clients_per_round", 1),
+                                                  ctx.train.epochs, self.rule)
+        footprints = accounting.parameter_footprints(ctx.model, self.cache, accounting.default_anchors(self.cache.macs))
+        self.accounting = {"population": summary, "communication": comm, "computation": compute,
+                           "footprints": footprints}
+        head = f"FEAST: {len(self.cache.specs)} cached variants, {self.cache.macs[0] / 1e6:.1f}M-" \
+               f"{self.cache.macs[-1] / 1e6:.1f}M MACs, routing {'on' if self.routing else 'off'}, rule {self.rule}"
+        return head + "\n" + accounting.format_accounting(summary, comm, compute, footprints)
+
+    # -- one client -----------------------------------------------------------------------------
+    def variants_of(self, client: int) -> list:
+        return [self.cache.specs[j] for j in self.sets[client]]
+
+    def route(self, client: int, round_idx: int) -> Routed:
+        if self.routing:
+            return route_envelope(self.ctx.model, self.variants_of(client))
+        if not hasattr(self, "worker"):
+            self.worker = self.ctx.make_model().to(self.ctx.fabric.device)
+            self.worker_regions = full_region_map(self.worker.state_dict())
+        load_routed_state(self.worker, self.global_state, self.worker_regions)
+        return Routed(self.worker, self.worker_regions)
+
+    def client_module(self, routed, client, round_idx, lr):
+        t = self.ctx.train
+        key = (self.ctx.seed, round_idx, client)
+        mixer = None
+        if self.mix_schedule != "none":
+            mixer = AlternatingMixer(self.ctx.extras["data"].bundle.num_classes, self.mixup_alpha, self.cutmix_alpha,
+                                     schedule=self.mix_schedule, generator=_generator(MIXING_STREAM, *key))
+        sets = self.sets[client]
+        return FeastClient(routed.module, lr, t.momentum, t.weight_decay,
+                           variants=[(self.cache.specs[j], self.cache.macs[j]) for j in sets],
+                           global_min=self.cache.specs[self.cache.global_min()], rho_kd=self.rho_kd,
+                           temperature=self.temperature, mixer=mixer, generator=_generator(INTERMEDIATE_STREAM, *key),
+                           rule=self.rule)
+
+    def after_client(self, client, module, routed, result, lr) -> None:
+        self._forward_macs += module.forward_macs()
+
+    def round_tensors(self) -> Dict[str, torch.Tensor]:
+        value = self._forward_macs.clone()
+        self._forward_macs.zero_()
+        return {"feast/forward_macs": value}
+
+    def round_metrics(self, sums) -> Dict[str, float]:
+        return {"train_macs": float(sums["feast/forward_macs"]) * self.kappa}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate_variant(self, fabric, index: int, split: str, batch_size: int) -> Dict[str, float]:
+        """Extract one cached variant, recalibrate its BN on the calibration split (fixed order,
+        no mixing), and score it."""
+        data = self.ctx.extras["data"]
+        subnet = self.ctx.model.extract(self.cache.specs[index]).module.to(fabric.device)
+        calib_set, calib_idx = data.split("calib")
+        recalibrate_bn(subnet, (x for x, _ in eval_batches(calib_set, calib_idx, self.calib_batch_size, fabric.device)))
+        dataset, indices = data.split(split)
+        return evaluate(fabric, subnet, dataset, indices, data.bundle.num_classes, batch_size)
+
+    def evaluate(self, fabric, split: str, batch_size: int) -> Dict[str, float]:
+        """Validation scores the served variants (enough for the population figure that selects
+        checkpoints); the test set scores every cached variant."""
+        indices = self.served if split == "val" else range(len(self.cache.specs))
+        per_variant = {j: self.evaluate_variant(fabric, j, split, batch_size) for j in indices}
+        population = sum(per_variant[s[-1]]["acc"] for s in self.sets) / len(self.sets)
+        out = {"acc": population, "mean_variant_acc": sum(v["acc"] for v in per_variant.values()) / len(per_variant)}
+        out.update({f"variant{j:02d}_acc": v["acc"] for j, v in per_variant.items()})
+        return out
+
+    def report(self, summary: dict) -> str:
+        """Accuracy against MACs of every cached variant and the population accuracy (Fig. 3, Table 1)."""
+        block = summary.get("best") or summary.get("final")
+        if not block:
+            return ""
+        which = "best-validation checkpoint" if "best" in summary else "final model"
+        lines = [f"FEAST test accuracy ({which}):", f"{'variant':>7}  {'MACs':>9}  {'params':>8}  {'acc %':>6}  spec"]
+        for j, spec in enumerate(self.cache.specs):
+            acc = block.get(f"test_variant{j:02d}_acc")
+            if acc is None:
+                continue
+            params = self.cache.params[j]
+            lines.append(f"{j:7d}  {self.cache.macs[j] / 1e6:8.2f}M  {params / 1e6:7.2f}M  {100 * acc:6.2f}  {spec}")
+        lines.append(f"population accuracy under largest-affordable serving: {100 * block['test_acc']:.2f}%")
+        return "\n".join(lines)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {}
+
+
+def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
