@@ -66,12 +66,33 @@ def test_print_config_is_complete_and_runnable(tmp_path, capsys):
     assert again.fit.federation.rounds == cfg["federation"]["rounds"]
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+OVERLAY_BASE = Path(__file__).parents[1] / "configs" / "feast" / "feast_synthetic.yaml"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
 def test_every_shipped_config_parses(path):
+    """Full configs parse alone; overlays (first line '# overlay') on top of a FEAST config."""
     parser = build_parser()
-    command = yaml.safe_load(path.read_text()).get("command", "fit")
-    cfg = parser.parse_args([command, "--config", str(path)])
-    parser.instantiate(cfg)
+    configs = ["--config", str(path)]
+    if path.read_text().startswith("# overlay"):
+        configs = ["--config", str(OVERLAY_BASE)] + configs
+    cfg = parser.parse_args(["fit", *configs])
+    args = parser.instantiate(cfg).fit
+    args.algorithm.check(args.train)
+
+
+def test_partition_command_writes_report(tmp_path, capsys):
+    code = main(["partition", "--config", "configs/quickstart.yaml", "--out", str(tmp_path / "p")])
+    out = capsys.readouterr().out
+    assert code == 0 and "TV" in out
+    assert (tmp_path / "p" / "partition.json").is_file() and (tmp_path / "p" / "partition.png").is_file()
+
+
+def test_models_command_shows_quadratic_law(capsys):
+    code = main(["models", "--model.name", "resnet18", "--num_classes", "100", "--input_shape", "[3, 32, 32]",
+                 "--widths", "[0.25, 0.5, 1.0]"])
+    out = capsys.readouterr().out
+    assert code == 0 and "width=0.25" in out and "6.3" in out and "25.1" in out
 
 
 def test_help_shows_field_docstrings(capsys):

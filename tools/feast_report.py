@@ -1,0 +1,107 @@
+"""Tables and the accuracy-against-MACs plot of saved FEAST runs.
+
+    python tools/feast_report.py runs/feast_synthetic runs/feast_synthetic_min_only ... \
+        [--anchors 25e6 50e6 229e6 408e6 596e6] [--plot runs/feast_acc_vs_macs.png]
+
+For each run it reads ``summary.json`` (test accuracies of the best-validation checkpoint),
+``cache.json`` (the variants' MACs) and ``config.yaml`` (rule, gamma) and prints
+
+- the training-rule table (Table 2): accuracy of the cached variant nearest each anchor MAC
+  value, per run, with the run's rule;
+- the gamma table (Table 13): population accuracy and accuracy at the largest variant, per
+  run, with the run's gamma;
+
+then draws every run's accuracy against MACs (Fig. 3) on one log-x plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import yaml
+
+
+def load_run(path: Path) -> dict:
+    summary = json.loads((path / "summary.json").read_text())
+    block = summary.get("best") or summary.get("final") or {}
+    cache = json.loads((path / "cache.json").read_text())
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    macs = [v["macs"] for v in cache["variants"]]
+    accs = [block.get(f"test_variant{j:02d}_acc") for j in range(len(macs))]
+    args = (config.get("algorithm") or {}).get("init_args") or {}
+    return {"name": path.name, "macs": macs, "accs": accs, "population": block.get("test_acc"),
+            "rule": args.get("rule", "full"), "routing": args.get("routing", True),
+            "gamma": (config.get("partition") or {}).get("gamma")}
+
+
+def nearest(values, target) -> int:
+    return min(range(len(values)), key=lambda j: abs(values[j] - target))
+
+
+def pct(value) -> str:
+    return "   -  " if value is None else f"{100 * value:6.2f}"
+
+
+def rule_table(runs, anchors) -> str:
+    header = f"{'run':<32} {'rule':<11}" + "".join(f"{a / 1e6:>9.2f}M" for a in anchors) + "  population"
+    lines = ["Training rule (Table 2): test accuracy % of the cached variant nearest each MAC anchor", header]
+    for run in runs:
+        cells = "".join(f"{pct(run['accs'][nearest(run['macs'], a)]):>10}" for a in anchors)
+        lines.append(f"{run['name']:<32} {run['rule']:<11}{cells}  {pct(run['population']):>10}")
+    return "\n".join(lines)
+
+
+def gamma_table(runs) -> str:
+    lines = ["Allocation gamma (Table 13): test accuracy %",
+             f"{'run':<32} {'gamma':>6} {'largest':>8} {'smallest':>9} {'population':>11}"]
+    for run in sorted(runs, key=lambda r: (r["gamma"] is None, r["gamma"])):
+        lines.append(f"{run['name']:<32} {run['gamma']!s:>6} {pct(run['accs'][-1]):>8} {pct(run['accs'][0]):>9} "
+                     f"{pct(run['population']):>11}")
+    return "\n".join(lines)
+
+
+def plot(runs, out: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for run in runs:
+        points = [(m, a) for m, a in zip(run["macs"], run["accs"]) if a is not None]
+        if points:
+            ax.plot([m / 1e6 for m, _ in points], [100 * a for _, a in points], marker="o", markersize=3,
+                    label=f"{run['name']} ({run['rule']}, gamma={run['gamma']})")
+    ax.set_xscale("log")
+    ax.set_xlabel("inference MACs (millions)")
+    ax.set_ylabel("top-1 test accuracy (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument("--anchors", nargs="*", type=float, default=None,
+                        help="MAC anchors (default: five points across the first run's cache)")
+    parser.add_argument("--plot", type=Path, default=Path("runs/feast_accuracy_vs_macs.png"))
+    args = parser.parse_args()
+    runs = [load_run(path) for path in args.runs]
+    anchors = args.anchors
+    if not anchors:
+        macs = sorted(runs[0]["macs"])
+        anchors = [macs[round(q * (len(macs) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
+    print(rule_table(runs, anchors))
+    print()
+    print(gamma_table(runs))
+    plot(runs, args.plot)
+    print(f"\nsaved {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
