@@ -55,7 +55,8 @@ class Feast(Algorithm):
 
     dense = False
 
-    def __init__(self, cache: Optional[str] = None, search: CacheSearch = CacheSearch(), routing: bool = True,
+    def __init__(self, cache: Optional[str] = None, retarget: bool = False, search: CacheSearch = CacheSearch(),
+                 routing: bool = True,
                  rule: str = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
                  cutmix_alpha: float = 1.0, mix_schedule: str = "random", calib_batch_size: int = 100,
                  kappa: float = 3.0):
@@ -63,6 +64,8 @@ class Feast(Algorithm):
         Args:
             cache: JSON file of cached variants (architectures and MACs); built by the genetic
                 search below and saved to the run directory when not given.
+            retarget: reuse the cache file's architectures for this model and input size with
+                their MACs recomputed (the paper reuses its CIFAR-100 cache on TinyImageNet).
             search: genetic-search settings used when no cache file is given.
             routing: send each client only the envelope of its affordable variants (Eq. 4);
                 false sends the full supernet (same result when every client affords everything).
@@ -77,7 +80,7 @@ class Feast(Algorithm):
             calib_batch_size: batch size of BN recalibration on the server's calibration split.
             kappa: forward-plus-backward factor of the training-MAC proxy (Eq. 26).
         """
-        self.cache_path, self.search, self.routing, self.rule = cache, search, routing, rule
+        self.cache_path, self.retarget, self.search, self.routing, self.rule = cache, retarget, search, routing, rule
         self.rho_kd, self.temperature = rho_kd, temperature
         self.mixup_alpha, self.cutmix_alpha, self.mix_schedule = mixup_alpha, cutmix_alpha, mix_schedule
         self.calib_batch_size, self.kappa = calib_batch_size, kappa
@@ -125,16 +128,28 @@ class Feast(Algorithm):
 
     def _load_or_build_cache(self, ctx):
         from fl_lightning.elastic.search.cache import VariantCache, build_cache
+        from fl_lightning.elastic.search.genetic import InfeasibleError
 
         run_dir = Path(ctx.extras["run_dir"])
         saved = run_dir / "cache.json"
         if self.cache_path is not None:
-            return VariantCache.load(self.cache_path, ctx.model)
+            if self.retarget:
+                cache = VariantCache.load(self.cache_path).retarget(ctx.model, self.input_shape)
+            else:
+                cache = VariantCache.load(self.cache_path, ctx.model)
+            if ctx.fabric.is_global_zero:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                cache.save(saved)
+            return cache
         if ctx.extras.get("resuming") and saved.is_file():  # a resumed run keeps the cache it started with
             return VariantCache.load(saved, ctx.model)
         s = self.search
-        cache = build_cache(ctx.model, self.input_shape, segments=[tuple(seg) for seg in s.segments],
-                            population=s.population, generations=s.generations, mutation=s.mutation, seed=s.seed)
+        try:
+            cache = build_cache(ctx.model, self.input_shape, segments=[tuple(seg) for seg in s.segments],
+                                population=s.population, generations=s.generations, mutation=s.mutation,
+                                seed=s.seed)
+        except InfeasibleError as error:
+            raise ConfigError("algorithm.search.segments", str(error)) from None
         if ctx.fabric.is_global_zero:
             run_dir.mkdir(parents=True, exist_ok=True)
             cache.save(saved)

@@ -63,7 +63,8 @@ class VariantCache:
                  model_options: dict, search: Optional[dict] = None):
         if not variants:
             raise ValueError("a variant cache needs at least one variant")
-        self.variants = sorted(variants, key=lambda v: v.macs)
+        self.variants: tuple[Variant, ...] = tuple(sorted(variants, key=lambda v: v.macs))
+        self._macs = [v.macs for v in self.variants]  # sorted: budget queries bisect it
         self.input_shape = tuple(int(v) for v in input_shape)
         self.num_classes = int(num_classes)
         self.model_options = dict(model_options)
@@ -100,7 +101,7 @@ class VariantCache:
 
     @property
     def macs(self) -> list[int]:
-        return [v.macs for v in self.variants]
+        return list(self._macs)
 
     @property
     def params(self) -> list[int]:
@@ -109,7 +110,7 @@ class VariantCache:
     # -- budget queries ---------------------------------------------------------------------
     def affordable(self, budget: float) -> list[int]:
         """``A_i = {a : MAC(a) <= b_i}`` (Eq. 11) as indices; nested in the budget."""
-        return list(range(bisect.bisect_right(self.macs, budget)))
+        return list(range(bisect.bisect_right(self._macs, budget)))
 
     def global_min(self) -> int:
         """``a^min``: the cheapest cached variant (Eq. 17)."""
@@ -117,7 +118,7 @@ class VariantCache:
 
     def largest_affordable(self, budget: float) -> Optional[int]:
         """The most expensive variant within ``budget`` (serving), None if none is."""
-        count = bisect.bisect_right(self.macs, budget)
+        count = bisect.bisect_right(self._macs, budget)
         return count - 1 if count else None
 
     def local_max(self, budget: float) -> int:
@@ -126,15 +127,15 @@ class VariantCache:
         index = self.largest_affordable(budget)
         if index is None:
             raise ValueError(f"budget {budget:.4g} MACs affords no cached variant "
-                             f"(the cheapest needs {self.macs[0]})")
+                             f"(the cheapest needs {self._macs[0]})")
         return index
 
     def intermediates(self, budget: float) -> list[int]:
         """``A_i^int``: affordable variants with MACs strictly between ``a^min`` and
         ``a_i^max`` (Eq. 18)."""
         top = self.local_max(budget)
-        low, high = self.macs[self.global_min()], self.macs[top]
-        return [i for i in range(top) if low < self.macs[i] < high]
+        low, high = self._macs[self.global_min()], self._macs[top]
+        return [i for i in range(top) if low < self._macs[i] < high]
 
     # -- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -157,6 +158,7 @@ class VariantCache:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_dict(), f, indent=1)
                 f.write("\n")
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from others
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -215,6 +217,12 @@ class VariantCache:
 
 
 _VARIANT_KEYS = {"d", "e", "w", "macs", "params"}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _plain(value: Any) -> Any:

@@ -151,8 +151,10 @@ def evolve(problem: Problem, population: int = 256, generations: int = 512, muta
     rng = np.random.default_rng(seed)
     pop = sample_feasible(problem, population, rng)
     if len(pop) == 0:
+        smallest = int(problem.cost.macs(np.zeros(problem.cost.num_genes, dtype=np.int64))[0])
         raise InfeasibleError(f"no architecture with MACs <= {problem.mac_limit:.4g} and "
-                              f"rho <= {problem.rho_limit:g} was found")
+                              f"rho <= {problem.rho_limit:g} was found (the smallest subnet has "
+                              f"{smallest} MACs)")
     if len(pop) < population:  # a tiny feasible region: fill up with copies
         pop = pop[np.arange(population) % len(pop)]
     _, fit, macs = problem.evaluate(pop)
@@ -160,6 +162,8 @@ def evolve(problem: Problem, population: int = 256, generations: int = 512, muta
     n_child = population - elitism
     n_pairs = (n_child + 1) // 2
     positions = np.arange(G)[None, :]
+    best = int(np.argmax(fit))
+    best_genes, best_fit, best_macs = pop[best].copy(), float(fit[best]), int(macs[best])
     for _ in range(generations):
         elite = np.argsort(-fit, kind="stable")[:elitism]
         parents = _tournament(fit, 2 * n_pairs, tournament, rng)
@@ -175,8 +179,10 @@ def evolve(problem: Problem, population: int = 256, generations: int = 512, muta
         pop = np.concatenate([pop[elite], children])
         fit = np.concatenate([fit[elite], child_fit])
         macs = np.concatenate([macs[elite], child_macs])
-    best = int(np.argmax(fit))
-    return pop[best].copy(), float(fit[best]), int(macs[best])
+        best = int(np.argmax(fit))
+        if fit[best] > best_fit:  # kept apart from the population so elitism = 0 loses nothing
+            best_genes, best_fit, best_macs = pop[best].copy(), float(fit[best]), int(macs[best])
+    return best_genes, best_fit, best_macs
 
 
 def search(model: OFAResNet, mac_limit: float, rho_limit: float, population: int = 256,
