@@ -39,7 +39,9 @@ class Scaffold(FedAvg):
         params = dict(ctx.model.named_parameters())
         self.c = {name: torch.zeros_like(params[name]) for name in self.param_names}
         self.store = ClientStateStore(lambda: {name: torch.zeros_like(v) for name, v in self.c.items()})
-        self._delta_c = {name: torch.zeros_like(v) for name, v in self.c.items()}
+        # Summed over the round's clients in float64, like the model accumulators, so the sum
+        # does not depend on how clients are spread over ranks.
+        self._delta_c = {name: torch.zeros_like(v, dtype=torch.float64) for name, v in self.c.items()}
 
     def client_module(self, routed, client, round_idx, lr):
         c_i = self.store.get(client)
@@ -71,7 +73,8 @@ class Scaffold(FedAvg):
                 else:
                     old.copy_(value)
             for name in self.param_names:
-                self.c[name].add_(sums[f"delta_c/{name}"], alpha=1.0 / self.ctx.num_clients)
+                update = sums[f"delta_c/{name}"] / self.ctx.num_clients
+                self.c[name].add_(update.to(self.c[name].dtype))
                 self._delta_c[name].zero_()
         self.store.sync(self.ctx.fabric, cohort, owned)
 

@@ -6,6 +6,8 @@ from typing import Callable, Dict, Iterable, Mapping
 
 import torch
 
+from fl_lightning.federation.collectives import all_reduce_sum
+
 ClientState = Dict[str, torch.Tensor]
 
 
@@ -33,9 +35,11 @@ class ClientStateStore:
         if fabric.world_size == 1:
             return
         owned = set(owned)
+        contributions = {}
         for client in cohort:
             state = self.get(client) if client in owned else {k: torch.zeros_like(v) for k, v in self.initial().items()}
-            self.states[client] = fabric.all_reduce(state, reduce_op="sum")
+            contributions.update({f"{client}/{k}": v for k, v in state.items()})
+        self.load_state_dict({**self.state_dict(), **all_reduce_sum(fabric, contributions)})
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {f"{client}/{key}": value for client, state in self.states.items() for key, value in state.items()}

@@ -25,6 +25,7 @@ from fl_lightning.data.federated import FederatedData, build_federated_data
 from fl_lightning.elastic.models import build_model
 from fl_lightning.federation.checkpoint import load_checkpoint, save_checkpoint
 from fl_lightning.federation.client_data import ClientData
+from fl_lightning.federation.collectives import all_reduce_sum
 from fl_lightning.federation.local_training import ClientResult, train_client
 from fl_lightning.federation.run_dir import JsonLines, RunDir
 from fl_lightning.federation.schedule import round_lr
@@ -126,8 +127,8 @@ class Federation:
             self._log_round(row, stats)
             if (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end:
                 self._save_last(round_idx + 1)
-            self.fabric.barrier()
         bar.close()
+        self.fabric.barrier()
         summary = {"rounds_done": end, "rounds": rounds}
         if end == rounds:
             summary.update(self.final_evaluation())
@@ -161,9 +162,7 @@ class Federation:
             payload = _payload_bytes(routed, algorithm.global_state)
             stats[cohort.index(client)] = torch.tensor(
                 [result.loss, result.num_samples, result.steps, result.seconds, payload, payload], dtype=torch.float64)
-        sums = {**acc.tensors(), **algorithm.round_tensors(), "stats": stats}
-        if fabric.world_size > 1:
-            sums = fabric.all_reduce(sums, reduce_op="sum")
+        sums = all_reduce_sum(fabric, {**acc.tensors(), **algorithm.round_tensors(), "stats": stats})
         acc.load_tensors(sums)
         algorithm.finish_round(acc.result(), sums, cohort, owned)
         stats = sums["stats"].cpu()
