@@ -66,7 +66,7 @@ def test_print_config_is_complete_and_runnable(tmp_path, capsys):
     assert again.fit.federation.rounds == cfg["federation"]["rounds"]
 
 
-OVERLAY_BASE = Path(__file__).parents[1] / "configs" / "feast" / "feast_synthetic.yaml"
+OVERLAY_BASE = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])

@@ -133,3 +133,42 @@ def test_client_without_affordable_variant_is_refused(spec_factory, tmp_path):
     spec = feast_spec(spec_factory, tmp_path, "poor", budgets=BudgetConfig(b_min=10.0, b_max=20.0, b_cap=20.0))
     with pytest.raises(ConfigError, match="affords no cached variant"):
         run_fit(spec)
+
+
+def test_evaluate_and_extract_commands_on_a_finished_run(spec_factory, tmp_path, capsys):
+    import json
+
+    from fl_lightning.cli import main
+
+    spec = feast_spec(spec_factory, tmp_path, "done")
+    spec.config_yaml = _config_yaml(spec)
+    summary = run_fit(spec)
+    run = str(Path(spec.out_dir) / "done")
+    capsys.readouterr()
+    assert main(["evaluate", "--run", run, "--fabric.accelerator", "cpu"]) == 0
+    out = capsys.readouterr().out
+    evaluated = json.loads(out[out.rindex("{\n"):])
+    assert evaluated["test_acc"] == pytest.approx(summary["best"]["test_acc"])
+    assert main(["extract", "--run", run, "--budget", "0.5M", "--rho", "10", "--population", "16",
+                 "--generations", "5", "--out", str(tmp_path / "subnet.pt"), "--fabric.accelerator", "cpu"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.rindex("{\n"):])
+    assert result["macs"] <= 0.5e6 and 0 <= result["test_acc"] <= 1
+    saved = load_checkpoint(tmp_path / "subnet.pt")
+    assert saved["macs"] == result["macs"] and "stem.conv.weight" in saved["model"]
+    assert summary["best"]["test_acc"] >= 0
+
+
+def _config_yaml(spec) -> str:
+    """The YAML a CLI run would have saved for this spec (evaluate and extract re-read it)."""
+    from dataclasses import asdict
+
+    import yaml
+
+    algorithm = spec.algorithm
+    init_args = {"cache": algorithm.cache_path, "routing": algorithm.routing, "mix_schedule": algorithm.mix_schedule}
+    return yaml.safe_dump({
+        "name": spec.name, "out_dir": spec.out_dir, "seed": spec.seed, "data": asdict(spec.data),
+        "partition": asdict(spec.partition), "model": asdict(spec.model), "train": asdict(spec.train),
+        "federation": asdict(spec.federation), "eval": asdict(spec.eval), "fabric": asdict(spec.fabric),
+        "algorithm": {"class_path": "fl_lightning.algorithms.Feast", "init_args": init_args}})

@@ -1,6 +1,6 @@
 """Tables and the accuracy-against-MACs plot of saved FEAST runs.
 
-    python tools/feast_report.py runs/feast_synthetic runs/feast_synthetic_min_only ... \
+    python tools/feast_report.py runs/quickstart runs/quickstart_min_only ... \
         [--anchors 25e6 50e6 229e6 408e6 596e6] [--plot runs/feast_acc_vs_macs.png]
 
 For each run it reads ``summary.json`` (test accuracies of the best-validation checkpoint),

@@ -102,7 +102,33 @@ def models(
     """
 
 
-COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition, "models": models}
+def extract(
+    run: str,
+    budget: str,
+    checkpoint: str = "best",
+    rho: Optional[float] = None,
+    population: int = 512,
+    generations: int = 512,
+    seed: int = 0,
+    out: Optional[str] = None,
+    fabric: FabricConfig = FabricConfig(),
+):
+    """Post-hoc extraction from a trained FEAST supernet: search, extract, recalibrate BN, score.
+
+    Args:
+        run: run directory of a FEAST run (config.yaml and checkpoints/).
+        budget: MAC limit of the extracted subnet, e.g. 30M or 1.2G.
+        checkpoint: best, last or a checkpoint path.
+        rho: effectiveness ceiling of the search (default: 0.40 below 50M MACs, else 0.31).
+        population: genetic-search population (512 for extraction, Supp. E.3).
+        generations: genetic-search generations.
+        seed: search seed.
+        out: write the extracted subnet's weights and architecture to this file.
+        fabric: devices and precision for calibration and evaluation.
+    """
+
+
+COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition, "models": models, "extract": extract}
 
 
 def build_parser() -> ArgumentParser:

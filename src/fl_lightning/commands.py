@@ -112,5 +112,21 @@ def models_command(args, config_yaml: str) -> list:
     return rows
 
 
+def extract_command(args, config_yaml: str) -> dict:
+    """Search, extract, recalibrate and score a subnet of a trained FEAST supernet."""
+    from fl_lightning.federation.extract_run import extract_from_run, parse_macs
+
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
+    budget = parse_macs(args.budget)
+    if args.population < 2 or args.generations < 1:
+        raise ConfigError("population", "population must be >= 2 and generations >= 1")
+    result = extract_from_run(run, budget, args.checkpoint, args.rho, args.population, args.generations,
+                              args.seed, args.fabric, Path(args.out) if args.out else None)
+    print(json.dumps(result, indent=2))
+    return result
+
+
 COMMANDS = {"fit": fit_command, "evaluate": evaluate_command, "partition": partition_command,
-            "models": models_command}
+            "models": models_command, "extract": extract_command}
