@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 
@@ -18,17 +17,7 @@ from fl_lightning.elastic.macs import count_params
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.specs import WidthSpec
 
-
-def best_time(fn, repeats: int) -> float:
-    """Median seconds per call after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+from _timing import median_time
 
 
 def main() -> None:
@@ -43,8 +32,8 @@ def main() -> None:
     spec = WidthSpec.uniform(args.width, 4)
     client = model.extract(spec)
 
-    t_route = best_time(lambda: model.extract(spec), args.repeats)
-    t_copy = best_time(lambda: copy.deepcopy(model), args.repeats)
+    t_route = median_time(lambda: model.extract(spec), args.repeats)
+    t_copy = median_time(lambda: copy.deepcopy(model), args.repeats)
     print(f"server params: {count_params(model):,}  client params: {count_params(client.module):,} "
           f"({count_params(client.module) / count_params(model):.3f} of full)")
     print(f"extract(width={args.width:g}): {1e3 * t_route:.2f} ms  (median of {args.repeats})")

@@ -25,17 +25,7 @@ from fl_lightning.elastic.envelope import full_param_count, route_envelope, rout
 from fl_lightning.elastic.macs import spec_macs
 from fl_lightning.elastic.models import build_model
 
-
-def median_time(fn, repeats: int) -> float:
-    """Median seconds per call after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+from _timing import median_time
 
 
 def main() -> None:

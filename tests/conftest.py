@@ -1,9 +1,20 @@
 import os
 
 import pytest
+import torch
 
 # Tests run on CPU with few threads so the suite behaves the same on 2-core CI machines.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny tensors: a second intra-op thread mostly adds waiting, and subprocess tests
+    (2 ranks) would oversubscribe a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -20,13 +20,6 @@ DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16,
                   val_size=40, calib_size=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def small_cache(tmp_path, include_max=False) -> str:
     model = build_global_model_for_cache()

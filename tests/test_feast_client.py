@@ -32,14 +32,6 @@ SPECS = [OFASpec((0, 0, 0, 0), E_MIN, (0,) * 5),
 MIN, MID1, MID2, MAX = SPECS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def supernet():

@@ -16,15 +16,6 @@ from fl_lightning.errors import ConfigError
 SHAPE = (3, 16, 16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second intra-op thread gains nothing, and on a busy CPU each
-    operator can wait milliseconds for it, which makes these tests 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def small():

@@ -18,14 +18,6 @@ from fl_lightning.errors import ConfigError
 NARROW = dict(width_scale=0.125, max_extra_blocks=2, divisor=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def full():

@@ -199,6 +199,17 @@ _INITIALISERS = frozenset({
 })
 
 
+def kaiming_init(module: nn.Module) -> None:
+    """He-normal (fan-out) convolutions and unit-scale, zero-shift batch norms, as torchvision's
+    ResNets initialise."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class uninitialized(TorchFunctionMode):
     """Build modules without running their initialisers (tensors hold arbitrary values).
 

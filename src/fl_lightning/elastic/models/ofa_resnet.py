@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.elastic.models import register_model
-from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit
+from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit, kaiming_init
 from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
 from fl_lightning.errors import ConfigError
@@ -168,16 +168,19 @@ class _ResNetBody(nn.Module):
                 blocks[f"stages.{l}.{b}"] = stage[b]
         return blocks
 
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks().values():
+            x = block(x)
+        return x
+
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.classifier(F.adaptive_avg_pool2d(features, 1).flatten(1))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
     def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        kaiming_init(self)
 
 
 class OFASubnet(_ResNetBody):
@@ -191,14 +194,6 @@ class OFASubnet(_ResNetBody):
 
     def blocks(self) -> "OrderedDict[str, nn.Module]":
         return self._active_blocks(self._depths)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks().values():
-            x = block(x)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 def leading_regions(global_state, local_state) -> RegionMap:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.elastic.models import register_model
-from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, tag
+from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, kaiming_init, tag
 from fl_lightning.elastic.specs import scale_channels
 
 
@@ -90,12 +90,7 @@ class ResNet18(WidthElasticModel):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        kaiming_init(self)
 
     def blocks(self):
         blocks = OrderedDict(stem=self.stem)
