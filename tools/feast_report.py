@@ -65,6 +65,7 @@ def gamma_table(runs) -> str:
 def plot(runs, out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
@@ -75,6 +76,8 @@ def plot(runs, out: Path) -> None:
             ax.plot([m / 1e6 for m, _ in points], [100 * a for _, a in points], marker="o", markersize=3,
                     label=f"{run['name']} ({run['rule']}, gamma={run['gamma']})")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "25" else ""))
     ax.set_xlabel("inference MACs (millions)")
     ax.set_ylabel("top-1 test accuracy (%)")
     ax.grid(True, alpha=0.3)
