@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl_lightning.algorithms import CacheSearch, Feast
+from fl_lightning.algorithms import Feast
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
 from fl_lightning.data.federated import build_federated_data

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import asdict
-from pathlib import Path
 from typing import List, Optional
 
 from jsonargparse import ArgumentParser, lazy_instance, set_parsing_settings
 
 from fl_lightning.algorithms import Algorithm, FedAvg
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig, validate)
+                                 ModelConfig, PartitionConfig)
 from fl_lightning.errors import ConfigError
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)

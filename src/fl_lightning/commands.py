@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
-
 from fl_lightning.config import validate
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params

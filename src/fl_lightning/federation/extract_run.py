@@ -8,8 +8,6 @@ import re
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from fl_lightning.config import FabricConfig
 from fl_lightning.errors import ConfigError
 

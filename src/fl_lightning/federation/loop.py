@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,7 +26,7 @@ from fl_lightning.elastic.models import build_model
 from fl_lightning.federation.checkpoint import load_checkpoint, save_checkpoint
 from fl_lightning.federation.client_data import ClientData
 from fl_lightning.federation.collectives import all_reduce_sum
-from fl_lightning.federation.local_training import ClientResult, train_client
+from fl_lightning.federation.local_training import train_client
 from fl_lightning.federation.run_dir import JsonLines, RunDir
 from fl_lightning.federation.schedule import round_lr
 from fl_lightning.federation.seeding import (client_generator, derive_seed, sample_clients, seed_client,
@@ -248,8 +248,3 @@ def _round_row(round_idx: int, lr: float, cohort: list, stats: torch.Tensor, sec
         "clients": len(cohort),
         "cohort": cohort,
     }
-
-
-def spec_summary(spec: RunSpec) -> dict:
-    return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(spec).items()
-            if k not in ("algorithm", "config_yaml")}

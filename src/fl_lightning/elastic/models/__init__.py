@@ -6,9 +6,7 @@ Model modules register their class with ``@register_model(name)``; the construct
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fl_lightning.errors import ConfigError
@@ -45,10 +43,5 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], **kwarg
     return MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kwargs)
 
 
-# Model modules register themselves on import. The first list always exists; the second is
-# imported when its file is present, so this package works while those models are written.
-from fl_lightning.elastic.models import cnn, resnet  # noqa: E402,F401
-
-for _module in ("ofa_resnet", "lstm", "vit"):
-    if (Path(__file__).parent / f"{_module}.py").exists():
-        importlib.import_module(f"{__name__}.{_module}")
+# Model modules register themselves on import.
+from fl_lightning.elastic.models import cnn, lstm, ofa_resnet, resnet, vit  # noqa: E402,F401
