@@ -191,11 +191,14 @@ class Federation:
 
     def final_evaluation(self) -> dict:
         """Test metrics of the last model and of the best-validation checkpoint."""
-        summary = {"final": self._split_metrics("test")}
+        test = self._split_metrics("test")
+        summary = {"final": dict(test)}
         if len(self.fed.val):
             summary["final"].update(self._split_metrics("val"))
         self.fabric.barrier()
-        if self.run_dir.best.exists():
+        if self.best["round"] == self.spec.federation.rounds - 1:  # best.ckpt is the last model
+            summary["best"] = {**self.best, **test}
+        elif self.run_dir.best.exists():
             best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device)
             self.model.load_state_dict(best["model"])
             summary["best"] = {**self.best, **self._split_metrics("test")}
