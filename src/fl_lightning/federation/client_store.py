@@ -20,6 +20,7 @@ class ClientStateStore:
     """
 
     def __init__(self, initial: Callable[[], ClientState]):
+        """``initial()`` returns a new client's state; it must be all zeros (see :meth:`sync`)."""
         self.initial = initial
         self.states: Dict[int, ClientState] = {}
 
@@ -37,9 +38,12 @@ class ClientStateStore:
         owned = set(owned)
         contributions = {}
         for client in cohort:
-            state = self.get(client) if client in owned else {k: torch.zeros_like(v) for k, v in self.initial().items()}
+            # initial() is all zeros: what a rank that did not train the client contributes.
+            state = self.get(client) if client in owned else self.initial()
             contributions.update({f"{client}/{k}": v for k, v in state.items()})
-        self.load_state_dict({**self.state_dict(), **all_reduce_sum(fabric, contributions)})
+        reduced = all_reduce_sum(fabric, contributions)
+        for client in cohort:
+            self.states[client] = {k: reduced[f"{client}/{k}"] for k in self.get(client)}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {f"{client}/{key}": value for client, state in self.states.items() for key, value in state.items()}
