@@ -21,8 +21,8 @@ def _check_model(model) -> None:
 
 def _check_data(data, partition) -> None:
     check_dataset(data.name, data.root, data.download, **data.options)
-    # The pool size is only known after loading; the loader checks it again then.
-    validate_partition_params(partition.method, num_examples=10**12, num_clients=partition.num_clients,
+    # The pool size is known only after loading; make_partition checks feasibility then.
+    validate_partition_params(partition.method, num_examples=None, num_clients=partition.num_clients,
                               alpha=partition.alpha, gamma=partition.gamma, min_size=partition.min_size)
 
 

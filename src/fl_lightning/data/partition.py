@@ -302,7 +302,7 @@ def natural_partition(
 
 def validate_partition_params(
     method: str,
-    num_examples: int,
+    num_examples: Optional[int],
     num_clients: Optional[int],
     alpha: Optional[float] = None,
     gamma: Optional[float] = None,
@@ -314,7 +314,8 @@ def validate_partition_params(
     """Cheap checks for the CLI, before any data is loaded or drawn; raises ConfigError.
 
     Checks: known method; num_clients >= 1 (may be None only for ``natural``); min_size >= 0;
-    min_size * num_clients <= num_examples (not for ``natural``); alpha > 0 for the Dirichlet
+    min_size * num_clients <= num_examples (not for ``natural``; skipped while ``num_examples`` is
+    None, i.e. before the data are loaded); alpha > 0 for the Dirichlet
     methods; gamma >= 0 and len(budgets) == num_clients for ``gamma_dirichlet``; for
     ``natural`` with ``num_groups`` known, num_clients <= num_groups.
     """
@@ -330,7 +331,8 @@ def validate_partition_params(
         if num_groups is not None and num_clients is not None and int(num_clients) > int(num_groups):
             raise ConfigError("partition.num_clients", f"{num_clients} clients but only {num_groups} natural groups")
         return
-    _check_feasible(int(num_examples), int(num_clients), min_size)
+    if num_examples is not None:
+        _check_feasible(int(num_examples), int(num_clients), min_size)
     if method in ("dirichlet", "gamma_dirichlet"):
         _check_positive(alpha, "partition.alpha")
     if method == "gamma_dirichlet":
