@@ -29,9 +29,10 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
 from fl_lightning.data.federated import build_federated_data
-from fl_lightning.federation.client_data import ClientData
-from fl_lightning.federation.loop import RunSpec, build_global_model, run_fit
-from fl_lightning.federation.seeding import client_generator, sample_clients
+from fl_lightning.runtime.client_data import ClientData
+from fl_lightning.federation.builder import RunSpec, build_global_model
+from fl_lightning.federation.loop import run_fit
+from fl_lightning.runtime.seeding import client_generator, sample_clients
 
 CLIENTS, EXAMPLES_PER_CLIENT, EPOCHS, BATCH = 10, 48, 5, 16
 # The registry's width-elastic CNN; --channels picks its size. The smaller it is, the worse a

@@ -23,7 +23,7 @@ def spec_factory(tmp_path):
     from fl_lightning.algorithms import FedAvg
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                      ModelConfig, PartitionConfig)
-    from fl_lightning.federation.loop import RunSpec
+    from fl_lightning.federation.builder import RunSpec
 
     def make(name="t", algorithm=None, **overrides):
         sections = dict(

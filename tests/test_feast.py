@@ -12,8 +12,9 @@ from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.envelope import route_envelope
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.federation.checkpoint import load_checkpoint
-from fl_lightning.federation.loop import build_global_model, run_fit
-from fl_lightning.federation.seeding import sample_clients
+from fl_lightning.federation.builder import build_global_model
+from fl_lightning.federation.loop import run_fit
+from fl_lightning.runtime.seeding import sample_clients
 
 MODEL = ModelConfig(name="ofa_resnet", kwargs={"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2})
 DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
@@ -102,8 +103,8 @@ def test_bn_recalibration_is_deterministic_and_leaves_weights(spec_factory, tmp_
     run_fit(spec)
     algorithm = spec.algorithm
     before = {k: v.clone() for k, v in algorithm.ctx.model.state_dict().items()}
-    first = algorithm.evaluate_variant(algorithm.ctx.fabric, 0, "val", 64)
-    second = algorithm.evaluate_variant(algorithm.ctx.fabric, 0, "val", 64)
+    first = algorithm.evaluate_variant(0, "val", 64)
+    second = algorithm.evaluate_variant(0, "val", 64)
     assert first == second
     for key, value in algorithm.ctx.model.state_dict().items():
         assert torch.equal(value, before[key]), key

@@ -14,8 +14,8 @@ from fl_lightning.elastic.envelope import route_envelope
 from fl_lightning.elastic.macs import spec_macs
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
-from fl_lightning.federation.client_data import ClientData
-from fl_lightning.federation.local_training import train_client
+from fl_lightning.runtime.client_data import ClientData
+from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.modules.feast_client import RULES, FeastClient
 from fl_lightning.modules.inplace_distillation import (OperatingPoint, Pass, SandwichSampler, kd_loss,
                                                        sandwich_step, soft_targets, student_loss)
@@ -366,8 +366,8 @@ def clean_losses(client, data):
 
 
 def test_train_client_with_fabric_manual_backward(supernet, macs):
-    """The loop sets ``_fabric``; every pass then backpropagates through ``fabric.backward``,
-    and a few rounds of local steps (FEAST's rule and mixing) reduce the loss."""
+    """Local training hands the module ``fabric``; every pass then backpropagates through
+    ``fabric.backward``, and a few rounds of local steps (FEAST's rule and mixing) reduce the loss."""
     fabric = Fabric(accelerator="cpu", devices=1)
     data = separable_shard()
     cfg = LocalTrainConfig(steps=6, batch_size=16, lr=0.05, momentum=0.9, grad_clip=10.0)
@@ -378,9 +378,9 @@ def test_train_client_with_fabric_manual_backward(supernet, macs):
     before = clean_losses(client, data)
     losses = []
     for r in range(3):
-        result = train_client(fabric, client, data, cfg, torch.Generator().manual_seed(r))
+        result = train_locally(fabric, client, data, cfg, torch.Generator().manual_seed(r))
         losses.append(result.loss)
-    assert client._fabric is fabric
+    assert client.fabric is None  # released after local training
     assert len(calls) == 3 * 6 * 3  # three passes per step
     assert losses[-1] < losses[1] < losses[0]  # mean mixed-label training loss per round
     after = clean_losses(client, data)

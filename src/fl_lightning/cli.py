@@ -16,7 +16,7 @@ from jsonargparse import ArgumentParser, lazy_instance, set_parsing_settings
 from fl_lightning.algorithms import Algorithm, FedAvg
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunError
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -160,6 +160,8 @@ def main(argv: Optional[list] = None) -> int:
         RUNNERS[command](args, resolved)
     except ConfigError as error:
         return _fail(str(error))
+    except RunError as error:
+        return _fail(str(error), status=1)
     except Exception as error:  # jsonargparse reports bad keys and types as ArgumentError
         if type(error).__name__ in ("ArgumentError", "NSKeyError") or error.__class__.__module__.startswith("jsonargparse"):
             return _fail(_first_line(str(error)))
@@ -172,6 +174,6 @@ def _first_line(message: str) -> str:
     return lines[0] if lines else message
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, status: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr)
-    return 2
+    return status

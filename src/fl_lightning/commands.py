@@ -28,7 +28,8 @@ def _check_data(data, partition) -> None:
 
 def fit_command(args, config_yaml: str) -> dict:
     """Validate everything that can be checked cheaply, then train."""
-    from fl_lightning.federation.loop import RunSpec, run_fit
+    from fl_lightning.federation.builder import RunSpec
+    from fl_lightning.federation.loop import run_fit
 
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
     if args.checkpoint_every < 1:
@@ -50,13 +51,16 @@ def fit_command(args, config_yaml: str) -> dict:
 
 
 def evaluate_command(args, config_yaml: str) -> dict:
-    """Re-evaluate a saved checkpoint of a run on its test set and validation split."""
-    from fl_lightning.federation.evaluate_run import evaluate_run
+    """Re-evaluate a saved checkpoint of a run on its test set and validation split (FEAST:
+    every cached variant after BN recalibration)."""
+    from fl_lightning.saved_runs import open_saved_run
 
-    run = Path(args.run)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
-    result = evaluate_run(run, args.checkpoint, args.fabric)
+    saved = open_saved_run(Path(args.run), args.checkpoint, args.fabric)
+    result = {"checkpoint": str(saved.checkpoint), "round": saved.round}
+    for split in ("test", "val"):
+        if split == "test" or len(saved.ctx.data.val):
+            metrics = saved.spec.algorithm.evaluate(split, saved.spec.eval.batch_size)
+            result.update({f"{split}_{k}": v for k, v in metrics.items()})
     print(json.dumps(result, indent=2))
     return result
 
@@ -112,16 +116,20 @@ def models_command(args, config_yaml: str) -> list:
 
 def extract_command(args, config_yaml: str) -> dict:
     """Search, extract, recalibrate and score a subnet of a trained FEAST supernet."""
-    from fl_lightning.federation.extract_run import extract_from_run, parse_macs
+    from fl_lightning.algorithms.feast import Feast
+    from fl_lightning.algorithms.feast_extraction import extract_subnet, parse_macs
+    from fl_lightning.saved_runs import load_run_spec, open_saved_run
 
-    run = Path(args.run)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
     budget = parse_macs(args.budget)
     if args.population < 2 or args.generations < 1:
         raise ConfigError("population", "population must be >= 2 and generations >= 1")
-    result = extract_from_run(run, budget, args.checkpoint, args.rho, args.population, args.generations,
-                              args.seed, args.fabric, Path(args.out) if args.out else None)
+    run = Path(args.run)
+    if not isinstance(load_run_spec(run).algorithm, Feast):
+        raise ConfigError("run", "post-hoc extraction needs a run trained with FEAST")
+    saved = open_saved_run(run, args.checkpoint, args.fabric)
+    result = extract_subnet(saved.spec.algorithm, budget, args.rho, args.population, args.generations, args.seed,
+                            saved.spec.eval.batch_size, Path(args.out) if args.out else None)
+    result["checkpoint"] = str(saved.checkpoint)
     print(json.dumps(result, indent=2))
     return result
 

@@ -11,3 +11,7 @@ class ConfigError(ValueError):
         self.key = key
         self.problem = problem
         super().__init__(f"{key}: {problem}")
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on (every client of a round diverged): one line, exit status 1."""

@@ -1,45 +1,39 @@
 """Server-side policy interface, and FedAvg as its plainest implementation.
 
-The round loop asks an algorithm four things, in order, for every client of a round:
-``route`` (what physical model the client gets), ``client_module`` (the LightningModule
-that trains it), ``after_client`` (per-client state updates), ``accumulate`` (merge into
-the round's accumulators); then once per round ``finish_round``. Everything an algorithm
-keeps across rounds is returned by ``state_dict`` and checkpointed.
+Each round the loop asks an algorithm for a plan, then hands it the plan's tasks one by one:
+
+- ``plan(round_idx) -> RoundPlan``: the cohort and what each client trains (default: a
+  uniform sample of ``clients_per_round`` clients training the whole model).
+- ``fit_client(task, plan) -> ClientResult``: one client's round. The default routes the
+  global tensors into a local model (``route``), wraps it in a LightningModule
+  (``client_module``) and runs local training; a method that drives training itself (several
+  optimizers, a server half stepped per batch) overrides it and reports its own traffic.
+- ``commit(acc, task, result)``: a finite result's per-client bookkeeping and its merge into
+  the round's accumulators. A client whose loss or update is not finite is never committed.
+- ``finish_round``: apply the aggregate once the accumulators are summed over ranks.
+
+Everything an algorithm keeps across rounds is returned by ``state_dict`` and checkpointed.
+
+Algorithm modules import client modules (Lightning) and models inside the methods that use
+them, so that the command line can list and parse algorithms in about a second.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
 
-import lightning as L
 import torch
-from torch import nn
 
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
-from fl_lightning.federation.client_store import ClientStateStore
-from fl_lightning.federation.evaluation import evaluate
-from fl_lightning.federation.local_training import ClientResult
-from fl_lightning.modules.supervised import SupervisedClient
-
-
-@dataclass
-class RunContext:
-    """What the loop hands an algorithm at set-up."""
-
-    fabric: object
-    model: nn.Module
-    """The global model (on the rank's device); its state dict is the server's tensors."""
-    make_model: Callable[[], nn.Module]
-    """Builds a fresh instance of the architecture (used for per-rank worker models)."""
-    num_clients: int
-    client_sizes: List[int]
-    train: LocalTrainConfig
-    seed: int
-    budgets: Optional[torch.Tensor] = None
-    extras: Dict[str, object] = field(default_factory=dict)
+from fl_lightning.runtime.context import RunContext
+from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.local_training import train_locally
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.schedule import round_lr
+from fl_lightning.runtime.seeding import client_generator, sample_clients
 
 
 class Algorithm:
@@ -49,6 +43,11 @@ class Algorithm:
     """
 
     dense = True
+    """Every client returns every tensor (a plain average); False: position-wise counts."""
+    sequential_clients = False
+    """True when a round's clients must train one after another against shared server state
+    (SplitFed V2's single server model): the whole cohort then runs on rank 0, in plan order,
+    so a multi-rank run gives the single-rank result."""
 
     def check(self, train: LocalTrainConfig) -> None:
         """Refuse configurations the algorithm does not define (raise ConfigError)."""
@@ -60,26 +59,51 @@ class Algorithm:
         # global tensors into it copies values without allocating a model per client.
         self.worker = ctx.make_model().to(ctx.fabric.device)
         self.worker_regions = full_region_map(self.worker.state_dict())
-        self.store: Optional[ClientStateStore] = None
 
-    def route(self, client: int, round_idx: int) -> Routed:
+    def artifacts(self) -> Dict[str, str]:
+        """Files (name -> text) written into the run folder once it is created."""
+        return {}
+
+    # -- a round --------------------------------------------------------------------------------
+    def plan(self, round_idx: int) -> RoundPlan:
+        """Uniform sampling without replacement; every client trains the whole model."""
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        return RoundPlan(round_idx, self.round_lr(round_idx), [ClientTask(client) for client in cohort])
+
+    def round_lr(self, round_idx: int) -> float:
+        t = self.ctx.train
+        return round_lr(t.lr, t.lr_schedule, round_idx, self.ctx.rounds, t.lr_decay)
+
+    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
+        """Route, train locally, and report the routed bytes both ways."""
+        routed = self.route(task, plan)
+        down = routed.payload_bytes()
+        module = self.client_module(routed, task, plan)
+        fit = train_locally(self.ctx.fabric, module, self.ctx.shards[task.client], self.ctx.train,
+                            client_generator(self.ctx.seed, plan.round_idx, task.client))
+        return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
+                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": down,
+                                     "bytes_up": routed.payload_bytes()})
+
+    def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
         load_routed_state(self.worker, self.global_state, self.worker_regions)
         return Routed(self.worker, self.worker_regions)
 
-    def client_module(self, routed: Routed, client: int, round_idx: int, lr: float) -> L.LightningModule:
-        t = self.ctx.train
-        return SupervisedClient(routed.module, lr, t.momentum, t.weight_decay)
+    def client_module(self, routed: Routed, task: ClientTask, plan: RoundPlan):
+        """The LightningModule that trains ``routed.module`` (plain cross-entropy and SGD)."""
+        from fl_lightning.modules.supervised import SupervisedClient
 
-    def after_client(self, client: int, module: L.LightningModule, routed: Routed,
-                     result: ClientResult, lr: float) -> None:
-        """Per-client bookkeeping after local training (nothing for FedAvg)."""
+        t = self.ctx.train
+        return SupervisedClient(routed.module, plan.lr, t.momentum, t.weight_decay)
 
     def new_accumulator(self) -> SparseAccumulator:
         return SparseAccumulator(self.global_state, dense=self.dense)
 
-    def accumulate(self, acc: SparseAccumulator, routed: Routed, module: L.LightningModule,
-                   result: ClientResult) -> None:
-        acc.add(routed.module.state_dict(), float(result.num_samples), routed.regions)
+    def commit(self, acc: SparseAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
+        """Merge a finite result into the round's accumulators (weighted by its examples)."""
+        if result.update is not None:
+            acc.add(result.update.module.state_dict(), float(result.num_samples), result.update.regions)
 
     def round_tensors(self) -> Dict[str, torch.Tensor]:
         """Extra per-round sums to all-reduce across ranks (besides the accumulators)."""
@@ -90,18 +114,19 @@ class Algorithm:
         return {}
 
     def finish_round(self, new_state: Dict[str, torch.Tensor], sums: Dict[str, torch.Tensor],
-                     cohort: List[int], owned: List[int]) -> None:
+                     plan: RoundPlan, owned: List[int]) -> None:
         """Apply the aggregated tensors to the global model."""
         with torch.no_grad():
             for key, value in new_state.items():
                 self.global_state[key].copy_(value)
 
-    def evaluate(self, fabric, split: str, batch_size: int) -> Dict[str, float]:
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
         """Metrics of the global model on a server split ('val' or 'test'); ``acc`` is the
         figure that selects checkpoints on 'val'."""
-        data = self.ctx.extras["data"]
+        data = self.ctx.data
         dataset, indices = data.split(split)
-        return evaluate(fabric, self.ctx.model, dataset, indices, data.bundle.num_classes, batch_size)
+        return evaluate(self.ctx.fabric, self.ctx.model, dataset, indices, data.bundle.num_classes, batch_size)
 
     def report(self, summary: dict) -> str:
         """Text printed at the end of a run (tables of the final evaluation); empty by default."""

@@ -13,23 +13,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional, get_args
 
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.analysis import feast_accounting as accounting
-from fl_lightning.elastic.bn import recalibrate_bn
-from fl_lightning.elastic.envelope import full_param_count, route_envelope
-from fl_lightning.elastic.models.ofa_resnet import OFAResNet
-from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
+from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.client_data import eval_batches
-from fl_lightning.federation.evaluation import evaluate
-from fl_lightning.federation.seeding import derive_seed
-from fl_lightning.modules.feast_client import RULES, FeastClient
-from fl_lightning.modules.mixing import AlternatingMixer
+from fl_lightning.runtime.client_data import eval_batches
+from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.seeding import derive_seed
 
+Rule = Literal["full", "min_max_kd", "min_max", "min_only", "max_only"]
+MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
 INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # seed streams of the random intermediate and of Mixup/CutMix
 
 
@@ -57,8 +53,8 @@ class Feast(Algorithm):
 
     def __init__(self, cache: Optional[str] = None, retarget: bool = False, search: CacheSearch = CacheSearch(),
                  routing: bool = True,
-                 rule: str = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
-                 cutmix_alpha: float = 1.0, mix_schedule: str = "random", calib_batch_size: int = 100,
+                 rule: Rule = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
+                 cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate", calib_batch_size: int = 100,
                  kappa: float = 3.0):
         """
         Args:
@@ -74,9 +70,9 @@ class Feast(Algorithm):
             temperature: distillation temperature (1: no scaling).
             mixup_alpha: Mixup's Beta parameter (alternates with CutMix; 0 disables).
             cutmix_alpha: CutMix's Beta parameter (0 disables).
-            mix_schedule: how Mixup and CutMix alternate: random (each batch picks one with
-                probability 1/2, as the authors' DeepFedNAS code does), alternate (even / odd
-                batches), mixup, cutmix, or none.
+            mix_schedule: how Mixup and CutMix alternate: alternate (even / odd batches, the
+                paper's wording), random (each batch picks one with probability 1/2, as the
+                authors' DeepFedNAS code does), mixup, cutmix, or none.
             calib_batch_size: batch size of BN recalibration on the server's calibration split.
             kappa: forward-plus-backward factor of the training-MAC proxy (Eq. 26).
         """
@@ -87,25 +83,39 @@ class Feast(Algorithm):
 
     # -- set-up ---------------------------------------------------------------------------------
     def check(self, train) -> None:
-        if self.rule not in RULES:
-            raise ConfigError("algorithm.rule", f"must be one of {', '.join(RULES)}, got {self.rule!r}")
-        if not 0 <= self.rho_kd <= 1:
-            raise ConfigError("algorithm.rho_kd", f"must be in [0, 1], got {self.rho_kd}")
-        if self.mix_schedule not in ("random", "alternate", "mixup", "cutmix", "none"):
-            raise ConfigError("algorithm.mix_schedule", "must be random, alternate, mixup, cutmix or none")
-        if self.temperature <= 0:
-            raise ConfigError("algorithm.temperature", "must be > 0")
-        if self.cache_path is not None and not Path(self.cache_path).is_file():
-            raise ConfigError("algorithm.cache", f"no cache file at {self.cache_path}")
-        for i, seg in enumerate(self.search.segments):
-            if len(seg) != 4 or not 0 < seg[0] <= seg[1] or int(seg[2]) < 1:
-                raise ConfigError(f"algorithm.search.segments[{i}]", "must be [low MACs, high MACs, count >= 1, rho_0]")
+        s = self.search
+        checks = [
+            ("rule", self.rule in get_args(Rule), f"must be one of {', '.join(get_args(Rule))}"),
+            ("mix_schedule", self.mix_schedule in get_args(MixSchedule),
+             f"must be one of {', '.join(get_args(MixSchedule))}"),
+            ("rho_kd", 0 <= self.rho_kd <= 1, "must be in [0, 1]"),
+            ("temperature", self.temperature > 0, "must be > 0"),
+            ("mixup_alpha", self.mixup_alpha >= 0, "must be >= 0 (0 disables Mixup)"),
+            ("cutmix_alpha", self.cutmix_alpha >= 0, "must be >= 0 (0 disables CutMix)"),
+            ("calib_batch_size", self.calib_batch_size >= 1, "must be >= 1"),
+            ("kappa", self.kappa > 0, "must be > 0"),
+            ("search.population", s.population >= 2, "must be >= 2"),
+            ("search.generations", s.generations >= 1, "must be >= 1"),
+            ("search.mutation", 0 <= s.mutation <= 1, "must be in [0, 1]"),
+        ]
+        for key, ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr_path(self, key)!r}")
+        for i, seg in enumerate(s.segments):
+            if len(seg) != 4 or not 0 < seg[0] <= seg[1] or int(seg[2]) < 1 or not 0 < seg[3] <= 1:
+                raise ConfigError(f"algorithm.search.segments[{i}]",
+                                  f"must be [low MACs, high MACs >= low, count >= 1, rho_0 in (0, 1]], got {seg}")
+        if self.cache_path is not None:
+            check_cache_file(self.cache_path)
 
     def setup(self, ctx) -> None:
-        super().setup(ctx)
+        from fl_lightning.analysis import feast_accounting as accounting
+        from fl_lightning.elastic.models.ofa_resnet import OFAResNet
+
         if not isinstance(ctx.model, OFAResNet):
             raise ConfigError("model.name", "FEAST trains an ofa_resnet supernet")
-        data = ctx.extras["data"]
+        super().setup(ctx)
+        data = ctx.data
         if len(data.calib) == 0:
             raise ConfigError("data.calib_size", "FEAST recalibrates BN on server-held data; set it > 0")
         self.input_shape = tuple(data.bundle.input_shape)
@@ -120,29 +130,26 @@ class Feast(Algorithm):
         self.routed_params = accounting.client_routed_params(ctx.model, self.cache, self.sets)
         self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
         description = self.describe_population()
-        if ctx.fabric.is_global_zero:
+        if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(description)
-            run_dir = Path(ctx.extras["run_dir"])
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "accounting.json").write_text(json.dumps(self.accounting, indent=2))
+
+    def artifacts(self) -> Dict[str, str]:
+        """The cache the run trains (so a resumed or re-scored run uses the same one) and the
+        population's accounting."""
+        return {"cache.json": json.dumps(self.cache.to_dict(), indent=2),
+                "accounting.json": json.dumps(self.accounting, indent=2)}
 
     def _load_or_build_cache(self, ctx):
         from fl_lightning.elastic.search.cache import VariantCache, build_cache
         from fl_lightning.elastic.search.genetic import InfeasibleError
 
-        run_dir = Path(ctx.extras["run_dir"])
-        saved = run_dir / "cache.json"
+        saved = Path(ctx.run_dir) / "cache.json"
+        if ctx.resuming and saved.is_file():  # a resumed or re-scored run keeps the cache it started with
+            return VariantCache.load(saved, ctx.model)
         if self.cache_path is not None:
             if self.retarget:
-                cache = VariantCache.load(self.cache_path).retarget(ctx.model, self.input_shape)
-            else:
-                cache = VariantCache.load(self.cache_path, ctx.model)
-            if ctx.fabric.is_global_zero:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                cache.save(saved)
-            return cache
-        if ctx.extras.get("resuming") and saved.is_file():  # a resumed run keeps the cache it started with
-            return VariantCache.load(saved, ctx.model)
+                return VariantCache.load(self.cache_path).retarget(ctx.model, self.input_shape)
+            return VariantCache.load(self.cache_path, ctx.model)
         s = self.search
         try:
             cache = build_cache(ctx.model, self.input_shape, segments=[tuple(seg) for seg in s.segments],
@@ -150,17 +157,17 @@ class Feast(Algorithm):
                                 seed=s.seed)
         except InfeasibleError as error:
             raise ConfigError("algorithm.search.segments", str(error)) from None
-        if ctx.fabric.is_global_zero:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cache.save(saved)
         return cache
 
     def describe_population(self) -> str:
+        from fl_lightning.analysis import feast_accounting as accounting
+        from fl_lightning.elastic.envelope import full_param_count
+
         ctx = self.ctx
         summary = accounting.population_summary(self.cache, ctx.budgets.tolist(), ctx.client_sizes, self.routed_params)
         comm = accounting.communication(full_param_count(ctx.model), self.routed_params)
         compute = accounting.training_computation(self.cache, self.sets, ctx.client_sizes,
-                                                  ctx.extras.get("rounds", 1), ctx.extras.get("clients_per_round", 1),
+                                                  ctx.rounds, ctx.clients_per_round,
                                                   ctx.train.epochs, self.rule)
         footprints = accounting.parameter_footprints(ctx.model, self.cache, accounting.default_anchors(self.cache.macs))
         self.accounting = {"population": summary, "communication": comm, "computation": compute,
@@ -173,31 +180,33 @@ class Feast(Algorithm):
     def variants_of(self, client: int) -> list:
         return [self.cache.specs[j] for j in self.sets[client]]
 
-    def route(self, client: int, round_idx: int) -> Routed:
-        if self.routing:
-            return route_envelope(self.ctx.model, self.variants_of(client))
-        if not hasattr(self, "worker"):
-            self.worker = self.ctx.make_model().to(self.ctx.fabric.device)
-            self.worker_regions = full_region_map(self.worker.state_dict())
-        load_routed_state(self.worker, self.global_state, self.worker_regions)
-        return Routed(self.worker, self.worker_regions)
+    def route(self, task, plan) -> Routed:
+        from fl_lightning.elastic.envelope import route_envelope
 
-    def client_module(self, routed, client, round_idx, lr):
+        if self.routing:
+            return route_envelope(self.ctx.model, self.variants_of(task.client))
+        return super().route(task, plan)
+
+    def client_module(self, routed, task, plan):
+        from fl_lightning.modules.feast_client import FeastClient
+        from fl_lightning.modules.mixing import AlternatingMixer
+
         t = self.ctx.train
-        key = (self.ctx.seed, round_idx, client)
+        key = (self.ctx.seed, plan.round_idx, task.client)
         mixer = None
         if self.mix_schedule != "none":
-            mixer = AlternatingMixer(self.ctx.extras["data"].bundle.num_classes, self.mixup_alpha, self.cutmix_alpha,
+            mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
                                      schedule=self.mix_schedule, generator=_generator(MIXING_STREAM, *key))
-        sets = self.sets[client]
-        return FeastClient(routed.module, lr, t.momentum, t.weight_decay,
+        sets = self.sets[task.client]
+        return FeastClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                            variants=[(self.cache.specs[j], self.cache.macs[j]) for j in sets],
                            global_min=self.cache.specs[self.cache.global_min()], rho_kd=self.rho_kd,
                            temperature=self.temperature, mixer=mixer, generator=_generator(INTERMEDIATE_STREAM, *key),
                            rule=self.rule)
 
-    def after_client(self, client, module, routed, result, lr) -> None:
-        self._forward_macs += module.forward_macs()
+    def commit(self, acc, task, result, plan) -> None:
+        self._forward_macs += result.module.forward_macs()
+        super().commit(acc, task, result, plan)
 
     def round_tensors(self) -> Dict[str, torch.Tensor]:
         value = self._forward_macs.clone()
@@ -208,21 +217,29 @@ class Feast(Algorithm):
         return {"train_macs": float(sums["feast/forward_macs"]) * self.kappa}
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate_variant(self, fabric, index: int, split: str, batch_size: int) -> Dict[str, float]:
-        """Extract one cached variant, recalibrate its BN on the calibration split (fixed order,
-        no mixing), and score it."""
-        data = self.ctx.extras["data"]
-        subnet = self.ctx.model.extract(self.cache.specs[index]).module.to(fabric.device)
+    def calibrated_subnet(self, spec) -> torch.nn.Module:
+        """The plain subnet of ``spec`` with its BN statistics re-estimated on the calibration
+        split (fixed order, no mixing)."""
+        from fl_lightning.elastic.bn import recalibrate_bn
+
+        fabric, data = self.ctx.fabric, self.ctx.data
+        subnet = self.ctx.model.extract(spec).module.to(fabric.device)
         calib_set, calib_idx = data.split("calib")
         recalibrate_bn(subnet, (x for x, _ in eval_batches(calib_set, calib_idx, self.calib_batch_size, fabric.device)))
-        dataset, indices = data.split(split)
-        return evaluate(fabric, subnet, dataset, indices, data.bundle.num_classes, batch_size)
+        return subnet
 
-    def evaluate(self, fabric, split: str, batch_size: int) -> Dict[str, float]:
+    def evaluate_variant(self, index: int, split: str, batch_size: int) -> Dict[str, float]:
+        """Extract one cached variant, recalibrate its BN, and score it."""
+        data = self.ctx.data
+        subnet = self.calibrated_subnet(self.cache.specs[index])
+        dataset, indices = data.split(split)
+        return evaluate(self.ctx.fabric, subnet, dataset, indices, data.bundle.num_classes, batch_size)
+
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
         """Validation scores the served variants (enough for the population figure that selects
         checkpoints); the test set scores every cached variant."""
         indices = self.served if split == "val" else range(len(self.cache.specs))
-        per_variant = {j: self.evaluate_variant(fabric, j, split, batch_size) for j in indices}
+        per_variant = {j: self.evaluate_variant(j, split, batch_size) for j in indices}
         population = sum(per_variant[s[-1]]["acc"] for s in self.sets) / len(self.sets)
         out = {"acc": population, "mean_variant_acc": sum(v["acc"] for v in per_variant.values()) / len(per_variant)}
         out.update({f"variant{j:02d}_acc": v["acc"] for j, v in per_variant.items()})
@@ -250,3 +267,22 @@ class Feast(Algorithm):
 
 def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
+
+
+def getattr_path(obj, dotted: str):
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def check_cache_file(path: str) -> None:
+    """A variant cache must be a readable JSON file (checked before any work)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("algorithm.cache", f"no cache file at {path}")
+    try:
+        content = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError("algorithm.cache", f"{path} is not a JSON variant cache ({type(error).__name__})") from None
+    if not isinstance(content, dict):
+        raise ConfigError("algorithm.cache", f"{path} is not a JSON variant cache (expected an object)")

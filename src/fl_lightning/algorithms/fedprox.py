@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.errors import ConfigError
-from fl_lightning.modules.proximal import ProximalClient
 
 
 class FedProx(FedAvg):
@@ -21,6 +20,8 @@ class FedProx(FedAvg):
         if self.mu < 0:
             raise ConfigError("algorithm.mu", f"must be >= 0, got {self.mu}")
 
-    def client_module(self, routed, client, round_idx, lr):
+    def client_module(self, routed, task, plan):
+        from fl_lightning.modules.proximal import ProximalClient
+
         t = self.ctx.train
-        return ProximalClient(routed.module, lr, t.momentum, t.weight_decay, mu=self.mu)
+        return ProximalClient(routed.module, plan.lr, t.momentum, t.weight_decay, mu=self.mu)

@@ -8,8 +8,7 @@ import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.client_store import ClientStateStore
-from fl_lightning.modules.control_variates import ControlVariateClient, option_ii_update
+from fl_lightning.runtime.client_store import ClientStateStore
 
 
 class Scaffold(FedAvg):
@@ -43,28 +42,33 @@ class Scaffold(FedAvg):
         # does not depend on how clients are spread over ranks.
         self._delta_c = {name: torch.zeros_like(v, dtype=torch.float64) for name, v in self.c.items()}
 
-    def client_module(self, routed, client, round_idx, lr):
-        c_i = self.store.get(client)
-        correction = [self.c[name] - c_i[name] for name in self.param_names]
-        return ControlVariateClient(routed.module, lr, correction, weight_decay=self.ctx.train.weight_decay)
+    def client_module(self, routed, task, plan):
+        from fl_lightning.modules.control_variates import ControlVariateClient
 
-    def after_client(self, client, module, routed, result, lr):
+        c_i = self.store.get(task.client)
+        correction = [self.c[name] - c_i[name] for name in self.param_names]
+        return ControlVariateClient(routed.module, plan.lr, correction, weight_decay=self.ctx.train.weight_decay)
+
+    def commit(self, acc, task, result, plan):
+        from fl_lightning.modules.control_variates import option_ii_update
+
+        super().commit(acc, task, result, plan)
         if result.steps == 0:
             return
-        c_i = self.store.get(client)
-        local = dict(module.model.named_parameters())
+        c_i = self.store.get(task.client)
+        local = dict(result.module.model.named_parameters())
         names = self.param_names
         new_c_i = option_ii_update([c_i[n] for n in names], [self.c[n] for n in names],
                                    [self.global_state[n] for n in names],
-                                   [local[n].detach() for n in names], result.steps, lr)
+                                   [local[n].detach() for n in names], result.steps, plan.lr)
         for name, value in zip(names, new_c_i):
             self._delta_c[name] += value - c_i[name]
-        self.store.set(client, dict(zip(names, new_c_i)))
+        self.store.set(task.client, dict(zip(names, new_c_i)))
 
     def round_tensors(self) -> Dict[str, torch.Tensor]:
         return {f"delta_c/{k}": v for k, v in self._delta_c.items()}
 
-    def finish_round(self, new_state, sums, cohort, owned):
+    def finish_round(self, new_state, sums, plan, owned):
         with torch.no_grad():
             for key, value in new_state.items():
                 old = self.global_state[key]
@@ -76,7 +80,7 @@ class Scaffold(FedAvg):
                 update = sums[f"delta_c/{name}"] / self.ctx.num_clients
                 self.c[name].add_(update.to(self.c[name].dtype))
                 self._delta_c[name].zero_()
-        self.store.sync(self.ctx.fabric, cohort, owned)
+        self.store.sync(self.ctx.fabric, plan.cohort, owned)
 
     def state_dict(self):
         state = {f"c/{k}": v for k, v in self.c.items()}

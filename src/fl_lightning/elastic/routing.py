@@ -21,10 +21,10 @@ class Routed:
     module: nn.Module
     regions: RegionMap
 
-    def payload_numel(self, parameters_only: bool = True) -> int:
-        """Number of values sent one way (parameters, or parameters and buffers)."""
-        names = dict(self.module.named_parameters()) if parameters_only else self.module.state_dict()
-        return sum(region.numel() for key, (_, region) in self.regions.items() if key in names)
+    def payload_bytes(self) -> int:
+        """Bytes of the routed tensors (parameters and buffers) sent one way."""
+        local = self.module.state_dict()
+        return sum(region.numel() * local[key].element_size() for key, (_, region) in self.regions.items())
 
 
 def full_region_map(state: Mapping[str, torch.Tensor]) -> RegionMap:

@@ -24,6 +24,10 @@ def save_checkpoint(state: Mapping[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict:
+def load_checkpoint(path: Path, map_location: Any = "cpu", key: str = "checkpoint") -> dict:
     """Load with ``weights_only=True``: tensors and primitive containers, never arbitrary objects."""
     return torch.load(Path(path), map_location=map_location, weights_only=True)
+
+
+def load_model_state(model, state: dict, path: Path, key: str = "checkpoint") -> None:
+    model.load_state_dict(state["model"])

@@ -1,71 +1,34 @@
-"""The Fabric round loop: sample, route, train clients, aggregate, evaluate, checkpoint.
+"""The Fabric round loop: plan, fit each client, aggregate, evaluate, checkpoint.
 
-Each rank trains a contiguous share of the round's cohort, one client after another. The only
+Each rank trains a contiguous share of the round's plan, one client after another (an
+algorithm whose clients share server state runs the whole plan on rank 0). The only
 cross-rank traffic is one all-reduce of the aggregation accumulators (plus whatever sums the
-algorithm asks for). Every random draw is keyed by (seed, round, client), so the result does
-not depend on how many ranks there are, and resuming from a checkpoint replays nothing.
+algorithm asks for) and a gather of the clients' log rows. Every random draw is keyed by
+(seed, round, client), so the result does not depend on how many ranks there are, and
+resuming from a checkpoint replays nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, List
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from tqdm import tqdm
 
-from fl_lightning.algorithms.base import Algorithm, RunContext
-from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
-from fl_lightning.data.federated import FederatedData, build_federated_data
-from fl_lightning.elastic.models import build_model
-from fl_lightning.federation.checkpoint import load_checkpoint, save_checkpoint
-from fl_lightning.federation.client_data import ClientData
-from fl_lightning.federation.collectives import all_reduce_sum
-from fl_lightning.federation.local_training import train_client
+from fl_lightning.errors import RunError
+from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
+from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.run_dir import JsonLines, RunDir
-from fl_lightning.federation.schedule import round_lr
-from fl_lightning.federation.seeding import (client_generator, derive_seed, sample_clients, seed_client,
-                                             shard_for_rank)
+from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
+from fl_lightning.runtime.plan import RoundPlan
+from fl_lightning.runtime.seeding import seed_client, shard_for_rank
 
-MODEL_INIT = 3  # seed stream of the global model's initialization
-
-
-@dataclass
-class RunSpec:
-    """Everything a run needs, resolved and validated by the CLI."""
-
-    name: str
-    out_dir: str
-    seed: int
-    data: DataConfig
-    partition: PartitionConfig
-    model: ModelConfig
-    train: LocalTrainConfig
-    federation: FederationConfig
-    eval: EvalConfig
-    fabric: FabricConfig
-    algorithm: Algorithm
-    resume_from: Optional[str] = None
-    config_yaml: str = ""
-    checkpoint_every: int = 1
-    stop_after: Optional[int] = None
-    extras: dict = field(default_factory=dict)
-
-
-def make_fabric(cfg: FabricConfig, loggers=None) -> Fabric:
-    return Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-                  strategy=cfg.strategy, precision=cfg.precision, loggers=loggers)
-
-
-def build_global_model(spec: RunSpec, fed: FederatedData) -> torch.nn.Module:
-    """The global model, identically initialized on every rank."""
-    torch.manual_seed(derive_seed(spec.seed, MODEL_INIT))
-    return build_model(spec.model.name, fed.bundle.num_classes, fed.bundle.input_shape, **spec.model.kwargs)
+NOT_SUMMED = ("round", "client", "loss")  # client-row keys that make no sense summed
 
 
 def run_fit(spec: RunSpec) -> dict:
@@ -84,28 +47,14 @@ class Federation:
     """One run on one rank: set-up, the round loop, evaluation, checkpoints, summary."""
 
     def __init__(self, fabric: Fabric, spec: RunSpec, run_dir: RunDir):
-        if spec.fabric.threads_per_rank:
-            torch.set_num_threads(spec.fabric.threads_per_rank)
         self.fabric, self.spec, self.run_dir = fabric, spec, run_dir
         self.is_zero = fabric.is_global_zero
-        self.fed = build_federated_data(spec.data, spec.partition, spec.seed)
-        bundle = self.fed.bundle
-        self.model = build_global_model(spec, self.fed).to(fabric.device)
-        self.algorithm = spec.algorithm
-        self.algorithm.setup(RunContext(
-            fabric=fabric, model=self.model,
-            make_model=lambda: build_model(spec.model.name, bundle.num_classes, bundle.input_shape,
-                                           **spec.model.kwargs),
-            num_clients=spec.partition.num_clients, client_sizes=[len(c) for c in self.fed.clients],
-            train=spec.train, seed=spec.seed, budgets=self.fed.budgets,
-            extras={"data": self.fed, "run_dir": run_dir.path, "rounds": spec.federation.rounds,
-                    "clients_per_round": spec.federation.clients_per_round,
-                    "resuming": spec.resume_from is not None}))
-        self.shards = [ClientData(bundle.train, idx, spec.train.batch_size, fabric.device) for idx in self.fed.clients]
+        self.ctx = build_context(spec, fabric, mode="fit")
+        self.model, self.algorithm, self.fed = self.ctx.model, spec.algorithm, self.ctx.data
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         if spec.resume_from:
-            state = load_checkpoint(spec.resume_from, map_location=fabric.device)
-            self.model.load_state_dict(state["model"])
+            state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume")
+            load_model_state(self.model, state, spec.resume_from, key="resume")
             self.algorithm.load_state_dict(state["algorithm"])
             self.start_round, self.best = int(state["round"]), dict(state["best"])
 
@@ -117,14 +66,14 @@ class Federation:
         bar = tqdm(range(self.start_round, end), initial=self.start_round, total=rounds, desc=spec.name,
                    unit="round", disable=not self.is_zero, dynamic_ncols=True)
         for round_idx in bar:
-            row, stats = self.run_round(round_idx)
+            row, clients = self.run_round(round_idx)
             if (round_idx + 1) % spec.eval.every == 0 or round_idx + 1 == rounds:
                 row.update(self.evaluate_round(round_idx))
-                if "test_acc" in row:
-                    bar.set_postfix(test_acc=f"{row['test_acc']:.4f}", refresh=False)
-                elif "val_acc" in row:
-                    bar.set_postfix(val_acc=f"{row['val_acc']:.4f}", refresh=False)
-            self._log_round(row, stats)
+                for key in ("test_acc", "val_acc"):
+                    if key in row:
+                        bar.set_postfix({key: f"{row[key]:.4f}"}, refresh=False)
+                        break
+            self._log_round(row, clients)
             if (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end:
                 self._save_last(round_idx + 1)
         bar.close()
@@ -133,7 +82,7 @@ class Federation:
         if end == rounds:
             summary.update(self.final_evaluation())
         if self.is_zero:
-            self.run_dir.summary.write_text(json.dumps(summary, indent=2))
+            self.run_dir.summary.write_text(json.dumps(finite_or_null(summary), indent=2))
             report = self.algorithm.report(summary)
             if report:
                 print(report)
@@ -141,38 +90,50 @@ class Federation:
             logger.finalize("success")
         return summary
 
-    def run_round(self, round_idx: int) -> tuple[dict, torch.Tensor]:
-        """Train the round's cohort (this rank's share) and aggregate across ranks."""
+    def owned_tasks(self, plan: RoundPlan) -> list:
+        """This rank's share of the plan (all of it on rank 0 for sequential-client methods)."""
+        fabric = self.fabric
+        if self.algorithm.sequential_clients:
+            return list(plan.tasks) if fabric.global_rank == 0 else []
+        return shard_for_rank(plan.tasks, fabric.global_rank, fabric.world_size)
+
+    def run_round(self, round_idx: int) -> tuple[dict, List[dict]]:
+        """Fit this rank's share of the plan, aggregate across ranks; returns the round's row
+        and every client's log row (in plan order)."""
         spec, fabric, algorithm = self.spec, self.fabric, self.algorithm
         started = time.perf_counter()
-        lr = round_lr(spec.train.lr, spec.train.lr_schedule, round_idx, spec.federation.rounds, spec.train.lr_decay)
-        cohort = sample_clients(spec.seed, round_idx, spec.partition.num_clients, spec.federation.clients_per_round)
-        owned = shard_for_rank(cohort, fabric.global_rank, fabric.world_size)
+        plan = algorithm.plan(round_idx)
+        owned = self.owned_tasks(plan)
         acc = algorithm.new_accumulator()
-        # Per cohort member: loss, samples, steps, seconds, bytes down, bytes up.
-        stats = torch.zeros(len(cohort), 6, dtype=torch.float64, device=fabric.device)
-        for client in owned:
-            seed_client(spec.seed, round_idx, client)
-            routed = algorithm.route(client, round_idx)
-            module = algorithm.client_module(routed, client, round_idx, lr)
-            result = train_client(fabric, module, self.shards[client], spec.train,
-                                  client_generator(spec.seed, round_idx, client), client)
-            algorithm.after_client(client, module, routed, result, lr)
-            algorithm.accumulate(acc, routed, module, result)
-            payload = _payload_bytes(routed, algorithm.global_state)
-            stats[cohort.index(client)] = torch.tensor(
-                [result.loss, result.num_samples, result.steps, result.seconds, payload, payload], dtype=torch.float64)
-        sums = all_reduce_sum(fabric, {**acc.tensors(), **algorithm.round_tensors(), "stats": stats})
+        rows: Dict[int, dict] = {}
+        committed = 0
+        for task in owned:
+            seed_client(spec.seed, round_idx, task.client)
+            result = algorithm.fit_client(task, plan)
+            problem = result.non_finite()
+            if problem is None:
+                algorithm.commit(acc, task, result, plan)
+                committed += 1
+                rows[task.client] = result.row()
+            else:  # left out of the round; the global model and the client's state stay as they were
+                rows[task.client] = {**result.row(), "skipped": problem}
+        sums = all_reduce_sum(fabric, {**acc.tensors(), **algorithm.round_tensors(),
+                                       "round/committed": torch.tensor(float(committed), dtype=torch.float64)})
+        rows = all_gather_objects(fabric, rows)
+        clients = [{"round": round_idx, "client": c, **rows[c]} for c in plan.cohort]
+        if int(sums["round/committed"]) == 0:
+            reasons = "; ".join(f"client {r['client']}: {r['skipped']}" for r in clients[:3])
+            raise RunError(f"round {round_idx}: every client's update was non-finite ({reasons}); "
+                           f"the last checkpoint holds round {self.last_saved}. Lower train.lr or set train.grad_clip")
         acc.load_tensors(sums)
-        algorithm.finish_round(acc.result(), sums, cohort, owned)
-        stats = sums["stats"].cpu()
-        row = _round_row(round_idx, lr, cohort, stats, time.perf_counter() - started)
+        algorithm.finish_round(acc.result(), sums, plan, [t.client for t in owned])
+        row = round_row(round_idx, plan.lr, clients, time.perf_counter() - started)
         row.update(algorithm.round_metrics(sums))
-        return row, stats
+        return row, clients
 
     # -- evaluation -----------------------------------------------------------------------------
     def _split_metrics(self, split: str) -> dict:
-        metrics = self.algorithm.evaluate(self.fabric, split, self.spec.eval.batch_size)
+        metrics = self.algorithm.evaluate(split, self.spec.eval.batch_size)
         return {f"{split}_{k}": v for k, v in metrics.items()}
 
     def evaluate_round(self, round_idx: int) -> dict:
@@ -180,7 +141,7 @@ class Federation:
         out = {}
         if len(self.fed.val):
             out.update(self._split_metrics("val"))
-            if out["val_acc"] > self.best["val_acc"]:
+            if out["val_acc"] > self.best["val_acc"] and model_is_finite(self.model):
                 self.best = {"val_acc": out["val_acc"], "round": round_idx}
                 if self.is_zero:
                     save_checkpoint({"model": self.model.state_dict(), "round": round_idx + 1, "best": self.best},
@@ -199,55 +160,74 @@ class Federation:
         if self.best["round"] == self.spec.federation.rounds - 1:  # best.ckpt is the last model
             summary["best"] = {**self.best, **test}
         elif self.run_dir.best.exists():
-            best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device)
-            self.model.load_state_dict(best["model"])
+            best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device, key="checkpoint")
+            load_model_state(self.model, best, self.run_dir.best, key="checkpoint")
             summary["best"] = {**self.best, **self._split_metrics("test")}
         return summary
 
     # -- outputs --------------------------------------------------------------------------------
     def _open_outputs(self) -> None:
         keep = self.start_round if self.spec.resume_from else None
+        self.last_saved = self.start_round
         if self.is_zero:
             self.run_dir.create()
             (self.run_dir.path / "config.yaml").write_text(self.spec.config_yaml)
+            for name, text in self.algorithm.artifacts().items():
+                (self.run_dir.path / name).write_text(text)
             save_checkpoint(self.fed.state_dict(), self.run_dir.path / "partition.pt")
             self.metrics = JsonLines(self.run_dir.metrics, keep)
             self.client_log = JsonLines(self.run_dir.clients, keep)
         self.fabric.barrier()
 
-    def _log_round(self, row: dict, stats: torch.Tensor) -> None:
-        round_idx, cohort = row["round"], row.pop("cohort")
+    def _log_round(self, row: dict, clients: List[dict]) -> None:
+        round_idx = row["round"]
         self.fabric.log_dict({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "round"},
                              step=round_idx)
         if not self.is_zero:
             return
-        self.metrics.write(row)
-        for client, s in zip(cohort, stats.tolist()):
-            self.client_log.write({"round": round_idx, "client": client, "loss": s[0], "samples": int(s[1]),
-                                   "steps": int(s[2]), "seconds": s[3]})
+        self.metrics.write(finite_or_null(row))
+        for client in clients:
+            self.client_log.write(finite_or_null(client))
 
     def _save_last(self, rounds_done: int) -> None:
         if self.is_zero:
             save_checkpoint({"model": self.model.state_dict(), "algorithm": self.algorithm.state_dict(),
                              "round": rounds_done, "best": self.best}, self.run_dir.last)
+        self.last_saved = rounds_done
 
 
-def _payload_bytes(routed, global_state) -> float:
-    """Bytes of the routed tensors (parameters and buffers) in the server's precision."""
-    return float(sum(region.numel() * global_state[key].element_size()
-                     for key, region in routed.regions.values()))
-
-
-def _round_row(round_idx: int, lr: float, cohort: list, stats: torch.Tensor, seconds: float) -> dict:
-    samples = stats[:, 1]
-    return {
+def round_row(round_idx: int, lr: float, clients: List[dict], seconds: float) -> dict:
+    """The round's figures from its clients' rows: the sample-weighted loss of the committed
+    clients, and ``sum/<key>`` over the cohort for every numeric client metric (traffic
+    counts whether or not the client was committed)."""
+    committed = [c for c in clients if "skipped" not in c]
+    samples = sum(c["samples"] for c in committed)
+    row = {
         "round": round_idx,
         "lr": lr,
-        "train_loss": float((stats[:, 0] * samples).sum() / samples.sum().clamp_min(1)),
+        "train_loss": sum(c["loss"] * c["samples"] for c in committed) / max(samples, 1),
         "round_seconds": seconds,
-        "client_seconds_max": float(stats[:, 3].max()),
-        "bytes_sent": float(stats[:, 4].sum()),
-        "bytes_received": float(stats[:, 5].sum()),
-        "clients": len(cohort),
-        "cohort": cohort,
+        "client_seconds_max": max((c.get("seconds", 0.0) for c in clients), default=0.0),
+        "clients": len(clients),
+        "clients_skipped": len(clients) - len(committed),
     }
+    for client in clients:
+        for key, value in client.items():
+            if key not in NOT_SUMMED and isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[f"sum/{key}"] = row.get(f"sum/{key}", 0) + value
+    return row
+
+
+def model_is_finite(model: torch.nn.Module) -> bool:
+    return all(torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point())
+
+
+def finite_or_null(value):
+    """``value`` with NaN and inf floats replaced by None, so it is valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value

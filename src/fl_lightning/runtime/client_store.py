@@ -6,7 +6,7 @@ from typing import Callable, Dict, Iterable, Mapping
 
 import torch
 
-from fl_lightning.federation.collectives import all_reduce_sum
+from fl_lightning.runtime.collectives import all_reduce_sum
 
 ClientState = Dict[str, torch.Tensor]
 

@@ -7,17 +7,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
-from fl_lightning.federation.client_data import eval_batches
-from fl_lightning.federation.seeding import shard_for_rank
+from fl_lightning.runtime.client_data import eval_batches
+from fl_lightning.runtime.seeding import shard_for_rank
 
 
 @torch.no_grad()
 def evaluate(fabric, model: nn.Module, dataset, indices: Optional[torch.Tensor], num_classes: int,
              batch_size: int = 512) -> dict:
     """Top-1 accuracy and mean cross-entropy; each rank scores a share of the examples."""
+    from torchmetrics import MeanMetric  # deferred: importing torchmetrics takes seconds
+    from torchmetrics.classification import MulticlassAccuracy
+
     if indices is None:
         indices = torch.arange(len(dataset))
     if len(indices) == 0:

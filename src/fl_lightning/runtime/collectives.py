@@ -1,8 +1,8 @@
-"""Cross-rank sums in one collective."""
+"""Cross-rank sums in one collective, and a gather of small per-client objects."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -24,3 +24,16 @@ def all_reduce_sum(fabric, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.
         out[key] = flat[offset:offset + n].view(t.shape).to(t.dtype)
         offset += n
     return out
+
+
+def all_gather_objects(fabric, items: Dict[int, Any]) -> Dict[int, Any]:
+    """Merge every rank's ``{key: picklable}`` into one dict on every rank (small objects:
+    the clients' log rows)."""
+    if fabric.world_size == 1:
+        return dict(items)
+    gathered: List[Dict[int, Any]] = [None] * fabric.world_size
+    torch.distributed.all_gather_object(gathered, items)
+    merged: Dict[int, Any] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged

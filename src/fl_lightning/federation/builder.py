@@ -1,0 +1,89 @@
+"""From a resolved config to a set-up run: Fabric, data, global model, algorithm.
+
+``fit``, ``evaluate`` and ``extract`` build their run here, so a saved run is re-scored with
+exactly the data, model and algorithm state it was trained with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.fabric import Fabric
+
+from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
+                                 ModelConfig, PartitionConfig)
+from fl_lightning.data.federated import FederatedData, build_federated_data
+from fl_lightning.elastic.models import build_model
+from fl_lightning.runtime.client_data import ClientData
+from fl_lightning.runtime.context import RunContext
+from fl_lightning.runtime.seeding import derive_seed
+
+MODEL_INIT = 3  # seed stream of the global model's initialization
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs, resolved and validated by the CLI."""
+
+    name: str
+    out_dir: str
+    seed: int
+    data: DataConfig
+    partition: PartitionConfig
+    model: ModelConfig
+    train: LocalTrainConfig
+    federation: FederationConfig
+    eval: EvalConfig
+    fabric: FabricConfig
+    algorithm: Any
+    """The server-side algorithm (an ``fl_lightning.algorithms.Algorithm``)."""
+    resume_from: Optional[str] = None
+    config_yaml: str = ""
+    checkpoint_every: int = 1
+    stop_after: Optional[int] = None
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+
+def make_fabric(cfg: FabricConfig, loggers=None) -> Fabric:
+    return Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                  strategy=cfg.strategy, precision=cfg.precision, loggers=loggers)
+
+
+def set_threads(fabric: Fabric, cfg: FabricConfig) -> None:
+    """torch's intra-op threads on this rank (``threads_per_rank``; None keeps Lightning's
+    ``cores // ranks``). Float reductions split over threads round differently, so only equal
+    thread counts give bit-identical results across rank counts (docs/runtime.md)."""
+    if cfg.threads_per_rank:
+        torch.set_num_threads(cfg.threads_per_rank)
+
+
+def build_global_model(spec: RunSpec, fed: FederatedData) -> torch.nn.Module:
+    """The global model, identically initialized on every rank."""
+    torch.manual_seed(derive_seed(spec.seed, MODEL_INIT))
+    return build_model(spec.model.name, fed.bundle.num_classes, fed.bundle.input_shape, **spec.model.kwargs)
+
+
+def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"] = "fit") -> RunContext:
+    """Data, global model and client shards on this rank, with the algorithm set up on them.
+
+    Nothing is written: an algorithm that refuses the set-up (a ConfigError) leaves no trace.
+    """
+    set_threads(fabric, spec.fabric)
+    fed = build_federated_data(spec.data, spec.partition, spec.seed)
+    bundle = fed.bundle
+    model = build_global_model(spec, fed).to(fabric.device)
+    shards = [ClientData(bundle.train, idx, spec.train.batch_size, fabric.device) for idx in fed.clients]
+    ctx = RunContext(
+        fabric=fabric, model=model,
+        make_model=lambda: build_model(spec.model.name, bundle.num_classes, bundle.input_shape, **spec.model.kwargs),
+        data=fed, shards=shards, train=spec.train, seed=spec.seed, rounds=spec.federation.rounds,
+        clients_per_round=spec.federation.clients_per_round, run_dir=spec.run_path, mode=mode,
+        resuming=mode == "evaluate" or spec.resume_from is not None)
+    spec.algorithm.setup(ctx)
+    return ctx

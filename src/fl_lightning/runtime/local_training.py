@@ -1,0 +1,66 @@
+"""One client's local training, driven by the loop rather than a Trainer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fl_lightning.config import LocalTrainConfig
+from fl_lightning.runtime.client_data import ClientData
+
+if TYPE_CHECKING:
+    import lightning as L
+
+
+@dataclass
+class LocalFit:
+    """What a pass of local training did."""
+
+    num_samples: int
+    steps: int
+    loss: float
+    """Mean of the module's returned loss over the steps."""
+    seconds: float
+
+
+def train_locally(fabric, module: "L.LightningModule", data: ClientData, cfg: LocalTrainConfig,
+                  generator: torch.Generator) -> LocalFit:
+    """Run ``cfg.epochs`` epochs (or ``cfg.steps`` steps) of ``module.training_step``.
+
+    Fabric's public API does the precision work: ``fabric.autocast`` around the step,
+    ``fabric.backward`` (also behind the module's ``manual_backward``, since the module is
+    given ``fabric``), ``fabric.clip_gradients`` and the step of an optimizer set up by
+    Fabric. ``on_before_optimizer_step`` lets a module correct gradients (SCAFFOLD) after
+    clipping, where a Trainer calls it.
+
+    A module with ``automatic_optimization = False`` backpropagates inside ``training_step``
+    (several passes per batch, each through ``self.manual_backward``) and returns the loss to
+    report; this loop still zeroes, clips and steps once per batch.
+    """
+    start = time.perf_counter()
+    module.fabric = fabric
+    raw_optimizer = module.configure_optimizers()
+    optimizer = fabric.setup_optimizers(raw_optimizer)
+    module.train()
+    manual = not module.automatic_optimization
+    batches = data.steps(cfg.steps, generator) if cfg.steps else (
+        b for _ in range(cfg.epochs) for b in data.epoch(generator))
+    total, steps = None, 0
+    for steps, batch in enumerate(batches, start=1):
+        optimizer.zero_grad(set_to_none=True)
+        with fabric.autocast():
+            loss = module.training_step(batch, steps - 1)
+        if not manual:
+            fabric.backward(loss)
+        if cfg.grad_clip is not None:
+            fabric.clip_gradients(module, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
+        module.on_before_optimizer_step(raw_optimizer)
+        optimizer.step()
+        total = loss.detach() if total is None else total + loss.detach()
+    mean_loss = float(total) / steps if steps else 0.0
+    module.fabric = None
+    return LocalFit(len(data), steps, mean_loss, time.perf_counter() - start)

@@ -1,0 +1,43 @@
+"""A round's plan: which clients train, and what each of them trains.
+
+An algorithm decides the plan once per round from state that every rank holds identically
+(the seed, the round index, last round's aggregated figures), so every rank computes the same
+plan and the loop reads it top to bottom.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ClientTask:
+    """What one client does in a round."""
+
+    client: int
+    """Client id (index into the partition)."""
+    spec: Any = None
+    """Operating point the client trains: a width, a subnet spec, an envelope (None: the whole model)."""
+    cut: Optional[str] = None
+    """Block boundary where the model is split between client and server (split learning)."""
+    options: Dict[str, Any] = field(default_factory=dict)
+    """Anything else the algorithm's client fit needs to know (logged with the plan)."""
+
+
+@dataclass
+class RoundPlan:
+    """The cohort of one round in order, with the learning rate every client uses."""
+
+    round_idx: int
+    lr: float
+    tasks: List[ClientTask]
+
+    @property
+    def cohort(self) -> List[int]:
+        return [task.client for task in self.tasks]
+
+    def __post_init__(self):
+        clients = self.cohort
+        if len(set(clients)) != len(clients):
+            raise ValueError(f"round {self.round_idx}: a client appears twice in the plan {clients}")

@@ -1,0 +1,55 @@
+"""What a client fit hands back to the loop."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from fl_lightning.elastic.routing import Routed
+
+
+@dataclass
+class ClientResult:
+    """One client's round: its trained tensors, its figures and its traffic.
+
+    ``metrics`` become the client's row in ``clients.jsonl`` (and round totals in TensorBoard):
+    every fit reports ``steps`` and ``seconds``, and the traffic it measured where it happened,
+    ``bytes_down`` (server to client) and ``bytes_up`` (client to server).
+    """
+
+    client: int
+    num_samples: int
+    """Examples the client trained on; the default aggregation weight."""
+    loss: float
+    """Mean training loss over the client's steps."""
+    update: Optional[Routed] = None
+    """The trained local model and the map back to global positions (None: nothing to aggregate)."""
+    module: Any = None
+    """The module that trained (a LightningModule), for the algorithm's per-client bookkeeping."""
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return int(self.metrics.get("steps", 0))
+
+    def row(self) -> Dict[str, float]:
+        """The client's log row."""
+        return {"loss": self.loss, "samples": self.num_samples, **self.metrics}
+
+    def non_finite(self) -> Optional[str]:
+        """Why this result must not be aggregated (a NaN or inf loss or update), else None."""
+        if not math.isfinite(self.loss):
+            return f"non-finite training loss ({self.loss})"
+        if self.update is not None:
+            tensors = [t for t in self.update.module.state_dict().values() if t.is_floating_point()]
+            if tensors:
+                # One reduction and one host sync: NaN and inf survive the sum.
+                total = torch.stack([torch.sum(t.detach(), dtype=torch.float64) for t in tensors]).sum()
+                if not torch.isfinite(total):
+                    bad = [k for k, t in self.update.module.state_dict().items()
+                           if t.is_floating_point() and not torch.isfinite(t).all()]
+                    return f"non-finite values in the update ({', '.join(bad[:3])})"
+        return None

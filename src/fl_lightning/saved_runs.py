@@ -1,0 +1,57 @@
+"""Open a saved run again (``evaluate``, ``extract``): its config, data, model and algorithm,
+built by the same run builder as ``fit``, with a checkpoint's weights loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fl_lightning.config import FabricConfig
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
+from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state
+from fl_lightning.federation.run_dir import RunDir
+from fl_lightning.runtime.context import RunContext
+
+
+@dataclass
+class SavedRun:
+    spec: RunSpec
+    ctx: RunContext
+    checkpoint: Path
+    round: int
+    """Rounds done when the checkpoint was written."""
+
+
+def load_run_spec(run: Path) -> RunSpec:
+    """The run's saved config, parsed and instantiated exactly as ``fit`` parsed it."""
+    from fl_lightning.cli import build_parser
+
+    if not (run / "config.yaml").is_file():
+        raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
+    parser = build_parser()
+    args = parser.instantiate(parser.parse_args(["fit", "--config", str(run / "config.yaml")])).fit
+    return RunSpec(name=run.name, out_dir=str(run.parent), seed=args.seed, data=args.data,
+                   partition=args.partition, model=args.model, train=args.train, federation=args.federation,
+                   eval=args.eval, fabric=args.fabric, algorithm=args.algorithm)
+
+
+def checkpoint_path(run: Path, checkpoint: str) -> Path:
+    """'best', 'last' or a path, checked to exist."""
+    run_dir = RunDir(str(run.parent), run.name)
+    path = Path({"best": run_dir.best, "last": run_dir.last}.get(checkpoint, checkpoint))
+    if not path.is_file():
+        raise ConfigError("checkpoint", f"no checkpoint at {path}")
+    return path
+
+
+def open_saved_run(run: Path, checkpoint: str, fabric_cfg: FabricConfig) -> SavedRun:
+    """Launch Fabric with ``fabric_cfg`` and rebuild the run around the checkpoint's weights."""
+    spec = replace(load_run_spec(run), fabric=fabric_cfg)
+    path = checkpoint_path(run, checkpoint)
+    fabric = make_fabric(fabric_cfg)
+    fabric.launch()
+    state = load_checkpoint(path, map_location=fabric.device, key="checkpoint")
+    ctx = build_context(spec, fabric, mode="evaluate")
+    load_model_state(ctx.model, state, path, key="checkpoint")
+    return SavedRun(spec, ctx, path, int(state.get("round", 0)))

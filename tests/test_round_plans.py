@@ -1,0 +1,157 @@
+"""The round-plan interface: plans the loop follows, client fits that report their own
+metrics, non-finite clients left out, sequential-client methods on several ranks."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_lightning.algorithms import FedAvg
+from fl_lightning.cli import main
+from fl_lightning.config import FederationConfig, LocalTrainConfig
+from fl_lightning.elastic.routing import Routed
+from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.federation.loop import run_fit
+from fl_lightning.runtime import ClientTask, RoundPlan
+
+
+class FixedCohort(FedAvg):
+    """Trains the given clients every round, each with its own learning-rate factor, and adds a
+    metric of its own to every client's row."""
+
+    def __init__(self, clients, lr_factor=None):
+        self.clients, self.lr_factor = list(clients), dict(lr_factor or {})
+
+    def plan(self, round_idx):
+        tasks = [ClientTask(c, options={"lr_factor": self.lr_factor.get(c, 1.0)}) for c in self.clients]
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def client_module(self, routed, task, plan):
+        module = super().client_module(routed, task, plan)
+        module.lr = plan.lr * task.options["lr_factor"]
+        return module
+
+    def fit_client(self, task, plan):
+        result = super().fit_client(task, plan)
+        result.metrics["weight_norm"] = float(sum(p.detach().pow(2).sum() for p in result.update.module.parameters()))
+        return result
+
+
+def rows(spec, name):
+    path = Path(spec.out_dir) / spec.name / name
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def model_of(spec):
+    return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")["model"]
+
+
+def test_loop_follows_the_plan_and_logs_the_fit_metrics(spec_factory):
+    spec = spec_factory(name="fixed", algorithm=FixedCohort([4, 1]),
+                        federation=FederationConfig(rounds=2, clients_per_round=3))
+    run_fit(spec)
+    clients = rows(spec, "clients.jsonl")
+    assert [(r["round"], r["client"]) for r in clients] == [(0, 4), (0, 1), (1, 4), (1, 1)]
+    assert all(r["weight_norm"] > 0 for r in clients)
+    metrics = rows(spec, "metrics.jsonl")
+    for m in metrics:
+        mine = [r for r in clients if r["round"] == m["round"]]
+        assert m["sum/weight_norm"] == pytest.approx(sum(r["weight_norm"] for r in mine))
+        assert m["clients"] == 2
+
+
+def test_a_diverging_client_is_left_out_and_logged(spec_factory):
+    """Client 1 trains with a learning rate that overflows; the round goes on without it, so
+    the model equals a run whose plan never had client 1."""
+    train = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05)
+    diverging = spec_factory(name="div", algorithm=FixedCohort([0, 1, 2], lr_factor={1: 1e30}), train=train,
+                             federation=FederationConfig(rounds=2, clients_per_round=3))
+    summary = run_fit(diverging)
+    without = spec_factory(name="without", algorithm=FixedCohort([0, 2]), train=train,
+                           federation=FederationConfig(rounds=2, clients_per_round=3))
+    run_fit(without)
+    for key, value in model_of(without).items():
+        assert torch.equal(value, model_of(diverging)[key]), key
+    skipped = [r for r in rows(diverging, "clients.jsonl") if "skipped" in r]
+    assert [(r["round"], r["client"]) for r in skipped] == [(0, 1), (1, 1)]
+    assert "non-finite" in skipped[0]["skipped"]
+    assert all(m["clients_skipped"] == 1 for m in rows(diverging, "metrics.jsonl"))
+    saved = json.loads((Path(diverging.out_dir) / "div" / "summary.json").read_text())
+    assert saved["final"]["test_acc"] == summary["final"]["test_acc"]
+    best = load_checkpoint(Path(diverging.out_dir) / "div" / "checkpoints" / "best.ckpt")["model"]
+    assert all(torch.isfinite(t).all() for t in best.values() if t.is_floating_point())
+
+
+def test_a_round_where_every_client_diverges_stops_the_run(tmp_path, capsys):
+    out = tmp_path / "runs"
+    code = main(["fit", "--data.name", "digits", "--data.val_size", "100", "--partition.num_clients", "4",
+                 "--federation.rounds", "3", "--federation.clients_per_round", "2", "--train.lr", "1e30",
+                 "--fabric.accelerator", "cpu", "--out_dir", str(out), "--name", "nan"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 1
+    assert len(err) == 1 and "round 0: every client's update was non-finite" in err[0]
+    assert not (out / "nan" / "checkpoints" / "best.ckpt").exists()
+    assert not (out / "nan" / "checkpoints" / "last.ckpt").exists()
+
+
+class Cyclic(FedAvg):
+    """Within a round each client continues from the previous client's model (cyclic /
+    sequential training): the result depends on the order, so the cohort must run in order."""
+
+    sequential_clients = True
+
+    def route(self, task, plan):
+        if task.client == plan.cohort[0]:
+            return super().route(task, plan)
+        return Routed(self.worker, self.worker_regions)
+
+    def commit(self, acc, task, result, plan):
+        if task.client == plan.cohort[-1]:
+            acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
+
+
+SCRIPT = """
+import sys
+from fl_lightning.algorithms import FedAvg
+from fl_lightning.config import *
+from fl_lightning.elastic.routing import Routed
+from fl_lightning.federation.builder import RunSpec
+from fl_lightning.federation.loop import run_fit
+
+{cyclic}
+
+devices, sequential, name = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+Cyclic.sequential_clients = sequential
+run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=Cyclic(),
+                data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
+                model=ModelConfig(name="cnn"), train=LocalTrainConfig(batch_size=16, lr=0.05),
+                federation=FederationConfig(rounds=2, clients_per_round=4), eval=EvalConfig(every=2),
+                fabric=FabricConfig(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")))
+"""
+
+
+def test_sequential_clients_on_two_ranks_match_one_rank(tmp_path):
+    import inspect
+
+    script = tmp_path / "cyclic.py"
+    source = inspect.getsource(Cyclic)
+    script.write_text(SCRIPT.format(cyclic=source))
+
+    def run(devices, sequential, name):
+        done = subprocess.run([sys.executable, str(script), str(devices), sequential, name, str(tmp_path)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return load_checkpoint(tmp_path / name / "checkpoints" / "last.ckpt")["model"]
+
+    one, two = run(1, "1", "one"), run(2, "1", "two")
+    for key, value in one.items():
+        assert torch.equal(value, two[key]), key
+    # Without the flag each rank starts its share from the global model: another result.
+    parallel = run(2, "0", "parallel")
+    assert any(not torch.equal(v, parallel[k]) for k, v in one.items() if v.is_floating_point())
+    assert all(math.isfinite(float(v.float().sum())) for v in one.values())
