@@ -44,11 +44,11 @@ PARTITION = PartitionConfig(method="iid", num_clients=CLIENTS)
 TRAIN = LocalTrainConfig(epochs=EPOCHS, batch_size=BATCH, lr=0.05, momentum=0.9)
 
 
-def make_spec(out_dir: str, rounds: int, name: str) -> RunSpec:
+def make_spec(out_dir: str, rounds: int, name: str, threads: int = 1) -> RunSpec:
     return RunSpec(name=name, out_dir=out_dir, seed=0, data=DATA, partition=PARTITION,
                    model=MODEL, train=TRAIN,
                    federation=FederationConfig(rounds=rounds, clients_per_round=CLIENTS),
-                   eval=EvalConfig(every=10**6), fabric=FabricConfig(accelerator="cpu"),
+                   eval=EvalConfig(every=10**6), fabric=FabricConfig(accelerator="cpu", threads_per_rank=threads),
                    algorithm=FedAvg(), checkpoint_every=10**6)
 
 
@@ -110,7 +110,7 @@ def main() -> None:
         fed_times, bare_times = [], []
         # Interleave the two so that machine noise hits both alike.
         for rep in range(2):
-            run_fit(make_spec(out, args.rounds, f"fl{rep}"))
+            run_fit(make_spec(out, args.rounds, f"fl{rep}", args.threads))
             fed_times += round_seconds(Path(out) / f"fl{rep}")[1:]
             bare_times += bare_round_seconds(make_spec(out, args.rounds, "bare"), args.rounds)[1:]
         fed, bare = statistics.median(fed_times), statistics.median(bare_times)
