@@ -21,10 +21,11 @@ class Routed:
     module: nn.Module
     regions: RegionMap
 
-    def payload_numel(self, parameters_only: bool = True) -> int:
-        """Number of values sent one way (parameters, or parameters and buffers)."""
-        names = dict(self.module.named_parameters()) if parameters_only else self.module.state_dict()
-        return sum(region.numel() for key, (_, region) in self.regions.items() if key in names)
+    def payload_bytes(self) -> int:
+        """Bytes sent one way: every routed position (parameters and buffers) at the size of
+        the local tensor's element, what the federation loop counts as traffic down and up."""
+        state = self.module.state_dict()
+        return sum(region.numel() * state[key].element_size() for key, (_, region) in self.regions.items())
 
 
 def full_region_map(state: Mapping[str, torch.Tensor]) -> RegionMap:
