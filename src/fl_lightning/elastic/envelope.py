@@ -10,9 +10,10 @@ channels of the *largest* globally allowed expansion at its routed width, so eve
 choice stays available and a chosen ``e_l`` activates a leading slice at run time. The
 envelope spec therefore carries the maximal expansion in every stage.
 
-Routing builds that reduced supernet directly at its size (never a copy of the global model),
-copies leading slices of the global tensors into it and records the map back to global
-positions. Communication accounting (Supp. C, Eq. 16): a round costs ``2 * sum_i P_i``
+Routing is the model's elastic extraction of the envelope spec
+(``model.extract(envelope, elastic=True)``): it builds that reduced supernet directly at its
+size (never a copy of the global model), copies leading slices of the global tensors into it
+and records the map back to global positions. Communication accounting (Supp. C, Eq. 16): a round costs ``2 * sum_i P_i``
 parameters with routing against ``2 * m * P`` for sending the full supernet.
 """
 
@@ -49,23 +50,21 @@ def envelope(specs: Iterable[OFASpec], max_expansion: Optional[float] = None) ->
     return OFASpec(d, (float(max_expansion),) * stages, w)
 
 
-def _reduced(model: OFAResNet, specs: Sequence[OFASpec]) -> OFAResNet:
-    """The reduced supernet for ``specs``, on the meta device (no storage yet)."""
-    specs = [model.check_spec(s) for s in specs]
-    bounds = envelope(specs, model.max_expansion)
-    with torch.device("meta"):
-        return model.reduced(bounds)
+def _bounds(model: OFAResNet, specs: Sequence[OFASpec]) -> OFASpec:
+    return envelope([model.check_spec(s) for s in specs], model.max_expansion)
 
 
 def route_envelope(model: OFAResNet, specs: Iterable[OFASpec]) -> Routed:
     """A reduced elastic supernet that can activate every spec in ``specs``, holding copies of
-    the global leading slices, with the map from its state keys to global positions."""
-    return model.route(_reduced(model, list(specs)))
+    the global leading slices, with the map from its state keys to global positions: the
+    elastic extraction of the envelope."""
+    return model.extract(_bounds(model, list(specs)), elastic=True)
 
 
 def routed_param_count(model: OFAResNet, specs: Iterable[OFASpec]) -> int:
     """``P_i``: parameters a client with affordable set ``specs`` receives (and returns)."""
-    return _num_params(_reduced(model, list(specs)))
+    with torch.device("meta"):
+        return _num_params(model.build_local(_bounds(model, list(specs)), elastic=True))
 
 
 def full_param_count(model: OFAResNet) -> int:

@@ -25,6 +25,7 @@ class Region:
     """Positions of a global tensor covered by a local tensor."""
 
     global_shape: torch.Size
+    local_shape: torch.Size  # shape of the client's tensor
 
     def gather(self, full: torch.Tensor) -> torch.Tensor:
         """A new tensor in the local layout holding ``full`` at the covered positions."""
@@ -126,7 +127,7 @@ class Mask(Region):
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask.bool()
-        self.global_shape = self.mask.shape
+        self.global_shape = self.local_shape = self.mask.shape
 
     def gather(self, full):
         return torch.where(self.mask.to(full.device), full, torch.zeros((), dtype=full.dtype, device=full.device))

@@ -22,9 +22,10 @@ class Routed:
     regions: RegionMap
 
     def payload_bytes(self) -> int:
-        """Bytes of the routed tensors (parameters and buffers) sent one way."""
-        local = self.module.state_dict()
-        return sum(region.numel() * local[key].element_size() for key, (_, region) in self.regions.items())
+        """Bytes sent one way: every routed position (parameters and buffers) at the size of
+        the local tensor's element, what the federation loop counts as traffic down and up."""
+        state = self.module.state_dict()
+        return sum(region.numel() * state[key].element_size() for key, (_, region) in self.regions.items())
 
 
 def full_region_map(state: Mapping[str, torch.Tensor]) -> RegionMap:

@@ -15,9 +15,19 @@ learning are written against:
   state-dict key (parameters and buffers) -> (global key, region). ``kind`` is ``"leading"``
   (HeteroFL, FjORD, FEAST) or ``"rolling"`` (FedRolex, window start ``offset`` in every
   scaled dimension); models without a rolling meaning may refuse it.
-- ``extract(spec, kind, offset) -> Routed``: a plain module built directly at the subnet's size
-  holding copies of exactly those regions. ``write_back`` of an untouched extraction is the
-  identity, and in eval mode its forward equals the elastic forward after ``set_active(spec)``.
+- ``extract(spec, kind, offset, elastic=False) -> Routed``: the module a client holding that
+  subnet trains, built directly at the subnet's size (never a copy of the global model) and
+  holding copies of exactly those regions. Plain (``elastic=False``): a deployable network of
+  ordinary layers whose forward is the subnet's. Elastic: the same model class with ``spec`` as
+  its largest operating point, so ``set_active(q)`` for any ``q <= spec`` runs the subnet ``q``
+  of the global model there (FjORD's ordered dropout inside one local model, FEAST's reduced
+  supernet). ``write_back`` of an untouched extraction is the identity, and in eval mode its
+  forward equals the global model's after ``set_active(spec)``.
+
+  The mechanism lives here: a model says which regions a spec maps to (``regions``) and how
+  to build its local module (``build_local``); ``extract`` builds that module on the meta
+  device, materialises it on the global model's device and dtype, copies the routed slices in
+  and sets the global model's train/eval mode on it.
 - ``arch_key()``: a hashable description of the architecture (not the weights), which keys
   memoized per-spec figures such as MACs.
 - ``input_dtype``: None for real-valued inputs; token models set ``torch.long`` so that MAC
@@ -126,10 +136,54 @@ class ElasticModel(nn.Module, abc.ABC):
 
     # -- routing ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def regions(self, spec: Any, kind: str = "leading", offset: int = 0) -> RegionMap: ...
+    def regions(self, spec: Any, kind: str = "leading", offset: int = 0) -> RegionMap:
+        """Every state-dict key of the local model of ``spec`` -> (global key, region)."""
 
     @abc.abstractmethod
-    def extract(self, spec: Any, kind: str = "leading", offset: int = 0) -> Routed: ...
+    def build_local(self, spec: Any, elastic: bool) -> nn.Module:
+        """The local module of ``spec`` with arbitrary weights: plain layers at the subnet's
+        size, or (``elastic``) this model class with ``spec`` as its largest operating point.
+
+        :meth:`extract` calls it under ``torch.device("meta")`` with initialisers skipped
+        (:class:`uninitialized`), so building costs no memory and no initialisation work; its
+        state-dict keys and shapes must be those of
+        ``regions(routed_spec(spec, elastic))``.
+        """
+
+    def routed_spec(self, spec: Any, elastic: bool) -> Any:
+        """The spec whose regions the local model of ``spec`` holds: ``spec`` itself unless an
+        elastic local model needs more (the OFA supernet keeps every expansion choice)."""
+        return spec
+
+    def extract(self, spec: Any, kind: str = "leading", offset: int = 0, elastic: bool = False) -> Routed:
+        """The local model of ``spec`` holding copies of its regions, and the map back."""
+        spec = self.routed_spec(spec, elastic)
+        regions = self.regions(spec, kind, offset)
+        with torch.device("meta"), uninitialized():
+            module = self.build_local(spec, elastic)
+        _check_covered(module, regions)  # every tensor gets overwritten below
+        reference = next(t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point())
+        if reference.dtype != torch.get_default_dtype():
+            module = module.to(dtype=reference.dtype)  # on meta: no data to convert
+        module = module.to_empty(device=reference.device)
+        load_routed_state(module, self.state_dict(), regions)
+        if isinstance(module, ElasticModel):
+            module.set_active(module.max_spec())
+        return Routed(module.train(self.training), regions)
+
+
+def _check_covered(module: nn.Module, regions: RegionMap) -> None:
+    """The local module's tensors are exactly the regions' local tensors, shape for shape."""
+    tensors = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+    if set(tensors) != set(regions):
+        # e.g. a non-persistent buffer: it would keep arbitrary values
+        raise RuntimeError(f"local {type(module).__name__} and its regions disagree: only in the module "
+                           f"{sorted(set(tensors) - set(regions))}, only in the regions "
+                           f"{sorted(set(regions) - set(tensors))}")
+    for key, (_, region) in regions.items():
+        if tensors[key].shape != region.local_shape:
+            raise RuntimeError(f"local {key} has shape {tuple(tensors[key].shape)}, "
+                               f"its region {tuple(region.local_shape)}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,13 +244,27 @@ def _rolling(shape: torch.Size, local: Sequence[int], groups: tuple, offset: int
 
 REGION_KINDS: dict[str, Callable[..., Region]] = {"leading": _leading, "rolling": _rolling}
 
-# Initialisers that fill a fresh tensor in place; skipped while building a routing target.
+# Initialisers that fill a fresh tensor in place; skipped while building a local module.
 _INITIALISERS = frozenset({
     torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_,
     nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.constant_, nn.init.ones_,
     nn.init.zeros_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_,
     nn.init.xavier_normal_, nn.init.orthogonal_,
 })
+
+
+class uninitialized(TorchFunctionMode):
+    """Build modules without running their initialisers (tensors hold arbitrary values).
+
+    Extraction overwrites every tensor of the module it builds, so initialising it first would
+    only cost time; on the meta device an initialiser is no cheaper than on the CPU (it runs
+    PyTorch's Python reference implementation to find the output's shape).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _INITIALISERS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def kaiming_init(module: nn.Module) -> None:
@@ -210,55 +278,59 @@ def kaiming_init(module: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
-class uninitialized(TorchFunctionMode):
-    """Build modules without running their initialisers (tensors hold arbitrary values).
-
-    Extraction overwrites every tensor of the module it builds, so initialising it first would
-    only cost time (random number generation is most of a small model's construction).
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _INITIALISERS:
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
-
-
 class WidthElasticModel(ElasticModel):
     """An elastic model whose spec is one width ratio per stage (:class:`WidthSpec`).
 
-    Subclasses build their layers from ``self.kit`` (elastic or plain), ``tag`` every layer
-    with parameters, set ``self.channels`` (full channels per stage), and implement
-    :meth:`build_plain`, which constructs the same architecture with plain layers at given
-    per-stage channels. Regions, activation and extraction are then generic.
+    ``channels`` are the full (global) channels per stage, of which every spec's ratios are
+    taken; ``max_widths`` bounds the specs this instance holds (default: all ones). The layers
+    are built at ``held_channels = stage_channels(WidthSpec(max_widths))``, so a model with
+    smaller ``max_widths`` is a reduced copy whose specs keep their global meaning: its
+    ``set_active(q)`` runs the same subnet as the global model's.
+
+    Subclasses build their layers from ``self.kit`` (elastic or plain) at ``self.held_channels``,
+    ``tag`` every layer with parameters, and implement :meth:`build_local` (the same
+    architecture with other ``elastic`` / ``max_widths``). Regions and activation are generic.
     """
 
     spec_type = WidthSpec
 
-    def __init__(self, channels: Sequence[int], elastic: bool, min_width: float, **arch: Any):
-        super().__init__(channels=tuple(channels), elastic=elastic, min_width=min_width, **arch)
-        self.channels = tuple(int(c) for c in channels)
+    def __init__(self, channels: Sequence[int], elastic: bool, min_width: float,
+                 max_widths: Optional[Sequence[float]] = None, **arch: Any):
+        channels = tuple(int(c) for c in channels)
+        bounds = WidthSpec(tuple(max_widths) if max_widths is not None else (1.0,) * len(channels))
+        super().__init__(channels=channels, elastic=elastic, min_width=min_width, max_widths=bounds.widths, **arch)
+        self.channels = channels
         self.elastic = elastic
         self.min_width = min_width
         self.kit = LAYER_KITS[elastic]
+        self.bounds = bounds
+        self.held_channels = self.stage_channels(bounds)
 
     # -- specs ------------------------------------------------------------------------------
     def max_spec(self) -> WidthSpec:
-        return WidthSpec.uniform(1.0, len(self.channels))
+        return self.bounds
 
     def min_spec(self) -> WidthSpec:
-        return WidthSpec.uniform(self.min_width, len(self.channels))
+        return WidthSpec(tuple(min(self.min_width, w) for w in self.bounds.widths))
 
     def stage_channels(self, spec: WidthSpec) -> tuple[int, ...]:
-        """Physical channels per stage for ``spec``."""
+        """Channels per stage that ``spec`` activates (ratios of the full ``channels``)."""
         if not isinstance(spec, WidthSpec) or len(spec.widths) != len(self.channels):
             raise ValueError(f"{type(self).__name__} needs a WidthSpec with {len(self.channels)} "
                              f"widths, got {spec!r}")
         return tuple(scale_channels(c, w) for c, w in zip(self.channels, spec.widths))
 
-    def set_active(self, spec: WidthSpec) -> None:
+    def _held_sizes(self, spec: WidthSpec) -> tuple[int, ...]:
+        """``stage_channels(spec)``, refused when it needs more channels than this model holds."""
         sizes = self.stage_channels(spec)
-        if not self.elastic and sizes != self.channels:
-            raise ValueError(f"a plain {type(self).__name__} only runs at its own size, got {spec}")
+        if any(s > h for s, h in zip(sizes, self.held_channels)):
+            raise ValueError(f"{spec} exceeds this {type(self).__name__}'s largest spec {self.bounds}")
+        return sizes
+
+    def set_active(self, spec: WidthSpec) -> None:
+        sizes = self._held_sizes(spec)
+        if not self.elastic and sizes != self.held_channels:
+            raise ValueError(f"a plain {type(self).__name__} only runs at its own size {self.bounds}, got {spec}")
         for module in self._tagged().values():
             if hasattr(module, "active_out"):
                 out_group = module.channel_groups[0]
@@ -266,10 +338,6 @@ class WidthElasticModel(ElasticModel):
         self.active_spec = spec
 
     # -- routing ----------------------------------------------------------------------------
-    @abc.abstractmethod
-    def build_plain(self, channels: Sequence[int]) -> "WidthElasticModel":
-        """This architecture with plain layers and ``channels`` per stage (weights arbitrary)."""
-
     def _tagged(self) -> dict[str, nn.Module]:
         return {name: m for name, m in self.named_modules() if hasattr(m, "channel_groups")}
 
@@ -277,7 +345,7 @@ class WidthElasticModel(ElasticModel):
         if kind not in REGION_KINDS:
             raise ValueError(f"unknown region kind {kind!r}; known: {sorted(REGION_KINDS)}")
         make = REGION_KINDS[kind]
-        sizes = self.stage_channels(spec)
+        sizes = self._held_sizes(spec)
         regions: RegionMap = {}
         for prefix, module in self._tagged().items():
             tensors = {**module._parameters, **module._buffers}
@@ -292,15 +360,3 @@ class WidthElasticModel(ElasticModel):
         if missing:
             raise RuntimeError(f"untagged tensors in {type(self).__name__}: {sorted(missing)}")
         return regions
-
-    def extract(self, spec: WidthSpec, kind: str = "leading", offset: int = 0) -> Routed:
-        regions = self.regions(spec, kind, offset)  # covers every tensor, so all get overwritten
-        reference = next(self.parameters())
-        with uninitialized():
-            module = self.build_plain(self.stage_channels(spec))
-        unrouted = {k for k, _ in itertools.chain(module.named_parameters(), module.named_buffers())} - set(regions)
-        if unrouted:  # e.g. a non-persistent buffer: it would keep arbitrary values
-            raise RuntimeError(f"extracted {type(module).__name__} has tensors outside its regions: {sorted(unrouted)}")
-        module = module.to(device=reference.device, dtype=reference.dtype)
-        load_routed_state(module, self.state_dict(), regions)
-        return Routed(module.train(self.training), regions)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,7 @@ from torch import nn
 
 from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, tag
-from fl_lightning.elastic.specs import scale_channels
+from fl_lightning.elastic.specs import WidthSpec, scale_channels
 
 
 class ConvBlock(nn.Module):
@@ -40,19 +40,23 @@ class CNN(WidthElasticModel):
         width: multiplier applied to ``channels`` to build the full (server) model.
         min_width: smallest width ratio, returned by ``min_spec()``.
         elastic: elastic layers (a server model) or plain ones (a deployed subnet).
+        max_widths: largest width ratio per block this instance holds (default all 1); smaller
+            values build a reduced copy (a client's local model) whose specs keep their meaning.
     """
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], channels: Sequence[int] = (32, 64, 128),
-                 width: float = 1.0, min_width: float = 0.0625, elastic: bool = True):
+                 width: float = 1.0, min_width: float = 0.0625, elastic: bool = True,
+                 max_widths: Optional[Sequence[float]] = None):
         full = tuple(scale_channels(c, width) for c in channels)
-        super().__init__(full, elastic, min_width, num_classes=num_classes, input_shape=tuple(input_shape))
+        super().__init__(full, elastic, min_width, max_widths, num_classes=num_classes, input_shape=tuple(input_shape))
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
         in_channels, side = self.input_shape[0], min(self.input_shape[1:])
         blocks, in_group = OrderedDict(), None
-        for stage, out_channels in enumerate(full):
+        held = self.held_channels
+        for stage, out_channels in enumerate(held):
             # Pool after every block but the last (global pooling follows) while resolution allows.
-            pool = stage < len(full) - 1 and side >= 2
+            pool = stage < len(held) - 1 and side >= 2
             side = side // 2 if pool else side
             blocks[f"block{stage}"] = ConvBlock(self.kit, in_channels, out_channels, in_group, stage, pool)
             in_channels, in_group = out_channels, stage
@@ -65,6 +69,6 @@ class CNN(WidthElasticModel):
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(F.adaptive_avg_pool2d(features, 1).flatten(1))
 
-    def build_plain(self, channels: Sequence[int]) -> "CNN":
-        return CNN(self.num_classes, self.input_shape, channels=channels, width=1.0,
-                   min_width=self.min_width, elastic=False)
+    def build_local(self, spec: WidthSpec, elastic: bool) -> "CNN":
+        return CNN(self.num_classes, self.input_shape, channels=self.channels, width=1.0,
+                   min_width=self.min_width, elastic=elastic, max_widths=spec.widths)

@@ -20,7 +20,7 @@ from fl_lightning.elastic.layers.sequence import ElasticEmbedding, ElasticLSTM
 from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import ElasticModel
 from fl_lightning.elastic.regions import Full
-from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
+from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
 
 
@@ -38,17 +38,21 @@ class CharLSTM(ElasticModel):
             are the same in next-character prediction).
         min_width: smallest width ratio, returned by ``min_spec()``.
         elastic: elastic layers (the server model) or plain ones (an extracted sub-model).
+        max_widths: ``(ratio,)``, the largest width this instance holds (default ``(1.0,)``, the
+            full model); smaller values build a reduced copy (a client's local model) whose
+            specs keep their meaning.
     """
 
     spec_type = WidthSpec
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], embedding_dim: int = 8,
                  hidden_size: int = 256, num_layers: int = 2, vocab_size: Optional[int] = None,
-                 min_width: float = 0.0625, elastic: bool = True):
+                 min_width: float = 0.0625, elastic: bool = True, max_widths: Optional[Sequence[float]] = None):
         vocab_size = vocab_size or num_classes
+        bounds = WidthSpec(tuple(max_widths) if max_widths is not None else (1.0,))
         super().__init__(num_classes=num_classes, input_shape=tuple(input_shape), embedding_dim=embedding_dim,
                          hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab_size,
-                         min_width=min_width, elastic=elastic)
+                         min_width=min_width, elastic=elastic, max_widths=bounds.widths)
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
         self.embedding_dim = embedding_dim
@@ -57,33 +61,41 @@ class CharLSTM(ElasticModel):
         self.vocab_size = vocab_size
         self.min_width = min_width
         self.elastic = elastic
+        self.bounds = bounds
+        self.held_hidden = self.hidden_for(bounds)  # hidden units this instance holds
         if elastic:
             self.embedding = ElasticEmbedding(vocab_size, embedding_dim)
-            self.lstm = ElasticLSTM(embedding_dim, hidden_size, num_layers, batch_first=True)
-            self.head = ElasticLinear(hidden_size, num_classes)
+            self.lstm = ElasticLSTM(embedding_dim, self.held_hidden, num_layers, batch_first=True)
+            self.head = ElasticLinear(self.held_hidden, num_classes)
         else:
             self.embedding = nn.Embedding(vocab_size, embedding_dim)
-            self.lstm = nn.LSTM(embedding_dim, hidden_size, num_layers, batch_first=True)
-            self.head = nn.Linear(hidden_size, num_classes)
+            self.lstm = nn.LSTM(embedding_dim, self.held_hidden, num_layers, batch_first=True)
+            self.head = nn.Linear(self.held_hidden, num_classes)
 
     # -- specs ------------------------------------------------------------------------------
     def max_spec(self) -> WidthSpec:
-        return WidthSpec.uniform(1.0, 1)
+        return self.bounds
 
     def min_spec(self) -> WidthSpec:
-        return WidthSpec.uniform(self.min_width, 1)
+        return WidthSpec.uniform(min(self.min_width, self.bounds.widths[0]), 1)
 
     def hidden_for(self, spec: WidthSpec) -> int:
-        """Active LSTM hidden units for ``spec``."""
+        """Active LSTM hidden units for ``spec`` (a ratio of the full ``hidden_size``)."""
         if not isinstance(spec, WidthSpec) or len(spec.widths) != 1:
             raise ValueError(f"CharLSTM needs a one-stage WidthSpec, got {spec!r}")
         return scale_channels(self.hidden_size, spec.widths[0])
 
-    def set_active(self, spec: WidthSpec) -> None:
+    def _held_hidden_for(self, spec: WidthSpec) -> int:
         hidden = self.hidden_for(spec)
+        if hidden > self.held_hidden:
+            raise ValueError(f"{spec} exceeds this CharLSTM's largest spec {self.bounds}")
+        return hidden
+
+    def set_active(self, spec: WidthSpec) -> None:
+        hidden = self._held_hidden_for(spec)
         if not self.elastic:
-            if hidden != self.hidden_size:
-                raise ValueError(f"a plain CharLSTM only runs at its own size, got {spec}")
+            if hidden != self.held_hidden:
+                raise ValueError(f"a plain CharLSTM only runs at its own size {self.bounds}, got {spec}")
         else:
             self.lstm.active_hidden = hidden
         self.active_spec = spec
@@ -106,25 +118,13 @@ class CharLSTM(ElasticModel):
             raise ValueError(f"CharLSTM slices leading hidden units of each gate only; got kind {kind!r}")
         if not self.elastic:
             raise ValueError("regions are defined on the elastic (server) model")
-        hidden = self.hidden_for(spec)
+        hidden = self._held_hidden_for(spec)
         local = {"embedding.weight": Full(self.embedding.weight.shape)}
         local.update({f"lstm.{k}": r for k, r in self.lstm.regions(hidden).items()})
         local.update({f"head.{k}": r for k, r in self.head.regions(hidden, self.num_classes).items()})
         return {key: (key, region) for key, region in local.items()}
 
-    def build_plain(self, hidden_size: int) -> "CharLSTM":
-        """This architecture with plain layers at ``hidden_size`` (weights arbitrary)."""
+    def build_local(self, spec: WidthSpec, elastic: bool) -> "CharLSTM":
         return CharLSTM(self.num_classes, self.input_shape, embedding_dim=self.embedding_dim,
-                        hidden_size=hidden_size, num_layers=self.num_layers, vocab_size=self.vocab_size,
-                        min_width=self.min_width, elastic=False)
-
-    def extract(self, spec: WidthSpec, kind: str = "leading", offset: int = 0) -> Routed:
-        regions = self.regions(spec, kind, offset)
-        reference = self.head.weight
-        # built on the meta device: no initialisation work, storage comes from the copies below
-        with torch.device("meta"):
-            module = self.build_plain(self.hidden_for(spec))
-        module = module.to_empty(device=reference.device).to(reference.dtype)
-        load_routed_state(module, self.state_dict(), regions)
-        module.set_active(WidthSpec.uniform(1.0, 1))
-        return Routed(module.train(self.training), regions)
+                        hidden_size=self.hidden_size, num_layers=self.num_layers, vocab_size=self.vocab_size,
+                        min_width=self.min_width, elastic=elastic, max_widths=spec.widths)

@@ -34,7 +34,7 @@ from torch import nn
 from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit, kaiming_init
 from fl_lightning.elastic.regions import Full, LeadingSlice
-from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
+from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.errors import ConfigError
 
 EXPANSION_CHOICES = (0.10, 0.14, 0.18, 0.22, 0.25)
@@ -345,42 +345,35 @@ class OFAResNet(_ResNetBody, ElasticModel):
         return self._active_blocks([1 + d for d in self.active_spec.d])
 
     # -- routing ----------------------------------------------------------------------------
-    def plain(self, spec: OFASpec) -> OFASubnet:
-        """An uninitialised plain network at the sizes of ``spec`` (build it on ``meta``)."""
-        stem, stages = self._shapes(self.check_spec(spec))
-        return OFASubnet(self.num_classes, self.input_shape[0], stem, stages,
-                         self.arch["stage_strides"], self.arch["stem_stride"])
-
     def reduced(self, bounds: OFASpec) -> "OFAResNet":
         """The same supernet with maxima ``bounds.d`` / ``bounds.w`` (all expansions kept).
 
-        Weights are uninitialised; build it under ``torch.device("meta")`` and fill it with
-        :meth:`route`, so the cost follows the reduced size, not the full one.
+        Weights are freshly initialised; :meth:`extract` with ``elastic=True`` builds it on the
+        meta device and fills it with leading slices of this model's tensors.
         """
         bounds = self.check_spec(bounds)
         return OFAResNet(**{**self.arch, "max_extra_blocks": bounds.d, "max_width_index": bounds.w})
 
-    def route(self, local: nn.Module) -> Routed:
-        """Materialise ``local`` (built on ``meta`` from :meth:`plain` or :meth:`reduced`)
-        and copy its leading slices out of this model's tensors."""
-        global_state = self.state_dict()
-        regions = leading_regions(global_state, local.state_dict())
-        reference = next(self.parameters())
-        local = local.to_empty(device=reference.device).to(reference.dtype)
-        load_routed_state(local, global_state, regions)
-        return Routed(local.train(self.training), regions)
+    def routed_spec(self, spec: OFASpec, elastic: bool) -> OFASpec:
+        """An elastic local model keeps every expansion choice (FEAST Supp. C): its middle
+        channels are those of the largest expansion, whatever ``spec.e`` says."""
+        spec = self.check_spec(spec)
+        return OFASpec(spec.d, (self.max_expansion,) * self.num_stages, spec.w) if elastic else spec
+
+    def build_local(self, spec: OFASpec, elastic: bool) -> nn.Module:
+        """Plain: an :class:`OFASubnet` at the sizes of ``spec``. Elastic: the reduced supernet
+        bounded by ``spec`` (:meth:`reduced`)."""
+        if elastic:
+            return self.reduced(spec)
+        stem, stages = self._shapes(self.check_spec(spec))
+        return OFASubnet(self.num_classes, self.input_shape[0], stem, stages,
+                         self.arch["stage_strides"], self.arch["stem_stride"])
 
     def regions(self, spec: OFASpec, kind: str = "leading", offset: int = 0) -> RegionMap:
         _leading_only(kind)
         with torch.device("meta"):
-            local = self.plain(spec)
+            local = self.build_local(spec, elastic=False)
         return leading_regions(self.state_dict(), local.state_dict())
-
-    def extract(self, spec: OFASpec, kind: str = "leading", offset: int = 0) -> Routed:
-        _leading_only(kind)
-        with torch.device("meta"):
-            local = self.plain(spec)
-        return self.route(local)
 
 
 def _leading_only(kind: str) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, kaiming_init, tag
-from fl_lightning.elastic.specs import scale_channels
+from fl_lightning.elastic.specs import WidthSpec, scale_channels
 
 
 class Stem(nn.Module):
@@ -63,23 +63,27 @@ class ResNet18(WidthElasticModel):
         channels: explicit full stage widths (overrides ``width``).
         min_width: smallest width ratio, returned by ``min_spec()``.
         elastic: elastic layers (a server model) or plain ones (a deployed subnet).
+        max_widths: largest width ratio per stage this instance holds (default all 1); smaller
+            values build a reduced copy (a client's local model) whose specs keep their meaning.
     """
 
     base_channels = (64, 128, 256, 512)
     depths = (2, 2, 2, 2)
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], width: float = 1.0,
-                 channels: Sequence[int] | None = None, min_width: float = 0.0625, elastic: bool = True):
+                 channels: Sequence[int] | None = None, min_width: float = 0.0625, elastic: bool = True,
+                 max_widths: Sequence[float] | None = None):
         full = tuple(channels) if channels is not None else tuple(
             scale_channels(c, width) for c in self.base_channels)
         if len(full) != len(self.depths):
             raise ValueError(f"ResNet18 has {len(self.depths)} stages, got channels {full}")
-        super().__init__(full, elastic, min_width, num_classes=num_classes, input_shape=tuple(input_shape))
+        super().__init__(full, elastic, min_width, max_widths, num_classes=num_classes, input_shape=tuple(input_shape))
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape)
-        self.stem = Stem(self.kit, self.input_shape[0], full[0])
-        in_channels, in_group = full[0], 0
-        for stage, (out_channels, depth) in enumerate(zip(full, self.depths)):
+        held = self.held_channels
+        self.stem = Stem(self.kit, self.input_shape[0], held[0])
+        in_channels, in_group = held[0], 0
+        for stage, (out_channels, depth) in enumerate(zip(held, self.depths)):
             blocks = []
             for i in range(depth):
                 stride = 2 if stage > 0 and i == 0 else 1
@@ -102,6 +106,6 @@ class ResNet18(WidthElasticModel):
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(F.adaptive_avg_pool2d(features, 1).flatten(1))
 
-    def build_plain(self, channels: Sequence[int]) -> "ResNet18":
-        return ResNet18(self.num_classes, self.input_shape, channels=channels,
-                        min_width=self.min_width, elastic=False)
+    def build_local(self, spec: WidthSpec, elastic: bool) -> "ResNet18":
+        return ResNet18(self.num_classes, self.input_shape, channels=self.channels,
+                        min_width=self.min_width, elastic=elastic, max_widths=spec.widths)

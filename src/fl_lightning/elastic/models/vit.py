@@ -11,7 +11,8 @@ included, is then a cut of the same kind (an un-normalised token sequence), and
 ``forward(x)`` is exactly timm's ``VisionTransformer.forward(x)``.
 
 The ViT is not width-elastic yet: its spec space holds the full model only
-(``WidthSpec((1.0,))``), so ``max_spec() == min_spec()`` and ``extract`` builds a plain copy.
+(``WidthSpec((1.0,))``), so ``max_spec() == min_spec()`` and ``extract`` builds a copy
+(plain and elastic alike).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import ElasticModel
-from fl_lightning.elastic.routing import RegionMap, Routed, full_region_map, load_routed_state
+from fl_lightning.elastic.routing import RegionMap, full_region_map
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.errors import ConfigError
 
@@ -136,7 +137,7 @@ class ViT(ElasticModel):
                       patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
                       mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate, global_pool=global_pool)
         super().__init__(**config)
-        self.config = config  # rebuilds the same architecture in ``extract``
+        self.config = config  # rebuilds the same architecture in ``build_local``
         self.num_classes = num_classes
         self.input_shape = input_shape
         self.embed_dim = embed_dim
@@ -220,13 +221,6 @@ class ViT(ElasticModel):
         self._check_spec(spec)
         return full_region_map(self.state_dict())
 
-    def extract(self, spec: WidthSpec, kind: str = "leading", offset: int = 0) -> Routed:
-        regions = self.regions(spec, kind, offset)
-        reference = next(self.parameters())
-        # built on the meta device: no initialisation work, storage comes from the copies below
-        with torch.device("meta"):
-            module = ViT(**self.config)
-        module = module.to_empty(device=reference.device).to(reference.dtype)
-        load_routed_state(module, self.state_dict(), regions)
-        module.set_active(spec)
-        return Routed(module.train(self.training), regions)
+    def build_local(self, spec: WidthSpec, elastic: bool) -> "ViT":
+        self._check_spec(spec)
+        return ViT(**self.config)
