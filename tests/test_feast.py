@@ -98,14 +98,32 @@ def test_nested_affordability_and_routing(spec_factory, tmp_path):
     assert all(algorithm.cache.global_min() in s for s in algorithm.sets)
 
 
-def test_bn_recalibration_is_deterministic_and_leaves_weights(spec_factory, tmp_path):
+def test_bn_recalibration_matches_an_independent_estimate(spec_factory, tmp_path):
+    """After recalibration the first BN layer's running mean and variance are the average over
+    the fixed calibration batches of its input's per-batch mean and unbiased variance (BN with
+    momentum None), computed here from that layer's inputs; weights are untouched."""
     spec = feast_spec(spec_factory, tmp_path, "bn")
     run_fit(spec)
     algorithm = spec.algorithm
     before = {k: v.clone() for k, v in algorithm.ctx.model.state_dict().items()}
-    first = algorithm.evaluate_variant(0, "val", 64)
-    second = algorithm.evaluate_variant(0, "val", 64)
-    assert first == second
+    variant = algorithm.cache.specs[-1]
+    subnet = algorithm.calibrated_subnet(variant)
+    bn = next(m for m in subnet.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    inputs = []
+    hook = bn.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
+    subnet.eval()
+    with torch.no_grad():
+        for x in algorithm.calibration_batches():
+            subnet(x)
+    hook.remove()
+    assert len(inputs) == len(algorithm.calibration_batches()) >= 1
+    means = torch.stack([h.mean(dim=(0, 2, 3)) for h in inputs]).mean(0)
+    variances = torch.stack([h.transpose(0, 1).flatten(1).var(dim=1, unbiased=True) for h in inputs]).mean(0)
+    torch.testing.assert_close(bn.running_mean, means, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bn.running_var, variances, rtol=1e-4, atol=1e-5)
+    again = algorithm.calibrated_subnet(variant)
+    for key, value in subnet.state_dict().items():
+        assert torch.equal(value, again.state_dict()[key]), key
     for key, value in algorithm.ctx.model.state_dict().items():
         assert torch.equal(value, before[key]), key
 

@@ -26,7 +26,8 @@ from fl_lightning.runtime.seeding import derive_seed
 
 Rule = Literal["full", "min_max_kd", "min_max", "min_only", "max_only"]
 MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
-INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # seed streams of the random intermediate and of Mixup/CutMix
+# seed streams of the random intermediate, of Mixup/CutMix and of the calibration augmentation
+INTERMEDIATE_STREAM, MIXING_STREAM, CALIBRATION_STREAM = 11, 12, 13
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Feast(Algorithm):
                  routing: bool = True,
                  rule: Rule = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
                  cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate", calib_batch_size: int = 100,
-                 kappa: float = 3.0):
+                 calib_transform: Literal["train", "eval"] = "train", kappa: float = 3.0):
         """
         Args:
             cache: JSON file of cached variants (architectures and MACs); built by the genetic
@@ -74,12 +75,15 @@ class Feast(Algorithm):
                 paper's wording), random (each batch picks one with probability 1/2, as the
                 authors' DeepFedNAS code does), mixup, cutmix, or none.
             calib_batch_size: batch size of BN recalibration on the server's calibration split.
+            calib_transform: image-level transform of the calibration images: train (the
+                training augmentation, drawn once with a fixed seed and reused in the same
+                order for every operating point, as Supp. B describes) or eval (none).
             kappa: forward-plus-backward factor of the training-MAC proxy (Eq. 26).
         """
         self.cache_path, self.retarget, self.search, self.routing, self.rule = cache, retarget, search, routing, rule
         self.rho_kd, self.temperature = rho_kd, temperature
         self.mixup_alpha, self.cutmix_alpha, self.mix_schedule = mixup_alpha, cutmix_alpha, mix_schedule
-        self.calib_batch_size, self.kappa = calib_batch_size, kappa
+        self.calib_batch_size, self.calib_transform, self.kappa = calib_batch_size, calib_transform, kappa
 
     # -- set-up ---------------------------------------------------------------------------------
     def check(self, train) -> None:
@@ -93,6 +97,7 @@ class Feast(Algorithm):
             ("mixup_alpha", self.mixup_alpha >= 0, "must be >= 0 (0 disables Mixup)"),
             ("cutmix_alpha", self.cutmix_alpha >= 0, "must be >= 0 (0 disables CutMix)"),
             ("calib_batch_size", self.calib_batch_size >= 1, "must be >= 1"),
+            ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
             ("kappa", self.kappa > 0, "must be > 0"),
             ("search.population", s.population >= 2, "must be >= 2"),
             ("search.generations", s.generations >= 1, "must be >= 1"),
@@ -222,11 +227,21 @@ class Feast(Algorithm):
         split (fixed order, no mixing)."""
         from fl_lightning.elastic.bn import recalibrate_bn
 
-        fabric, data = self.ctx.fabric, self.ctx.data
-        subnet = self.ctx.model.extract(spec).module.to(fabric.device)
-        calib_set, calib_idx = data.split("calib")
-        recalibrate_bn(subnet, (x for x, _ in eval_batches(calib_set, calib_idx, self.calib_batch_size, fabric.device)))
+        subnet = self.ctx.model.extract(spec).module.to(self.ctx.fabric.device)
+        recalibrate_bn(subnet, self.calibration_batches())
         return subnet
+
+    def calibration_batches(self) -> List[torch.Tensor]:
+        """The calibration images in fixed-order batches, identical for every operating point:
+        with ``calib_transform: train`` the random augmentation is drawn once, from a seed of
+        its own, and kept."""
+        if getattr(self, "_calibration", None) is None:
+            dataset, indices = self.ctx.data.calibration_set(self.calib_transform)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(self.ctx.seed, CALIBRATION_STREAM))
+                self._calibration = [x for x, _ in eval_batches(dataset, indices, self.calib_batch_size,
+                                                                self.ctx.fabric.device)]
+        return self._calibration
 
     def evaluate_variant(self, index: int, split: str, batch_size: int) -> Dict[str, float]:
         """Extract one cached variant, recalibrate its BN, and score it."""

@@ -42,6 +42,19 @@ class FederatedData:
         server = self.server if self.server is not None else self.bundle.train_eval
         return server, {"val": self.val, "calib": self.calib}[name]
 
+    def calibration_set(self, transform: str = "train") -> Tuple[Dataset, torch.Tensor]:
+        """(dataset, indices) of the BN-calibration split seen through the ``train`` transform
+        (the image-level training augmentation, RandAugment included) or the ``eval`` one."""
+        dataset, indices = self.split("calib")
+        if transform == "eval":
+            return dataset, indices
+        if self.server is None:  # carved out of the training pool: the training view of it
+            return self.bundle.train, indices
+        if not hasattr(dataset, "with_transform"):
+            raise ConfigError("data.server_source", "this dataset cannot show its validation split through the "
+                                                    "training transform; calibrate with the eval transform")
+        return dataset.with_transform(getattr(self.bundle.train, "transform", None)), indices
+
     def state_dict(self) -> dict:
         """The partition as saved with a run (a pure function of config and seed)."""
         out = {f"client/{i}": idx for i, idx in enumerate(self.clients)}
