@@ -100,3 +100,46 @@ def test_help_shows_field_docstrings(capsys):
         main(["fit", "--help"])
     out = capsys.readouterr().out
     assert "Clients m sampled uniformly without replacement" in out
+
+
+def test_help_lists_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    for choices in ("{digits,synthetic,cifar10", "{iid,dirichlet,natural,gamma_dirichlet}",
+                    "{constant,exponential,cosine}", "{every,final}", "{train,valid}",
+                    "{auto,cpu,cuda,gpu,mps,tpu}", "{auto,ddp,", "bf16-mixed"):
+        assert choices in out, choices
+
+
+def test_choice_types_match_the_registries():
+    """config.py spells the choices out (no torch at import); they must follow the code."""
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+    from lightning.fabric.plugins.precision import precision as fabric_precision
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from typing import get_args
+
+    from fl_lightning import config
+    from fl_lightning.data.datasets import DATASETS
+    from fl_lightning.data.partition import PARTITION_METHODS
+
+    assert set(config.DATASET_NAMES) == set(DATASETS)
+    assert set(config.PARTITION_METHODS) == set(PARTITION_METHODS)
+    assert set(config.ACCELERATORS) == set(ACCELERATOR_REGISTRY.available_accelerators()) | {"auto", "gpu"}
+    assert set(config.STRATEGIES) == set(STRATEGY_REGISTRY.available_strategies()) | {"auto"}
+    fabric_strings = set(get_args(fabric_precision._PRECISION_INPUT_STR)) | set(
+        get_args(fabric_precision._PRECISION_INPUT_STR_ALIAS))
+    assert set(get_args(config.Precision)) == fabric_strings
+    assert set(get_args(config.PrecisionInt)) == set(get_args(fabric_precision._PRECISION_INPUT_INT))
+
+
+def test_cli_imports_neither_torch_nor_lightning():
+    import subprocess
+    import sys
+
+    code = ("import sys, fl_lightning.cli; "
+            "print(sorted(m for m in ('torch', 'lightning', 'fl_lightning.algorithms') if m in sys.modules))")
+    src = str(Path(__file__).parents[1] / "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": src}).stdout
+    assert out.strip() == "[]"

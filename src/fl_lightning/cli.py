@@ -1,31 +1,46 @@
 """Command line: ``python -m fl_lightning <fit|evaluate|partition|models> --config file.yaml``.
 
 Each subcommand is a function whose typed, documented parameters become its options
-(jsonargparse), so ``--help`` lists every field with its docstring and ``--print_config``
-prints a complete runnable config. Config errors end with one line naming the key.
+(jsonargparse), so ``--help`` lists every field with its docstring (and the choices of every
+choice option) and ``--print_config`` prints a complete runnable config. A bad option, value
+or config file ends the command with exit status 2 and one line ``error: <key>: <problem>``
+on stderr, before anything is written.
+
+This module imports neither torch nor Lightning at import time; the algorithm classes (which
+do) are imported when the parser is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import inspect
+import re
 import sys
 import warnings
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from jsonargparse import ArgumentParser, lazy_instance, set_parsing_settings
+import yaml
+from jsonargparse import ArgumentParser, set_parsing_settings
 
-from fl_lightning.algorithms import Algorithm, FedAvg
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
 from fl_lightning.errors import ConfigError, RunError
 
+if TYPE_CHECKING:
+    from fl_lightning.algorithms import Algorithm
+
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+DEFAULT_ALGORITHM = {"class_path": "fl_lightning.algorithms.FedAvg"}
 
 
 def fit(
     data: DataConfig = DataConfig(),
     partition: PartitionConfig = PartitionConfig(),
     model: ModelConfig = ModelConfig(),
-    algorithm: Algorithm = lazy_instance(FedAvg),
+    algorithm: Algorithm = DEFAULT_ALGORITHM,
     train: LocalTrainConfig = LocalTrainConfig(),
     federation: FederationConfig = FederationConfig(),
     eval: EvalConfig = EvalConfig(),
@@ -130,6 +145,9 @@ COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition, "models": 
 
 
 def build_parser() -> ArgumentParser:
+    global Algorithm
+    from fl_lightning.algorithms import Algorithm  # noqa: F811 (torch and Lightning: only when parsing)
+
     parser = ArgumentParser(prog="python -m fl_lightning", description=__doc__.splitlines()[0],
                             exit_on_error=False)
     subcommands = parser.add_subcommands(dest="command")
@@ -145,13 +163,26 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+@functools.lru_cache(maxsize=1)
+def shared_parser() -> ArgumentParser:
+    """One parser per process: building it reads every docstring (about 0.3 s), parsing with it
+    again is cheap and leaves no state behind."""
+    return build_parser()
+
+
 def main(argv: Optional[list] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        cfg = parser.parse_args(argv)
+        check_config_files(argv)
+        parser = shared_parser()
+        try:
+            cfg = parser.parse_args(argv)
+        except Exception as error:  # jsonargparse reports bad keys and types as ArgumentError
+            if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
+                raise ConfigError(*describe_parse_error(str(error), parser)) from None
+            raise
         command = cfg.command
-        args = parser.instantiate(cfg)[command]
+        args = _instantiate(parser, cfg)[command]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # skip_none's deprecation; unset keys must still print
             resolved = parser.subcommand_parsers[command].dump(cfg[command], skip_none=False)
@@ -162,18 +193,267 @@ def main(argv: Optional[list] = None) -> int:
         return _fail(str(error))
     except RunError as error:
         return _fail(str(error), status=1)
-    except Exception as error:  # jsonargparse reports bad keys and types as ArgumentError
-        if type(error).__name__ in ("ArgumentError", "NSKeyError") or error.__class__.__module__.startswith("jsonargparse"):
-            return _fail(_first_line(str(error)))
-        raise
     return 0
 
 
-def _first_line(message: str) -> str:
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return lines[0] if lines else message
+def load_fit_config(path, key: str = "run"):
+    """A saved run's ``config.yaml`` parsed and instantiated exactly as ``fit`` parsed it; any
+    problem with the file is a ConfigError under ``key`` naming it (for evaluate and extract)."""
+    try:
+        check_config_files(["fit", "--config", str(path)])
+        parser = shared_parser()
+        try:
+            cfg = parser.parse_args(["fit", "--config", str(path)])
+        except Exception as error:
+            if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
+                raise ConfigError(*describe_parse_error(str(error), parser)) from None
+            raise
+        return _instantiate(parser, cfg).fit
+    except ConfigError as error:
+        raise ConfigError(key, f"{path}: {error}") from None
 
 
 def _fail(message: str, status: int = 2) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
     return status
+
+
+def _from_jsonargparse(error: BaseException) -> bool:
+    return type(error).__module__.startswith("jsonargparse")
+
+
+def _instantiate(parser: ArgumentParser, cfg):
+    """Build the configured objects; the config files were checked, so what can still fail here is
+    an algorithm's constructor refusing its arguments."""
+    try:
+        return parser.instantiate(cfg)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError("algorithm", " ".join(str(error).split())) from None
+
+
+# ----------------------------------------------------------------------------------------
+# Config files: checked before jsonargparse reads them, so the error names the file and key
+# ----------------------------------------------------------------------------------------
+
+
+def _config_paths(argv: List[str]) -> List[str]:
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+def _sections(function) -> dict:
+    """``{key: dataclass}`` of every config section of a subcommand, nested ones included
+    (``partition.budgets``)."""
+    out = {}
+
+    def walk(prefix: str, cls) -> None:
+        out[prefix] = cls
+        for f in dataclasses.fields(cls):
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+                walk(f"{prefix}.{f.name}", f.default_factory)
+
+    for p in inspect.signature(function).parameters.values():
+        if dataclasses.is_dataclass(p.default):
+            walk(p.name, type(p.default))
+    return out
+
+
+def check_config_files(argv: List[str]) -> None:
+    """Every ``--config`` file exists, is UTF-8 YAML text holding a mapping, and gives each
+    config section (``train:``, ``partition.budgets:``...) a mapping of its fields."""
+    command = next((a for a in argv if a in COMMANDS), None)
+    sections = {}
+    if command is not None:
+        sections = _sections(COMMANDS[command])
+        if command == "partition":
+            sections.update(_sections(fit))
+    for path in _config_paths(argv):
+        tree = read_config_file(path)
+        for key, cls in sections.items():
+            node, parts = tree, key.split(".")
+            for part in parts:
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is None and _holds_key(tree, parts):
+                raise ConfigError(key, f"is empty in {path}; give its fields (or remove the line '{parts[-1]}:')")
+            if node is not None and not isinstance(node, dict):
+                fields = ", ".join(f.name for f in dataclasses.fields(cls)[:3])
+                raise ConfigError(key, f"must be a mapping of its fields ({fields}, ...), got {node!r} in {path}")
+
+
+def _holds_key(tree: dict, parts: List[str]) -> bool:
+    for part in parts[:-1]:
+        tree = tree.get(part)
+        if not isinstance(tree, dict):
+            return False
+    return parts[-1] in tree
+
+
+def read_config_file(path: str) -> dict:
+    """The YAML mapping in ``path``; ConfigError (key ``config``) for anything else."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        raise ConfigError("config", f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError("config", f"{path} is a folder, not a YAML file") from None
+    except OSError as error:
+        raise ConfigError("config", f"cannot read {path}: {error.strerror or error}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError("config", f"{path} is not a YAML text file (byte {error.start} is not UTF-8)") from None
+    if "\x00" in text:
+        raise ConfigError("config", f"{path} is not a YAML text file (it holds NUL bytes)")
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError("config", f"{path} is not valid YAML{where}: {problem}") from None
+    if tree is None:
+        raise ConfigError("config", f"{path} is empty; a config is a YAML mapping of sections "
+                                    "(data:, partition:, model:, ...), see configs/quickstart.yaml")
+    if not isinstance(tree, dict):
+        raise ConfigError("config", f"{path} holds a YAML {type(tree).__name__}, not a mapping of sections "
+                                    "(data:, partition:, model:, ...)")
+    return tree
+
+
+# ----------------------------------------------------------------------------------------
+# jsonargparse's multi-line messages as one "key: problem" line
+# ----------------------------------------------------------------------------------------
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "dict": "a mapping", "list": "a list", "NoneType": "null"}
+
+
+def _type_words(text: str) -> str:
+    """``<class 'int'>`` -> an integer; ``typing.Literal['a', 'b']`` -> one of a, b."""
+    text = text.strip()
+    literal = re.fullmatch(r"(?:typing\.)?Literal\[(.*)\]", text)
+    if literal:
+        return "one of " + ", ".join(v.strip().strip("'\"") for v in literal.group(1).split(","))
+    plain = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>", text)
+    if plain:
+        return _TYPE_WORDS.get(plain.group(1), plain.group(1))
+    generic = re.fullmatch(r"(?:typing\.)?(List|Dict|Sequence|Tuple)\[.*\]", text)
+    if generic:
+        return _TYPE_WORDS.get(generic.group(1).lower(), "a " + generic.group(1).lower())
+    return text
+
+
+def _algorithm_names() -> List[str]:
+    names, todo = [], list(Algorithm.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        if cls.__module__.startswith("fl_lightning.") and cls.__name__ not in names:
+            names.append(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def describe_parse_error(message: str, parser: Optional[ArgumentParser] = None) -> tuple:
+    """``(key, problem)`` from a jsonargparse error message (several indented lines)."""
+    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
+    keys, class_name = [], None
+    rest = []
+    for line in lines:
+        stripped = line.strip()
+        key = re.fullmatch(r'(?:- )?Parser key "([^"]+)":', stripped)
+        problem_with = re.fullmatch(r"Problem with given class_path '([^']+)':", stripped)
+        if key:
+            if not keys or not keys[-1].endswith(key.group(1)):
+                keys.append(key.group(1))
+        elif problem_with:
+            class_name = problem_with.group(1).rsplit(".", 1)[-1]
+        else:
+            rest.append(stripped)
+    key = ".".join(keys)
+    first = rest[0] if rest else ""
+    unrecognized = re.match(r"unrecognized arguments: (.*)", first)
+    if unrecognized:
+        option = unrecognized.group(1).split()[0]
+        name = option.lstrip("-").split("=", 1)[0]
+        return name, "unknown option" + _did_you_mean(name, parser)
+    required = re.match(r"the following arguments are required: (.*)", first)
+    if required:
+        name = required.group(1).split(",")[0].strip().lstrip("-")
+        command, _, rest_of_name = name.partition(".")
+        return (rest_of_name if command in COMMANDS and rest_of_name else name), "required"
+    not_accepted = re.match(r"Subcommand '[^']+' does not accept option '([^']+)'", first)
+    if not_accepted:
+        name = not_accepted.group(1)
+        return name, "unknown key in the config" + _did_you_mean(name, parser)
+    not_subclass = re.match(r"Not a valid subclass of (\w+)\. Got value: (.*)", first)
+    if not_subclass:
+        return key or "algorithm", (f"expected an algorithm name ({', '.join(_algorithm_names())}) or "
+                                    f"{{class_path: ..., init_args: {{...}}}}, got {not_subclass.group(2)!r}")
+    accepted = re.match(r"Option '([^']+)' is not accepted", first)
+    if accepted:
+        return f"{key}.{accepted.group(1)}", f"not an option of {class_name}"
+    dotted = re.match(r"Expected a dot import path string: (.*)", first)
+    if dotted or re.search(r"does not correspond to a subclass", first):
+        given = dotted.group(1) if dotted else first
+        return key or "algorithm", f"unknown algorithm {given!r}; choose one of {', '.join(_algorithm_names())}"
+    expected = re.match(r"Expected a (.+?)\. Got value: (.*)", first)
+    if expected:
+        wanted = _type_words(expected.group(1))
+        verb = "must be" if wanted.startswith("one of") else "expected"
+        return key, f"{verb} {wanted}, got {expected.group(2)!r}"
+    if first.startswith("Does not validate against any of the Union subtypes"):
+        subtypes = next((r for r in rest if r.startswith("Subtypes:")), "")
+        given = next((r.split(":", 1)[1].strip() for r in rest if r.startswith("Given value:")), "?")
+        inner = re.findall(r"(typing\.Literal\[[^\]]*\]|<class '[\w.]+'>|typing\.\w+\[[^\]]*\])", subtypes)
+        words = [_type_words(t) for t in inner]
+        if words and all(w.startswith("one of") or w == "null" for w in words):
+            choices = []
+            for w in words:
+                choices += [c for c in w[len("one of "):].split(", ") if w != "null" and c not in choices]
+            tail = " (or null)" if "null" in words else ""
+            return key, f"must be one of {', '.join(choices)}{tail}, got {given!r}"
+        for error_line in rest:  # a list or dict whose element is wrong says so here
+            element = re.match(r"- Expected a (.+?)\. Got value: (.*)", error_line)
+            if element:
+                return key, f"expected {' or '.join(words) or 'another type'}; an element is not " \
+                            f"{_type_words(element.group(1))}: {element.group(2)!r}"
+        return key, f"expected {' or '.join(words) or 'another type'}, got {given!r}"
+    loading = re.match(r"Unable to load config ['\"](.*)['\"]", first)
+    if loading:
+        return key, f"expected a mapping of its fields or a YAML file, got {loading.group(1)!r}"
+    unexpected = re.match(r"Unexpected config:?\s*(.*)", first)
+    if unexpected:
+        return key or "config", f"unexpected config {unexpected.group(1)}".strip()
+    if not rest:
+        return key or "config", "invalid value"
+    detail = "; ".join(rest[:3])
+    return (key, detail) if key else _split_key(detail)
+
+
+def _split_key(detail: str) -> tuple:
+    """A message without a parser key: use what it names, else the generic key ``command``."""
+    choice = re.search(r"invalid choice: '([^']*)'", detail)
+    if choice:
+        return "command", f"unknown subcommand {choice.group(1)!r}; choose one of {', '.join(COMMANDS)}"
+    if "expected \"command\"" in detail or "subcommand" in detail.lower():
+        return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
+    return "command", detail
+
+
+def _did_you_mean(name: str, parser: Optional[ArgumentParser]) -> str:
+    if parser is None:
+        return ""
+    known = set()
+    for sub in getattr(parser, "subcommand_parsers", {}).values():
+        for action in sub._actions:
+            known.update(o.lstrip("-") for o in action.option_strings if o.startswith("--"))
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from fl_lightning.config import validate
+from fl_lightning.config import check_fabric_available, validate, validate_run
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.run_dir import RunDir
+from fl_lightning.federation.run_dir import RunDir, check_run_name, check_writable
 
 
 def _check_model(model) -> None:
@@ -31,13 +32,16 @@ def fit_command(args, config_yaml: str) -> dict:
     from fl_lightning.federation.builder import RunSpec
     from fl_lightning.federation.loop import run_fit
 
+    validate_run(args.name, args.out_dir, args.seed, args.checkpoint_every, args.stop_after)
+    check_run_name(args.name)
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
-    if args.checkpoint_every < 1:
-        raise ConfigError("checkpoint_every", "must be >= 1")
     _check_data(args.data, args.partition)
     _check_model(args.model)
     args.algorithm.check(args.train)
-    resume_from = RunDir(args.out_dir, args.name).resolve_resume(args.resume)
+    run_dir = RunDir(args.out_dir, args.name)
+    resume_from = run_dir.resolve_resume(args.resume)
+    run_dir.check_writable()
+    check_fabric_available(args.fabric)
     spec = RunSpec(name=args.name, out_dir=args.out_dir, seed=args.seed, data=args.data,
                    partition=args.partition, model=args.model, train=args.train,
                    federation=args.federation, eval=args.eval, fabric=args.fabric,
@@ -55,6 +59,7 @@ def evaluate_command(args, config_yaml: str) -> dict:
     every cached variant after BN recalibration)."""
     from fl_lightning.saved_runs import open_saved_run
 
+    check_fabric_available(args.fabric)
     saved = open_saved_run(Path(args.run), args.checkpoint, args.fabric)
     result = {"checkpoint": str(saved.checkpoint), "round": saved.round}
     for split in ("test", "val"):
@@ -70,12 +75,18 @@ def partition_command(args, config_yaml: str) -> dict:
     from fl_lightning.analysis.partition_report import format_report, partition_report, save_report
     from fl_lightning.data.federated import build_federated_data
 
-    _check_data(args.data, args.partition)
+    validate_run(args.name, args.out_dir, args.seed, args.checkpoint_every, args.stop_after)
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
+    if args.out is None:
+        check_run_name(args.name)
+    elif not args.out.strip():
+        raise ConfigError("out", "must not be empty (or leave it unset for <out_dir>/<name>-partition)")
+    out = Path(args.out or Path(args.out_dir) / f"{args.name}-partition")
+    check_writable(out, "out" if args.out else "out_dir")
+    _check_data(args.data, args.partition)
     fed = build_federated_data(args.data, args.partition, args.seed)
     targets = fed.bundle.train_targets
     report = partition_report(fed.clients, targets, fed.bundle.num_classes)
-    out = Path(args.out or Path(args.out_dir) / f"{args.name}-partition")
     out.mkdir(parents=True, exist_ok=True)
     save_report(report, out)
     (out / "config.yaml").write_text(config_yaml)
@@ -91,6 +102,13 @@ def models_command(args, config_yaml: str) -> list:
     from fl_lightning.elastic.specs import WidthSpec
 
     _check_model(args.model)
+    for w in args.widths:
+        if not (math.isfinite(w) and 0 < w <= 1):
+            raise ConfigError("widths", f"every width must be in (0, 1], got {w}")
+    if args.num_classes is not None and args.num_classes < 1:
+        raise ConfigError("num_classes", f"must be >= 1, got {args.num_classes}")
+    if args.input_shape is not None and (not args.input_shape or min(args.input_shape) < 1):
+        raise ConfigError("input_shape", f"must be a non-empty list of sizes >= 1, got {args.input_shape}")
     if args.num_classes is None or args.input_shape is None:
         check_dataset(args.data.name, args.data.root, args.data.download, **args.data.options)
         from fl_lightning.data.datasets import load_dataset
@@ -100,9 +118,6 @@ def models_command(args, config_yaml: str) -> list:
         input_shape = tuple(args.input_shape or bundle.input_shape)
     else:
         num_classes, input_shape = args.num_classes, tuple(args.input_shape)
-    for w in args.widths:
-        if not 0 < w <= 1:
-            raise ConfigError("widths", f"every width must be in (0, 1], got {w}")
     model = build_model(args.model.name, num_classes, input_shape, **args.model.kwargs)
     top = model.max_spec()
     if not isinstance(top, WidthSpec):
@@ -121,8 +136,19 @@ def extract_command(args, config_yaml: str) -> dict:
     from fl_lightning.saved_runs import load_run_spec, open_saved_run
 
     budget = parse_macs(args.budget)
-    if args.population < 2 or args.generations < 1:
-        raise ConfigError("population", "population must be >= 2 and generations >= 1")
+    if args.population < 2:
+        raise ConfigError("population", f"must be >= 2, got {args.population}")
+    if args.generations < 1:
+        raise ConfigError("generations", f"must be >= 1, got {args.generations}")
+    if args.rho is not None and not (math.isfinite(args.rho) and args.rho > 0):
+        raise ConfigError("rho", f"must be a finite number > 0 or null, got {args.rho}")
+    if args.seed < 0:
+        raise ConfigError("seed", f"must be >= 0, got {args.seed}")
+    if args.out is not None:
+        if not args.out.strip() or args.out.endswith("/"):
+            raise ConfigError("out", f"must be a file path for the extracted subnet, got {args.out!r}")
+        check_writable(Path(args.out), "out", folder=False)
+    check_fabric_available(args.fabric)
     run = Path(args.run)
     if not isinstance(load_run_spec(run).algorithm, Feast):
         raise ConfigError("run", "post-hoc extraction needs a run trained with FEAST")

@@ -7,15 +7,47 @@ resolved configuration is saved next to each run. ``validate`` checks what types
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, Union, get_args
 
 from fl_lightning.errors import ConfigError
+
+# Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. They
+# are spelled out here (importing the registries would import torch); tests check that they
+# match the dataset registry, the partitioners and the installed Lightning Fabric.
+DatasetName = Literal["digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10", "tinyimagenet",
+                      "domainnet", "shakespeare"]
+PartitionMethod = Literal["iid", "dirichlet", "natural", "gamma_dirichlet"]
+ServerSource = Literal["train", "valid"]
+LrSchedule = Literal["constant", "exponential", "cosine"]
+TestSchedule = Literal["every", "final"]
+# lightning.fabric.connector: the accelerator registry plus "auto" and "gpu".
+Accelerator = Literal["auto", "cpu", "cuda", "gpu", "mps", "tpu"]
+# lightning.fabric.strategies.STRATEGY_REGISTRY plus "auto".
+Strategy = Literal["auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true",
+                   "dp", "fsdp", "fsdp_cpu_offload", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_1_offload",
+                   "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
+                   "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "xla", "xla_fsdp", "single_xla",
+                   "single_tpu"]
+# lightning.fabric.plugins.precision.precision: _PRECISION_INPUT_STR and its aliases, and
+# (_PRECISION_INPUT_INT) the integers that a YAML file's 64, 32 and 16 are read as.
+Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
+                    "transformer-engine-float16", "64", "32", "16", "bf16"]
+PrecisionInt = Literal[64, 32, 16]
+
+DATASET_NAMES = get_args(DatasetName)
+PARTITION_METHODS = get_args(PartitionMethod)
+SCHEDULES = get_args(LrSchedule)
+ACCELERATORS = get_args(Accelerator)
+STRATEGIES = get_args(Strategy)
+PRECISIONS = get_args(Precision) + get_args(PrecisionInt)
 
 
 @dataclass
 class DataConfig:
-    name: str = "digits"
+    name: DatasetName = "digits"
     """Dataset: digits, synthetic, cifar10, cifar100, emnist, cinic10, tinyimagenet, domainnet, shakespeare."""
     root: str = "data"
     """Directory holding (or receiving, with ``download``) the dataset files."""
@@ -28,7 +60,7 @@ class DataConfig:
     randaugment: Optional[List[int]] = None
     """RandAugment [num_ops, magnitude] ahead of the training transform, e.g. [2, 6] (FEAST);
     uint8 image datasets only."""
-    server_source: str = "train"
+    server_source: ServerSource = "train"
     """Where the server-held validation and calibration splits come from: train (carved out of
     the training pool before partitioning) or valid (the dataset's separate validation split,
     e.g. CINIC-10's valid/, so every training example goes to clients)."""
@@ -52,7 +84,7 @@ class BudgetConfig:
 
 @dataclass
 class PartitionConfig:
-    method: str = "dirichlet"
+    method: PartitionMethod = "dirichlet"
     """How training examples go to clients: iid, dirichlet, natural, gamma_dirichlet."""
     num_clients: int = 20
     """Number of clients N."""
@@ -93,7 +125,7 @@ class LocalTrainConfig:
     """SGD weight decay."""
     grad_clip: Optional[float] = None
     """Clip the gradient's global L2 norm to this value before each step (None: no clipping)."""
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = "constant"
     """Learning rate over rounds: constant, exponential (lr * decay^round), cosine (over all rounds)."""
     lr_decay: float = 0.995
     """Per-round factor of the exponential schedule."""
@@ -113,41 +145,56 @@ class EvalConfig:
     """Evaluate every this many rounds (and after the last round)."""
     batch_size: int = 512
     """Evaluation batch size."""
-    test: str = "every"
+    test: TestSchedule = "every"
     """When to score the test set: every (at each evaluation, for curves; it never selects) or
     final (once, at the end, on the best-validation and the last model)."""
 
 
 @dataclass
 class FabricConfig:
-    accelerator: str = "auto"
-    """cpu, cuda, mps or auto (a GPU when present)."""
+    accelerator: Accelerator = "auto"
+    """auto (a GPU when present, else cpu), cpu, cuda, gpu (cuda or mps), mps or tpu."""
     devices: int = 1
     """Processes (ranks) on this node; each rank trains a share of every round's clients."""
     num_nodes: int = 1
     """Number of nodes."""
-    strategy: str = "auto"
-    """Fabric strategy; auto picks ddp when devices > 1. Client models are never wrapped."""
-    precision: str = "32-true"
-    """Fabric precision, e.g. 32-true, bf16-mixed (GPU)."""
+    strategy: Strategy = "auto"
+    """Fabric strategy; auto picks ddp when devices > 1. Client models are never wrapped, so
+    ddp (or auto) is the one that matters; fsdp needs CUDA, deepspeed and xla their packages."""
+    precision: Union[Precision, PrecisionInt] = "32-true"
+    """Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true (and
+    transformer-engine with its package); bf16-mixed suits GPUs."""
     threads_per_rank: Optional[int] = 1
     """torch intra-op CPU threads per rank. The default 1 makes results independent of the
     number of ranks (a run's numbers depend on its thread count); more threads speed up a
     single CPU rank with large layers. None leaves Lightning's default (cores / ranks)."""
 
 
-SCHEDULES = ("constant", "exponential", "cosine")
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConfig,
              federation: FederationConfig, evaluation: EvalConfig, fabric: FabricConfig) -> None:
     """Range and cross-field checks; raise ConfigError naming the first bad key."""
+    budgets = partition.budgets
     checks = [
+        ("data.val_size", data.val_size >= 0, "must be >= 0"),
+        ("data.calib_size", data.calib_size >= 0, "must be >= 0"),
+        ("data.randaugment", data.randaugment is None or (len(data.randaugment) == 2 and data.randaugment[0] >= 1
+                                                          and 0 <= data.randaugment[1] <= 30),
+         "must be [num_ops >= 1, magnitude in 0..30] or null"),
         ("partition.num_clients", partition.num_clients >= 1, "must be >= 1"),
-        ("partition.alpha", partition.alpha > 0, "must be > 0"),
-        ("partition.gamma", partition.gamma >= 0, "must be >= 0"),
-        ("partition.alpha_eff", partition.alpha_eff is None or partition.alpha_eff > 0, "must be > 0 or null"),
+        ("partition.alpha", _finite(partition.alpha) and partition.alpha > 0, "must be a finite number > 0"),
+        ("partition.alpha_eff", partition.alpha_eff is None or (_finite(partition.alpha_eff) and partition.alpha_eff > 0),
+         "must be a finite number > 0 or null"),
+        ("partition.gamma", _finite(partition.gamma) and partition.gamma >= 0, "must be a finite number >= 0"),
         ("partition.min_size", partition.min_size >= 0, "must be >= 0"),
+        ("partition.budgets.zipf_s", _finite(budgets.zipf_s) and budgets.zipf_s >= 0, "must be a finite number >= 0"),
+        ("partition.budgets.b_min", _finite(budgets.b_min) and budgets.b_min > 0, "must be a finite number > 0"),
+        ("partition.budgets.b_max", _finite(budgets.b_max) and budgets.b_max >= budgets.b_min,
+         f"must be a finite number >= partition.budgets.b_min ({budgets.b_min:g})"),
+        ("partition.budgets.b_cap", _finite(budgets.b_cap) and budgets.b_cap > 0, "must be a finite number > 0"),
         ("federation.rounds", federation.rounds >= 1, "must be >= 1"),
         ("federation.clients_per_round", federation.clients_per_round >= 1, "must be >= 1"),
         ("federation.clients_per_round", federation.clients_per_round <= partition.num_clients,
@@ -155,21 +202,39 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
         ("train.epochs", train.epochs >= 1, "must be >= 1"),
         ("train.steps", train.steps is None or train.steps >= 1, "must be >= 1 or null"),
         ("train.batch_size", train.batch_size >= 1, "must be >= 1"),
-        ("train.lr", train.lr > 0, "must be > 0"),
-        ("train.momentum", 0 <= train.momentum < 1, "must be in [0, 1)"),
-        ("train.weight_decay", train.weight_decay >= 0, "must be >= 0"),
-        ("train.grad_clip", train.grad_clip is None or train.grad_clip > 0, "must be > 0 or null"),
+        ("train.lr", _finite(train.lr) and train.lr > 0, "must be a finite number > 0"),
+        ("train.momentum", _finite(train.momentum) and 0 <= train.momentum < 1, "must be in [0, 1)"),
+        ("train.weight_decay", _finite(train.weight_decay) and train.weight_decay >= 0, "must be a finite number >= 0"),
+        ("train.grad_clip", train.grad_clip is None or (_finite(train.grad_clip) and train.grad_clip > 0),
+         "must be a finite number > 0 or null"),
         ("train.lr_schedule", train.lr_schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}"),
-        ("train.lr_decay", 0 < train.lr_decay <= 1, "must be in (0, 1]"),
+        ("train.lr_decay", _finite(train.lr_decay) and 0 < train.lr_decay <= 1, "must be in (0, 1]"),
         ("eval.every", evaluation.every >= 1, "must be >= 1"),
         ("eval.batch_size", evaluation.batch_size >= 1, "must be >= 1"),
-        ("eval.test", evaluation.test in ("every", "final"), "must be every or final"),
-        ("data.val_size", data.val_size >= 0, "must be >= 0"),
-        ("data.server_source", data.server_source in ("train", "valid"), "must be train or valid"),
-        ("data.randaugment", data.randaugment is None or (len(data.randaugment) == 2 and data.randaugment[0] >= 1
-                                                          and 0 <= data.randaugment[1] <= 30),
-         "must be [num_ops >= 1, magnitude in 0..30]"),
-        ("data.calib_size", data.calib_size >= 0, "must be >= 0"),
+        ("eval.test", evaluation.test in get_args(TestSchedule), "must be every or final"),
+        ("data.server_source", data.server_source in get_args(ServerSource), "must be train or valid"),
+    ]
+    for key, ok, problem in checks:
+        if not ok:
+            raise ConfigError(key, f"{problem}, got {_lookup(key, locals())!r}")
+    validate_fabric_fields(fabric)
+
+
+def _lookup(key: str, sections: dict):
+    """The value of a dotted key such as ``partition.budgets.b_cap`` among ``validate``'s arguments."""
+    section, *path = key.split(".")
+    value = sections["evaluation" if section == "eval" else section]
+    for name in path:
+        value = getattr(value, name)
+    return value
+
+
+def validate_fabric_fields(fabric: FabricConfig) -> None:
+    """Ranges of the Fabric section (what the machine offers is ``check_fabric_available``)."""
+    checks = [
+        ("fabric.accelerator", fabric.accelerator in ACCELERATORS, f"must be one of {', '.join(ACCELERATORS)}"),
+        ("fabric.strategy", fabric.strategy in STRATEGIES, f"must be one of {', '.join(STRATEGIES)}"),
+        ("fabric.precision", fabric.precision in PRECISIONS, f"must be one of {', '.join(map(str, PRECISIONS))}"),
         ("fabric.devices", fabric.devices >= 1, "must be >= 1"),
         ("fabric.num_nodes", fabric.num_nodes >= 1, "must be >= 1"),
         ("fabric.threads_per_rank", fabric.threads_per_rank is None or fabric.threads_per_rank >= 1,
@@ -177,4 +242,54 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
     ]
     for key, ok, problem in checks:
         if not ok:
-            raise ConfigError(key, problem)
+            raise ConfigError(key, f"{problem}, got {getattr(fabric, key.split('.')[1])!r}")
+
+
+def check_fabric_available(fabric: FabricConfig) -> None:
+    """Refuse a Fabric configuration this machine cannot run, before anything is loaded.
+
+    Imports torch (only when a command runs, never for ``--help``). Checks that a requested
+    GPU exists and that there are as many as ``devices`` asks for, and that the packages of
+    the xla, deepspeed and transformer-engine options are installed.
+    """
+    validate_fabric_fields(fabric)
+    import torch
+
+    accelerator, strategy, precision = fabric.accelerator, fabric.strategy, str(fabric.precision)
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    if accelerator == "cuda" and not cuda:
+        raise ConfigError("fabric.accelerator", "cuda, but torch sees no CUDA GPU on this machine "
+                                                "(torch.cuda.is_available() is False); use cpu or auto")
+    if accelerator == "gpu" and not (cuda or mps):
+        raise ConfigError("fabric.accelerator", "gpu, but torch sees no CUDA or MPS GPU on this machine; use cpu or auto")
+    if accelerator == "mps" and not mps:
+        raise ConfigError("fabric.accelerator", "mps, but this machine has no Apple MPS device; use cpu or auto")
+    uses_cuda = accelerator == "cuda" or (accelerator in ("gpu", "auto") and cuda)
+    if uses_cuda and fabric.devices > torch.cuda.device_count():
+        raise ConfigError("fabric.devices", f"{fabric.devices} ranks on CUDA, but this machine has "
+                                            f"{torch.cuda.device_count()} GPU(s)")
+    if (accelerator == "mps" or (accelerator in ("gpu", "auto") and mps and not cuda)) and fabric.devices > 1:
+        raise ConfigError("fabric.devices", "MPS runs a single device; set devices: 1")
+    needs_xla = accelerator == "tpu" or "xla" in strategy or "tpu" in strategy
+    if needs_xla and importlib.util.find_spec("torch_xla") is None:
+        what = f"accelerator {accelerator}" if accelerator == "tpu" else f"strategy {strategy}"
+        raise ConfigError("fabric.accelerator" if accelerator == "tpu" else "fabric.strategy",
+                          f"{what} needs the torch_xla package, which is not installed")
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("fabric.strategy", f"{strategy} needs the deepspeed package, which is not installed")
+    if strategy.startswith("fsdp") and not uses_cuda:
+        raise ConfigError("fabric.strategy", f"{strategy} runs on CUDA GPUs only; use auto or ddp")
+    if precision.startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("fabric.precision", f"{precision} needs the transformer_engine package, which is not installed")
+
+
+def validate_run(name: str, out_dir: str, seed: int, checkpoint_every: int = 1,
+                 stop_after: Optional[int] = None) -> None:
+    """The top-level options of ``fit`` (the run's location is checked by ``RunDir.check``)."""
+    if seed < 0 or seed >= 2**63:
+        raise ConfigError("seed", f"must be an integer in [0, 2**63), got {seed}")
+    if checkpoint_every < 1:
+        raise ConfigError("checkpoint_every", f"must be >= 1, got {checkpoint_every}")
+    if stop_after is not None and stop_after < 1:
+        raise ConfigError("stop_after", f"must be >= 1 (rounds to run before stopping) or null, got {stop_after}")

@@ -25,12 +25,11 @@ class SavedRun:
 
 def load_run_spec(run: Path) -> RunSpec:
     """The run's saved config, parsed and instantiated exactly as ``fit`` parsed it."""
-    from fl_lightning.cli import build_parser
+    from fl_lightning.cli import load_fit_config
 
     if not (run / "config.yaml").is_file():
         raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
-    parser = build_parser()
-    args = parser.instantiate(parser.parse_args(["fit", "--config", str(run / "config.yaml")])).fit
+    args = load_fit_config(run / "config.yaml", key="run")
     return RunSpec(name=run.name, out_dir=str(run.parent), seed=args.seed, data=args.data,
                    partition=args.partition, model=args.model, train=args.train, federation=args.federation,
                    eval=args.eval, fabric=args.fabric, algorithm=args.algorithm)
@@ -51,7 +50,7 @@ def open_saved_run(run: Path, checkpoint: str, fabric_cfg: FabricConfig) -> Save
     path = checkpoint_path(run, checkpoint)
     fabric = make_fabric(fabric_cfg)
     fabric.launch()
-    state = load_checkpoint(path, map_location=fabric.device, key="checkpoint")
+    state = load_checkpoint(path, map_location=fabric.device, key="checkpoint", required=("model", "round"))
     ctx = build_context(spec, fabric, mode="evaluate")
-    load_model_state(ctx.model, state, path, key="checkpoint")
+    load_model_state(ctx.model, state["model"], path, key="checkpoint")
     return SavedRun(spec, ctx, path, int(state.get("round", 0)))

@@ -5,6 +5,10 @@
 name, option or missing directory fails before any work. Each loader is a plain function
 ``(root, download=False, augment=True, *, <options>)``; its keyword-only parameters are the
 dataset's options (see ``dataset_options``). ``docs/datasets.md`` lists the on-disk layouts.
+
+A file that is present but unreadable (a truncated CIFAR pickle, an EMNIST idx file of the
+wrong size, an empty or non-image file in a folder layout, a split file with a bad line) is a
+``ConfigError`` naming ``data.root`` and the file, raised while loading, before training.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
@@ -140,6 +145,27 @@ def _first_dir(candidates: Sequence[str], marker: str) -> Optional[str]:
 def _missing(root: str, what: str, layout: str, downloadable: bool = False) -> ConfigError:
     hint = "or pass download=True" if downloadable else "it cannot be downloaded automatically"
     return ConfigError("data.root", f"no {what} under '{root}': expected {layout}; {hint}")
+
+
+def corrupt_file(path: str, problem: str, hint: str = "replace it with the original file") -> ConfigError:
+    """The error for a dataset file that exists but cannot be used."""
+    return ConfigError("data.root", f"{path}: {problem}; {hint}")
+
+
+def _reason(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def read_text_file(path: str) -> str:
+    """A dataset's text file (split lists, class lists), with a ConfigError naming it if unreadable."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except UnicodeDecodeError as error:
+        raise corrupt_file(path, f"not a UTF-8 text file (byte {error.start})") from None
+    except OSError as error:
+        raise corrupt_file(path, f"cannot be read ({error.strerror or error})") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -330,7 +356,10 @@ def _load_cifar(name: str, root: str, download: bool, augment: bool, stats, num_
     folder = _cifar_root(name, root) or root
     splits = {}
     for split in ("train", "test"):
-        ds = cls(folder, train=split == "train", download=download)
+        try:
+            ds = cls(folder, train=split == "train", download=download)
+        except Exception as error:  # torchvision: md5 mismatch, unpickling, reshape, download
+            raise _cifar_problem(name, cls, folder, download, error) from None
         images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
         splits[split] = (images, torch.tensor(ds.targets, dtype=torch.long), ds.classes)
     train_tf, eval_tf = image_transforms(stats, crop=32, padding=4, flip=True, augment=augment)
@@ -338,6 +367,35 @@ def _load_cifar(name: str, root: str, download: bool, augment: bool, stats, num_
     test = ArrayDataset(splits["test"][0], splits["test"][1], eval_tf)
     return _bundle(name, train, train.with_transform(eval_tf), test, num_classes, (3, 32, 32),
                    extras={"classes": list(splits["train"][2])})
+
+
+def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception) -> ConfigError:
+    """Which CIFAR file is broken, and how: checked in torchvision's order (md5, then contents)."""
+    import torchvision.datasets.cifar as tv_cifar
+
+    base = os.path.join(folder, cls.base_folder)
+    title = _CIFAR[name][2]
+    hint = f"download {title} again (or set data.download: true after removing the folder)"
+    label_key = "labels" if name == "cifar10" else "fine_labels"
+    for file, md5 in cls.train_list + cls.test_list + [(cls.meta["filename"], cls.meta["md5"])]:
+        path = os.path.join(base, file)
+        if not os.path.isfile(path):
+            return corrupt_file(path, "missing", hint)
+        if not tv_cifar.check_integrity(path, md5):
+            return corrupt_file(path, f"does not match the {title} release (md5 differs: truncated or modified)", hint)
+        try:
+            with open(path, "rb") as handle:
+                entry = pickle.load(handle, encoding="latin1")
+        except Exception as err:
+            return corrupt_file(path, f"not a readable {title} pickle ({_reason(err)})", hint)
+        if file != cls.meta["filename"]:
+            data = entry.get("data") if isinstance(entry, dict) else None
+            labels = entry.get(label_key) if isinstance(entry, dict) else None
+            if data is None or labels is None or len(data) != len(labels) or np.asarray(data).size != len(labels) * 3072:
+                return corrupt_file(path, f"not a {title} batch ('data' of N x 3072 pixels and N '{label_key}')", hint)
+    if download:
+        return ConfigError("data.download", f"downloading {title} into '{folder}' failed ({_reason(error)})")
+    return ConfigError("data.root", f"{title} under '{folder}' cannot be read ({_reason(error)})")
 
 
 @register("cifar10", _check_cifar("cifar10"))
@@ -383,6 +441,25 @@ def _check_emnist(root, download, *, split="byclass", as_float=False):
         raise _missing(root, f"EMNIST ({split})", layout, downloadable=True)
 
 
+def _check_idx_file(path: str) -> None:
+    """An idx-ubyte file (NIST's format) whose header matches its size: magic 0x0000 08 nd,
+    nd big-endian uint32 dimensions, then prod(dims) bytes."""
+    hint = "unzip it again from NIST's gzip.zip (or remove it and set data.download: true)"
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] != 0x08 or not 1 <= head[3] <= 3:
+        raise corrupt_file(path, "not an idx-ubyte file (its first bytes are not 00 00 08 0n)", hint)
+    ndim = head[3]
+    if len(head) < 4 + 4 * ndim:
+        raise corrupt_file(path, "truncated (shorter than its own header)", hint)
+    dims = [int.from_bytes(head[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    expected = 4 + 4 * ndim + math.prod(dims)
+    if size != expected:
+        raise corrupt_file(path, f"holds {size} bytes, but its header ({' x '.join(map(str, dims))}) needs {expected} "
+                                 f"({'truncated' if size < expected else 'extra bytes'})", hint)
+
+
 def uint8_mean_std(images: torch.Tensor) -> tuple[float, float]:
     """Exact mean and std of uint8 pixels scaled to [0, 1], from a 256-bin histogram
     (no float copy of the images)."""
@@ -407,9 +484,18 @@ def load_emnist(root: str = "data", download: bool = False, augment: bool = True
     from torchvision.datasets import EMNIST
 
     folder = _emnist_root(root, split) or root
+    raw = os.path.join(folder, "EMNIST", "raw")
+    if not download or all(os.path.isfile(os.path.join(raw, f)) for f in _emnist_files(split)):
+        for file in _emnist_files(split):
+            if os.path.isfile(os.path.join(raw, file)):
+                _check_idx_file(os.path.join(raw, file))
     data = {}
     for part in ("train", "test"):
-        ds = EMNIST(folder, split=split, train=part == "train", download=download)
+        try:
+            ds = EMNIST(folder, split=split, train=part == "train", download=download)
+        except Exception as error:  # legacy processed/*.pt files, or a failed download
+            key = "data.download" if download else "data.root"
+            raise ConfigError(key, f"EMNIST ({split}) under '{folder}' cannot be read ({_reason(error)})") from None
         data[part] = (ds.data.transpose(1, 2).unsqueeze(1).contiguous(), torch.as_tensor(ds.targets, dtype=torch.long))
     mean, std = uint8_mean_std(data["train"][0])
     num_classes = len(EMNIST.classes_split_dict[split])
@@ -431,14 +517,48 @@ def load_emnist(root: str = "data", download: bool = False, augment: bool = True
 
 
 def load_image(path: str, size: Optional[int] = None) -> torch.Tensor:
-    """An image file as a uint8 RGB CHW tensor, optionally resized to ``size x size``."""
+    """An image file as a uint8 RGB CHW tensor, optionally resized to ``size x size``.
+
+    A file that cannot be decoded (truncated, not an image) is a ConfigError naming it."""
     from PIL import Image
 
-    with Image.open(path) as img:
-        img = img.convert("RGB")  # CINIC-10 and TinyImageNet hold some greyscale images
-        if size is not None and img.size != (size, size):
-            img = img.resize((size, size), Image.BILINEAR)
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous()
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")  # CINIC-10 and TinyImageNet hold some greyscale images
+            if size is not None and img.size != (size, size):
+                img = img.resize((size, size), Image.BILINEAR)
+            return torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous()
+    except (OSError, ValueError, SyntaxError) as error:  # PIL: UnidentifiedImageError, truncated data
+        raise corrupt_file(path, f"not a readable image ({_reason(error)})") from None
+
+
+# The first bytes of every format that IMAGE_EXTENSIONS names (and GIF, TIFF, which PIL reads too).
+_IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"BM", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*")
+
+
+def check_image_files(paths: Sequence[str]) -> None:
+    """Every file exists, is not empty and starts like an image (PNG, JPEG, BMP, WebP, GIF,
+    TIFF), else a ConfigError naming it. Reads 12 bytes per file, so it runs before training
+    even on lazily loaded datasets; a file damaged further in is reported when it is decoded."""
+    def problem(path: str) -> Optional[str]:
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(12)
+        except FileNotFoundError:
+            return "listed by the dataset but missing"
+        except OSError as error:
+            return f"cannot be read ({error.strerror or error})"
+        if not head:
+            return "empty (0 bytes)"
+        if head.startswith(_IMAGE_SIGNATURES) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
+            return None
+        return "not an image (its first bytes are no PNG, JPEG, BMP, WebP, GIF or TIFF signature)"
+
+    workers = min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool:
+        for path, found in zip(paths, pool.map(problem, paths, chunksize=1024)):
+            if found is not None:
+                raise corrupt_file(path, found)
 
 
 class ImageFileDataset(Dataset):
@@ -495,6 +615,8 @@ def scan_class_folders(folder: str, classes: Sequence[str]):
 def _folder_bundle(name, parts: dict, stats, crop, padding, augment, in_memory, num_classes, size, **fields):
     """Build a bundle from ``{"train"|"test"|extra: (paths, targets)}`` split lists."""
     train_tf, eval_tf = image_transforms(stats, crop=crop, padding=padding, flip=True, augment=augment)
+    for paths, _ in parts.values():
+        check_image_files(paths)
     sets = {}
     for split, (paths, targets) in parts.items():
         ds = ImageFileDataset(paths, targets, train_tf if split == "train" else eval_tf, size=size)
@@ -560,8 +682,8 @@ def load_tinyimagenet(root: str = "data", download: bool = False, augment: bool 
     flip. ``in_memory`` decodes every image once up front.
     """
     base = _tiny_base(root)
-    with open(os.path.join(base, "wnids.txt")) as f:
-        classes = sorted(line.strip() for line in f if line.strip())
+    classes = sorted(line.strip() for line in read_text_file(os.path.join(base, "wnids.txt")).splitlines()
+                     if line.strip())
     index = {wnid: i for i, wnid in enumerate(classes)}
     train_paths, train_targets = [], []
     for wnid in classes:
@@ -570,12 +692,16 @@ def load_tinyimagenet(root: str = "data", download: bool = False, augment: bool 
         train_paths += files
         train_targets += [index[wnid]] * len(files)
     test_paths, test_targets = [], []
-    with open(os.path.join(base, "val", "val_annotations.txt")) as f:
-        for line in f:
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) >= 2 and fields[1] in index:
-                test_paths.append(os.path.join(base, "val", "images", fields[0]))
-                test_targets.append(index[fields[1]])
+    annotations = os.path.join(base, "val", "val_annotations.txt")
+    for number, line in enumerate(read_text_file(annotations).splitlines(), 1):
+        fields = line.split("\t")
+        if not line.strip():
+            continue
+        if len(fields) < 2:
+            raise corrupt_file(annotations, f"line {number} is not 'file<TAB>wnid<TAB>box': {line[:60]!r}")
+        if fields[1] in index:
+            test_paths.append(os.path.join(base, "val", "images", fields[0]))
+            test_targets.append(index[fields[1]])
     parts = {"train": (train_paths, train_targets), "test": (test_paths, test_targets)}
     return _folder_bundle("tinyimagenet", parts, TINYIMAGENET_STATS, 64, 8, augment, in_memory, len(classes), None,
                           extras={"classes": classes})
@@ -615,12 +741,15 @@ def _check_domainnet(root, download, *, domains=None, image_size=64, classes=Non
 def read_domainnet_split(base: str, domain: str, split: str):
     """``[(path, class_name, label)]`` from ``<base>/<domain>_<split>.txt``."""
     rows = []
-    with open(os.path.join(base, f"{domain}_{split}.txt")) as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 2:
-                rel, label = parts[0], int(parts[-1])
-                rows.append((os.path.join(base, rel), rel.split("/")[-2], label))
+    path = os.path.join(base, f"{domain}_{split}.txt")
+    for number, line in enumerate(read_text_file(path).splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        rel = parts[0]
+        if len(parts) < 2 or not parts[-1].isdigit() or "/" not in rel:
+            raise corrupt_file(path, f"line {number} is not 'domain/class/file.jpg label': {line[:60]!r}")
+        rows.append((os.path.join(base, rel), rel.split("/")[-2], int(parts[-1])))
     return rows
 
 

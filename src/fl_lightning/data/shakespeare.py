@@ -258,21 +258,48 @@ def _leaf_files(leaf_dir: str, split: str) -> list[str]:
 def _read_leaf_split(leaf_dir: str, split: str) -> dict[str, dict]:
     users: dict[str, dict] = {}
     for path in _leaf_files(leaf_dir, split):
+        for user, data in _read_leaf_file(path).items():
+            users[user] = data
+    return users
+
+
+def _read_leaf_file(path: str) -> dict[str, dict]:
+    """``{user: {"x": [...], "y": [...]}}`` of one LEAF JSON file, or a ConfigError naming it."""
+    hint = "regenerate it with LEAF's preprocess.sh"
+    try:
         with open(path, encoding="utf-8") as f:
             blob = json.load(f)
-        for user in blob["users"]:
-            users[user] = blob["user_data"][user]
-    return users
+    except UnicodeDecodeError as error:
+        raise _corrupt(path, f"not UTF-8 text (byte {error.start})", hint) from None
+    except json.JSONDecodeError as error:
+        raise _corrupt(path, f"not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+                             "a truncated or interrupted copy?", hint) from None
+    except OSError as error:
+        raise _corrupt(path, f"cannot be read ({error.strerror or error})", hint) from None
+    if not isinstance(blob, dict) or not isinstance(blob.get("users"), list) or not isinstance(blob.get("user_data"), dict):
+        raise _corrupt(path, "not a LEAF data file (expected 'users': [...] and 'user_data': {...})", hint)
+    out = {}
+    for user in blob["users"]:
+        data = blob["user_data"].get(user) if isinstance(user, str) else None
+        if (not isinstance(data, dict) or not isinstance(data.get("x"), list) or not isinstance(data.get("y"), list)
+                or not all(isinstance(v, str) for v in data["x"]) or not all(isinstance(v, str) for v in data["y"])):
+            raise _corrupt(path, f"user {user!r} has no 'user_data' entry with string lists 'x' and 'y'", hint)
+        out[user] = data
+    return out
+
+
+def _corrupt(path: str, problem: str, hint: str) -> ConfigError:
+    return ConfigError("data.root", f"{path}: {problem}; {hint}")
 
 
 def _encode_leaf(xs: Sequence[str], ys: Sequence[str], vocabulary: str, seq_length: int, where: str):
     if any(len(s) != seq_length for s in xs):
         raise ConfigError("data.options.seq_length",
                           f"LEAF JSON in {where} holds windows that are not {seq_length} characters long")
+    if len(ys) != len(xs) or any(len(s) != 1 for s in ys):
+        raise ConfigError("data.root", f"LEAF JSON in {where}: 'y' must hold one character per 'x' window")
     x = encode("".join(xs), vocabulary).view(len(xs), seq_length)
     y = encode("".join(ys), vocabulary)
-    if len(y) != len(xs):
-        raise ConfigError("data.root", f"LEAF JSON in {where}: 'y' must hold one character per 'x' window")
     return x, y
 
 

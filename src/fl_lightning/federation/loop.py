@@ -53,8 +53,9 @@ class Federation:
         self.model, self.algorithm, self.fed = self.ctx.model, spec.algorithm, self.ctx.data
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         if spec.resume_from:
-            state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume")
-            load_model_state(self.model, state, spec.resume_from, key="resume")
+            state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume",
+                                    required=("model", "algorithm", "round", "best"))
+            load_model_state(self.model, state["model"], spec.resume_from, key="resume")
             self.algorithm.load_state_dict(state["algorithm"])
             self.start_round, self.best = int(state["round"]), dict(state["best"])
 
@@ -160,8 +161,9 @@ class Federation:
         if self.best["round"] == self.spec.federation.rounds - 1:  # best.ckpt is the last model
             summary["best"] = {**self.best, **test}
         elif self.run_dir.best.exists():
-            best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device, key="checkpoint")
-            load_model_state(self.model, best, self.run_dir.best, key="checkpoint")
+            best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device, key="checkpoint",
+                                   required=("model",))
+            load_model_state(self.model, best["model"], self.run_dir.best, key="checkpoint")
             summary["best"] = {**self.best, **self._split_metrics("test")}
         return summary
 

@@ -1,14 +1,28 @@
-"""Where a run writes: config, metrics, TensorBoard events, checkpoints."""
+"""Where a run writes: config, metrics, TensorBoard events, checkpoints.
+
+Also the checks that keep a run inside its ``out_dir``, refuse an output folder that cannot be
+written before any work starts, and refuse to resume a run under a different configuration.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+from pathlib import Path, PurePath
 from typing import Iterable, Optional
+
+import yaml
 
 from fl_lightning.errors import ConfigError
 
 LAST, BEST = "last.ckpt", "best.ckpt"
+
+# Keys that may differ between a run's saved config.yaml and the command that resumes it: where
+# and how it runs, when it evaluates and checkpoints, and where the same data files lie.
+# Everything else (data, partition, model, algorithm, train, federation, seed) changes what
+# the remaining rounds compute, so a resume with another value is refused.
+RESUME_SAFE_KEYS = ("fabric.*", "eval.*", "checkpoint_every", "stop_after", "name", "out_dir", "resume",
+                    "data.root", "data.download")
 
 
 class RunDir:
@@ -40,6 +54,130 @@ class RunDir:
 
     def create(self) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
+
+    def check_writable(self) -> None:
+        """Refuse, before any work and without creating anything, an output location that cannot
+        be written: ``out_dir`` (or a folder above it) is a file or read-only, or the run's own
+        folder or its files cannot be replaced."""
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise ConfigError("out_dir", f"{self.path.parent} is a file, not a folder; choose another --out_dir")
+        check_writable(self.path, "name" if self.path.exists() else "out_dir")
+        if self.path.is_dir():
+            for folder in (self.checkpoints, self.path / "tensorboard"):
+                check_writable(folder, "name")
+            for file in (self.last, self.best, self.metrics, self.clients, self.summary, self.path / "config.yaml"):
+                check_writable(file, "name", folder=False)
+
+
+def check_writable(path: Path, key: str, folder: bool = True) -> None:
+    """ConfigError unless ``path`` (a folder, or a file with ``folder=False``) can be created or
+    replaced: it is of that kind and writable if it exists, else the nearest existing folder
+    above it is a writable folder. Creates nothing."""
+    path = Path(path)
+    if path.exists():
+        if folder and not path.is_dir():
+            raise ConfigError(key, f"{path} is a file, not a folder; choose another --{key}")
+        if not folder and path.is_dir():
+            raise ConfigError(key, f"{path} is a folder, not a file; choose another --{key}")
+        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+            raise ConfigError(key, f"{path} is not writable; choose another --{key}")
+        if folder:
+            return
+    existing = path.parent
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(key, f"{existing} is a file, not a folder; choose another --{key}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"{existing} is not writable; choose another --{key}")
+
+
+def check_run_name(name: str, key: str = "name") -> None:
+    """A run name is a relative folder below ``out_dir`` (``a`` or ``sweep/a``): not empty, not
+    absolute, no ``..`` or ``.`` steps and no control characters, so a run stays inside its out_dir."""
+    if not name or not name.strip():
+        raise ConfigError(key, "must not be empty; outputs go to <out_dir>/<name>/")
+    if any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise ConfigError(key, f"must not hold control characters, got {name!r}")
+    if os.path.isabs(name) or PurePath(name).anchor or name.startswith("~"):
+        raise ConfigError(key, f"must be a relative name below out_dir, got {name!r}; set --out_dir for the parent")
+    steps = name.replace("\\", "/").split("/")
+    if any(step in ("..", ".") for step in steps) or name.endswith("/"):
+        raise ConfigError(key, f"must be a plain name below out_dir (no '..', '.' or trailing '/'), got {name!r}")
+
+
+def check_resume_compatible(saved_config_yaml: str, new_config_yaml: str, key: str = "resume") -> None:
+    """Refuse to continue a run whose saved config differs from the new one anywhere but in
+    ``RESUME_SAFE_KEYS``, naming the differing keys and both values.
+
+    Both arguments are resolved configs as ``fit`` saves them (``config.yaml``). Algorithm
+    options are compared as ``algorithm.<option>``; a key that only one side holds counts as a
+    difference unless its value there is null or empty (an option added by a newer version).
+    """
+    saved, new = _flat_config(saved_config_yaml, "saved"), _flat_config(new_config_yaml, "new")
+    differing = []
+    for name in sorted(set(saved) | set(new), key=_config_order(new, saved)):
+        if _resume_safe(name):
+            continue
+        old_value, new_value = saved.get(name, _ABSENT), new.get(name, _ABSENT)
+        if old_value is _ABSENT and new_value in (None, {}, []) or new_value is _ABSENT and old_value in (None, {}, []):
+            continue
+        if old_value != new_value:
+            differing.append(f"{name} ({_show(old_value)} -> {_show(new_value)})")
+    if differing:
+        shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
+        raise ConfigError(key, f"the run was trained with another configuration: {shown}; a resume may change only "
+                               f"{', '.join(RESUME_SAFE_KEYS)} (start a new run with another --name instead)")
+
+
+_ABSENT = object()
+
+
+def _flat_config(text: str, which: str) -> dict:
+    try:
+        tree = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError as error:
+        raise ConfigError("resume", f"the {which} config is not valid YAML ({' '.join(str(error).split())[:120]})") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError("resume", f"the {which} config is not a mapping of sections")
+    flat: dict = {}
+    _flatten(tree, "", flat)
+    return flat
+
+
+def _flatten(tree, prefix: str, out: dict) -> None:
+    for name, value in tree.items():
+        if prefix == "algorithm." and name == "init_args" and isinstance(value, dict):
+            _flatten(value, prefix, out)  # algorithm.<option>, as on the command line
+            continue
+        if prefix == "algorithm." and name == "class_path" and isinstance(value, str):
+            value = value.rsplit(".", 1)[-1]  # Feast and fl_lightning.algorithms.Feast are one class
+        dotted = f"{prefix}{name}"
+        if isinstance(value, dict) and value:
+            _flatten(value, dotted + ".", out)
+        else:
+            out[dotted] = value
+
+
+def _resume_safe(name: str) -> bool:
+    return any(name == safe or (safe.endswith(".*") and name.startswith(safe[:-1])) for safe in RESUME_SAFE_KEYS)
+
+
+def _config_order(*configs: dict):
+    order = {}
+    for config in configs:
+        for name in config:
+            order.setdefault(name, len(order))
+    return lambda name: order[name]
+
+
+def _show(value) -> str:
+    if value is _ABSENT:
+        return "not set"
+    text = json.dumps(value) if isinstance(value, (list, dict, str)) or value is None else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class JsonLines:

@@ -1,0 +1,575 @@
+"""Bad input as a new user types it: every case ends with exit status 2 and one stderr line
+``error: <key>: <problem>``, no traceback, and nothing written or changed on disk.
+
+CLI cases run ``main()`` in-process and fail before any data is loaded; checkpoints, resume
+compatibility and corrupt dataset files are checked at the functions that read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from fl_lightning.cli import main, shared_parser
+from fl_lightning.data.datasets import load_dataset
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fl_lightning.federation.run_dir import RESUME_SAFE_KEYS, check_resume_compatible
+
+QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+
+CONFIG_FILES = {
+    "train5.yaml": "train: 5\n",
+    "empty.yaml": "",
+    "comments.yaml": "# only a comment\n",
+    "list.yaml": "- data\n- model\n",
+    "bad.yaml": "data: {name: digits\n",
+    "null_section.yaml": "data:\nseed: 1\n",
+    "unknown_key.yaml": "federation:\n  roundz: 3\n",
+    "budgets7.yaml": "partition:\n  budgets: 7\n",
+    "algorithm5.yaml": "algorithm: 5\n",
+    "lr_inf.yaml": "train:\n  lr: .inf\n",
+    "rounds_text.yaml": "federation:\n  rounds: ten\n",
+}
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Files that bad arguments point at: configs, a binary file, a plain file, a folder."""
+    folder = tmp_path / "inputs"
+    folder.mkdir()
+    for name, text in CONFIG_FILES.items():
+        (folder / name).write_text(text)
+    (folder / "binary.yaml").write_bytes(bytes(range(256)) * 4)
+    (folder / "a_file").write_text("keep me\n")
+    (folder / "a_folder").mkdir()
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch):
+    """Every machine looks like this 2-core CI box: no CUDA, no MPS."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under ``root`` with its bytes (folders as None)."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+def fails_cleanly(argv, capsys, key: str, root: Path) -> str:
+    """Run the CLI; check exit 2, one 'error: <key>:' line, no traceback, nothing written."""
+    before = snapshot(root)
+    code = main(argv)
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2, captured.err
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"error: {key}:"), lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert snapshot(root) == before, "nothing may be written or changed when the input is bad"
+    return lines[0]
+
+
+FIT_CASES = [
+    # Fabric: names Fabric refuses, and what this machine cannot run
+    (["--fabric.accelerator", "quantum"], "fabric.accelerator"),
+    (["--fabric.precision", "7-bogus"], "fabric.precision"),
+    (["--fabric.strategy", "bogus"], "fabric.strategy"),
+    (["--fabric.accelerator", "cuda"], "fabric.accelerator"),
+    (["--fabric.accelerator", "gpu"], "fabric.accelerator"),
+    (["--fabric.accelerator", "mps"], "fabric.accelerator"),
+    (["--fabric.accelerator", "tpu"], "fabric.accelerator"),
+    (["--fabric.strategy", "fsdp"], "fabric.strategy"),
+    (["--fabric.strategy", "deepspeed"], "fabric.strategy"),
+    (["--fabric.devices", "0"], "fabric.devices"),
+    (["--fabric.devices", "two"], "fabric.devices"),
+    (["--fabric.threads_per_rank", "0"], "fabric.threads_per_rank"),
+    # top-level options
+    (["--seed", "-1"], "seed"),
+    (["--seed", str(2**64)], "seed"),
+    (["--stop_after", "-1"], "stop_after"),
+    (["--stop_after", "0"], "stop_after"),
+    (["--stop_after", "x"], "stop_after"),
+    (["--checkpoint_every", "0"], "checkpoint_every"),
+    (["--name", ""], "name"),
+    (["--name", "../x"], "name"),
+    (["--name", "a/../../x"], "name"),
+    (["--name", "{tmp}/absolute"], "name"),
+    (["--name", "."], "name"),
+    (["--name", "bad\nname"], "name"),
+    (["--out_dir", "{inputs}/a_file"], "out_dir"),
+    (["--out_dir", "{inputs}/a_file/runs"], "out_dir"),
+    (["--resume", "{tmp}/no_such.ckpt"], "resume"),
+    # config files
+    (["--config", "{inputs}/train5.yaml"], "train"),
+    (["--config", "{inputs}/binary.yaml"], "config"),
+    (["--config", "{inputs}/empty.yaml"], "config"),
+    (["--config", "{inputs}/comments.yaml"], "config"),
+    (["--config", "{inputs}/list.yaml"], "config"),
+    (["--config", "{inputs}/bad.yaml"], "config"),
+    (["--config", "{inputs}/null_section.yaml"], "data"),
+    (["--config", "{inputs}/unknown_key.yaml"], "federation.roundz"),
+    (["--config", "{inputs}/budgets7.yaml"], "partition.budgets"),
+    (["--config", "{inputs}/algorithm5.yaml"], "algorithm"),
+    (["--config", "{inputs}/lr_inf.yaml"], "train.lr"),
+    (["--config", "{inputs}/rounds_text.yaml"], "federation.rounds"),
+    (["--config", "{inputs}/missing.yaml"], "config"),
+    (["--config", "{inputs}/a_folder"], "config"),
+    (["--config=" "{inputs}/empty.yaml"], "config"),
+    # values and types
+    (["--federation.rounds", "ten"], "federation.rounds"),
+    (["--federation.rounds", "0"], "federation.rounds"),
+    (["--federation.roundz", "3"], "federation.roundz"),
+    (["--train", "5"], "train"),
+    (["--train.lr", "-0.1"], "train.lr"),
+    (["--train.epochs", "1.5"], "train.epochs"),
+    (["--data.options", "5"], "data.options"),
+    (["--data.download", "maybe"], "data.download"),
+    (["--data.randaugment", "[a]"], "data.randaugment"),
+    (["--data.val_size", "-1"], "data.val_size"),
+    (["--model.kwargs", "[1]"], "model.kwargs"),
+    (["--partition.budgets.b_cap", "-1"], "partition.budgets.b_cap"),
+    (["--partition.budgets.b_min", "0"], "partition.budgets.b_min"),
+    (["--partition.budgets.b_max", "1"], "partition.budgets.b_max"),
+    (["--partition.budgets.zipf_s", "-1"], "partition.budgets.zipf_s"),
+    # choices
+    (["--data.name", "mnist"], "data.name"),
+    (["--partition.method", "shards"], "partition.method"),
+    (["--train.lr_schedule", "linear"], "train.lr_schedule"),
+    (["--eval.test", "sometimes"], "eval.test"),
+    (["--data.server_source", "test"], "data.server_source"),
+    (["--algorithm", "NoSuchAlgorithm"], "algorithm"),
+    (["--algorithm.mu", "0.1"], "algorithm.mu"),
+    (["--algorithm", "FedProx", "--algorithm.mu", "x"], "algorithm.mu"),
+]
+
+
+@pytest.mark.parametrize("args,key", FIT_CASES, ids=[" ".join(a)[:60] for a, _ in FIT_CASES])
+def test_bad_fit_input_fails_with_one_line(tmp_path, inputs, capsys, args, key):
+    args = [a.format(tmp=tmp_path, inputs=inputs) for a in args]
+    out = tmp_path / "runs"
+    fails_cleanly(["fit", "--out_dir", str(out), *args], capsys, key, tmp_path)
+    assert not out.exists()
+
+
+OTHER_CASES = [
+    ([], "command"),
+    (["fitt"], "command"),
+    (["evaluate"], "run"),
+    (["evaluate", "--run", "{tmp}/nowhere"], "run"),
+    (["evaluate", "--run", "{inputs}", "--fabric.accelerator", "quantum"], "fabric.accelerator"),
+    (["extract", "--run", "{tmp}/nowhere", "--budget", "30M"], "run"),
+    (["models", "--widths", "[0]"], "widths"),
+    (["models", "--num_classes", "0", "--input_shape", "[1, 8, 8]"], "num_classes"),
+    (["partition", "--name", "../x", "--out_dir", "{tmp}/runs"], "name"),
+    (["partition", "--out", "{inputs}/a_file"], "out"),
+    (["partition", "--seed", "-1", "--out", "{tmp}/p"], "seed"),
+]
+
+
+@pytest.mark.parametrize("argv,key", OTHER_CASES, ids=[" ".join(a)[:60] or "no command" for a, _ in OTHER_CASES])
+def test_bad_input_to_other_commands(tmp_path, inputs, capsys, argv, key):
+    fails_cleanly([a.format(tmp=tmp_path, inputs=inputs) for a in argv], capsys, key, tmp_path)
+
+
+def test_error_lines_read_well(tmp_path, inputs, capsys):
+    """The reason is kept in the line, not cut off after the key."""
+    def line(key, *args):
+        return fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), *args], capsys, key, tmp_path)
+
+    assert "got 'ten'" in line("federation.rounds", "--federation.rounds", "ten")
+    assert "is empty" in line("config", "--config", str(inputs / "empty.yaml"))
+    assert "not a YAML text file" in line("config", "--config", str(inputs / "binary.yaml"))
+    assert "CUDA" in line("fabric.accelerator", "--fabric.accelerator", "cuda")
+    assert "did you mean federation.rounds" in line("federation.roundz", "--federation.roundz", "3")
+    assert "FedProx" in line("algorithm", "--algorithm", "Nope")
+
+
+def test_existing_run_is_kept(tmp_path, capsys):
+    run = tmp_path / "runs" / "x"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"keep")
+    (run / "metrics.jsonl").write_text('{"round": 0}\n')
+    fails_cleanly(["fit", "--name", "x", "--out_dir", str(tmp_path / "runs")], capsys, "name", tmp_path)
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make chosen paths read-only for os.access (root ignores permission bits, and CI may run as root)."""
+    denied = set()
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and os.path.abspath(path) in denied:
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+    return lambda path: denied.add(os.path.abspath(path))
+
+
+def test_read_only_out_dir_fails_before_work(tmp_path, capsys, read_only):
+    out = tmp_path / "runs"
+    out.mkdir()
+    read_only(out)
+    line = fails_cleanly(["fit", "--out_dir", str(out), "--name", "x"], capsys, "out_dir", tmp_path)
+    assert "not writable" in line and not (out / "x").exists()
+
+
+def test_read_only_parent_of_out_dir(tmp_path, capsys, read_only):
+    read_only(tmp_path)
+    fails_cleanly(["fit", "--out_dir", str(tmp_path / "a" / "runs")], capsys, "out_dir", tmp_path)
+
+
+def test_read_only_checkpoint_of_resumed_run(tmp_path, capsys, read_only):
+    run = tmp_path / "runs" / "x"
+    save_checkpoint({"model": {}, "round": 1}, run / "checkpoints" / "last.ckpt")
+    read_only(run / "checkpoints" / "last.ckpt")
+    fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--name", "x", "--resume", "auto"], capsys,
+                  "name", tmp_path)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_out_dir_by_permissions(tmp_path, capsys):
+    out = tmp_path / "runs"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        fails_cleanly(["fit", "--out_dir", str(out)], capsys, "out_dir", tmp_path)
+    finally:
+        out.chmod(0o755)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------
+
+
+class RunsCode:
+    """Unpickling this would create the marker file: what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _bad_checkpoint(kind: str, path: Path, marker: Path) -> Path:
+    good = path.with_name("good.ckpt")
+    save_checkpoint({"model": {"w": torch.ones(64, 64)}, "round": 3}, good)
+    data = good.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "cut_short":
+        path.write_bytes(data[:-30])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "random":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    elif kind == "text":
+        path.write_text("model: weights\n")
+    elif kind == "wrong_keys":
+        save_checkpoint({"weights": {"w": torch.ones(2)}, "epoch": 3}, path)
+    elif kind == "not_a_dict":
+        torch.save([torch.ones(2)], path)
+    elif kind == "runs_code":
+        torch.save({"model": RunsCode(marker), "round": 1}, path)
+    elif kind == "plain_pickle":
+        path.write_bytes(pickle.dumps({"model": RunsCode(marker)}))
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "missing":
+        pass
+    return path
+
+
+CHECKPOINT_CASES = ["truncated", "cut_short", "empty", "random", "text", "wrong_keys", "not_a_dict", "runs_code",
+                    "plain_pickle", "folder", "missing"]
+
+
+@pytest.mark.parametrize("kind", CHECKPOINT_CASES)
+@pytest.mark.parametrize("key", ["resume", "checkpoint"])
+def test_bad_checkpoint_is_a_config_error(tmp_path, kind, key):
+    marker = tmp_path / "code_ran"
+    path = _bad_checkpoint(kind, tmp_path / "last.ckpt", marker)
+    with pytest.raises(ConfigError) as err:
+        load_checkpoint(path, key=key, required=("model", "round"))
+    message = str(err.value)
+    assert err.value.key == key and str(path) in message
+    assert "\n" not in message and "weights_only" not in message
+    assert not marker.exists(), "loading a checkpoint must never run code from it"
+
+
+def test_checkpoint_that_runs_code_is_named_as_such(tmp_path):
+    path = _bad_checkpoint("runs_code", tmp_path / "best.ckpt", tmp_path / "code_ran")
+    with pytest.raises(ConfigError, match="could run code"):
+        load_checkpoint(path)
+
+
+def test_good_checkpoint_loads(tmp_path):
+    save_checkpoint({"model": {"w": torch.arange(3.0)}, "round": 2}, tmp_path / "last.ckpt")
+    state = load_checkpoint(tmp_path / "last.ckpt", key="resume", required=("model", "round"))
+    assert state["round"] == 2 and torch.equal(state["model"]["w"], torch.arange(3.0))
+
+
+def _mlp(hidden: int, layers: int = 2) -> nn.Module:
+    blocks = [nn.Linear(4, hidden), nn.ReLU()]
+    for _ in range(layers - 2):
+        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(hidden, 3))
+
+
+def test_model_state_of_another_size_names_the_shapes(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_model_state(_mlp(8), _mlp(16).state_dict(), tmp_path / "best.ckpt")
+    message = str(err.value)
+    assert err.value.key == "checkpoint" and "different shapes" in message
+    assert "0.weight (checkpoint [16, 4], model [8, 4])" in message and "\n" not in message
+
+
+def test_model_state_of_another_architecture_names_keys(tmp_path):
+    model = _mlp(8)
+    with pytest.raises(ConfigError) as err:
+        load_model_state(model, _mlp(8, layers=4).state_dict(), tmp_path / "last.ckpt", key="resume")
+    message = str(err.value)
+    assert err.value.key == "resume" and "unexpected" in message and "more" in message
+    with pytest.raises(ConfigError, match="missing: 2.weight"):
+        load_model_state(_mlp(8, layers=3), {k: v for k, v in _mlp(8, 3).state_dict().items() if k != "2.weight"},
+                         tmp_path / "last.ckpt")
+    with pytest.raises(ConfigError, match="not a state dict"):
+        load_model_state(model, [1, 2], tmp_path / "last.ckpt")
+
+
+def test_matching_model_state_loads(tmp_path):
+    source, target = _mlp(8), _mlp(8)
+    load_model_state(target, source.state_dict(), tmp_path / "best.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------------
+# Resuming under another configuration
+# ---------------------------------------------------------------------------------------
+
+
+def _resolved(*overrides: str) -> str:
+    parser = shared_parser()
+    cfg = parser.parse_args(["fit", "--config", str(QUICKSTART), *overrides])
+    return parser.subcommand_parsers["fit"].dump(cfg.fit, skip_none=False)
+
+
+REFUSED = [
+    (["--seed", "1"], "seed"),
+    (["--model.kwargs", "{width_scale: 0.5, max_extra_blocks: 1, divisor: 2}"], "model.kwargs.width_scale"),
+    (["--model.name", "cnn"], "model.name"),
+    (["--data.name", "digits"], "data.name"),
+    (["--data.val_size", "200"], "data.val_size"),
+    (["--partition.alpha_eff", "0.3"], "partition.alpha_eff"),
+    (["--partition.budgets.b_cap", "5e6"], "partition.budgets.b_cap"),
+    (["--federation.rounds", "80"], "federation.rounds"),
+    (["--algorithm", "FedAvg"], "algorithm.class_path"),
+    (["--algorithm.search.population", "32"], "algorithm.search.population"),
+    (["--train.lr", "0.1"], "train.lr"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", REFUSED, ids=[k for _, k in REFUSED])
+def test_resume_with_another_config_is_refused(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        check_resume_compatible(_resolved(), _resolved(*overrides))
+    assert err.value.key == "resume" and key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_resume_may_change_where_and_how_it_runs():
+    saved = _resolved()
+    check_resume_compatible(saved, _resolved("--fabric.devices", "2", "--fabric.precision", "bf16-mixed",
+                                             "--eval.every", "5", "--eval.test", "every", "--stop_after", "3",
+                                             "--checkpoint_every", "2", "--name", "other", "--out_dir", "elsewhere",
+                                             "--resume", "auto", "--data.root", "/mnt/data"))
+    assert "fabric.*" in RESUME_SAFE_KEYS and "stop_after" in RESUME_SAFE_KEYS
+
+
+def test_resume_refusal_lists_several_keys():
+    with pytest.raises(ConfigError) as err:
+        check_resume_compatible(_resolved(), _resolved("--seed", "3", "--federation.rounds", "10"))
+    assert "seed (0 -> 3)" in str(err.value) and "federation.rounds (40 -> 10)" in str(err.value)
+
+
+def test_resume_against_unreadable_saved_config():
+    with pytest.raises(ConfigError) as err:
+        check_resume_compatible("data: [unclosed\n", _resolved())
+    assert err.value.key == "resume"
+
+
+# ---------------------------------------------------------------------------------------
+# Dataset folders with corrupt files: ConfigError naming data.root and the file
+# ---------------------------------------------------------------------------------------
+
+
+def _image(path: Path, size=32):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((size, size, 3), 100, dtype=np.uint8)).save(path)
+
+
+def _cinic(root: Path) -> Path:
+    for split in ("train", "valid", "test"):
+        for c in ("cat", "dog"):
+            for i in range(2):
+                _image(root / "cinic10" / split / c / f"{i}.png")
+    return root / "cinic10"
+
+
+def assert_names_file(err, path: Path) -> None:
+    assert err.value.key == "data.root", str(err.value)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["text", "empty", "truncated"])
+def test_bad_image_in_folder_layout(tmp_path, damage):
+    bad = _cinic(tmp_path) / "train" / "dog" / "1.png"
+    if damage == "text":
+        bad.write_text("not an image")
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        bad.write_bytes(bad.read_bytes()[:40])  # header intact, pixels cut off
+    if damage == "truncated":  # found on decoding: up front with in_memory, else at first access
+        with pytest.raises(ConfigError) as err:
+            load_dataset("cinic10", root=str(tmp_path), in_memory=True)
+        assert_names_file(err, bad)
+        lazy = load_dataset("cinic10", root=str(tmp_path))
+        with pytest.raises(ConfigError) as err:
+            [lazy.train[i] for i in range(len(lazy.train))]
+    else:
+        with pytest.raises(ConfigError) as err:
+            load_dataset("cinic10", root=str(tmp_path))
+    assert_names_file(err, bad)
+
+
+def test_tinyimagenet_listed_image_missing(tmp_path):
+    base = tmp_path / "tiny-imagenet-200"
+    (base / "val" / "images").mkdir(parents=True)
+    (base / "wnids.txt").write_text("n01\n")
+    _image(base / "train" / "n01" / "images" / "n01_0.JPEG", 64)
+    (base / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn01\t0\t0\t63\t63\n")
+    with pytest.raises(ConfigError) as err:
+        load_dataset("tinyimagenet", root=str(tmp_path))
+    assert_names_file(err, base / "val" / "images" / "val_0.JPEG")
+    (base / "val" / "val_annotations.txt").write_text("val_0.JPEG n01 0 0 63 63\n")  # spaces, not tabs
+    with pytest.raises(ConfigError) as err:
+        load_dataset("tinyimagenet", root=str(tmp_path))
+    assert_names_file(err, base / "val" / "val_annotations.txt")
+
+
+def test_domainnet_split_file_with_bad_line(tmp_path):
+    base = tmp_path / "domainnet"
+    _image(base / "clipart" / "cat" / "a.jpg")
+    (base / "clipart_train.txt").write_text("clipart/cat/a.jpg 0\nclipart/cat/b.jpg cat\n")
+    (base / "clipart_test.txt").write_text("clipart/cat/a.jpg 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_dataset("domainnet", root=str(tmp_path), image_size=16)
+    assert_names_file(err, base / "clipart_train.txt")
+    assert "line 2" in str(err.value)
+
+
+@pytest.fixture
+def no_md5(monkeypatch):
+    """Fixture files cannot match the md5 of the real CIFAR release; only that check is skipped."""
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda *args, **kwargs: True)
+
+
+def _cifar10(root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    base = root / "cifar-10-batches-py"
+    base.mkdir(parents=True)
+
+    def batch(n):
+        return {"labels": rng.integers(0, 10, n).tolist(), "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8)}
+
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (base / name).write_bytes(pickle.dumps(batch(4)))
+    (base / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"c{i}" for i in range(10)]}))
+    return base
+
+
+def test_truncated_cifar_pickle(tmp_path, no_md5):
+    bad = _cifar10(tmp_path) / "data_batch_3"
+    bad.write_bytes(bad.read_bytes()[:500])
+    with pytest.raises(ConfigError) as err:
+        load_dataset("cifar10", root=str(tmp_path))
+    assert_names_file(err, bad)
+
+
+def test_cifar_file_that_is_not_the_release(tmp_path):
+    base = _cifar10(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_dataset("cifar10", root=str(tmp_path))
+    assert_names_file(err, base / "data_batch_1")
+    assert "md5" in str(err.value)
+
+
+def test_truncated_emnist_idx_file(tmp_path):
+    raw = tmp_path / "EMNIST" / "raw"
+    raw.mkdir(parents=True)
+    images, labels = np.zeros((5, 28, 28), np.uint8), np.arange(5, dtype=np.uint8)
+    for part in ("train", "test"):
+        for kind, array in (("images-idx3-ubyte", images), ("labels-idx1-ubyte", labels)):
+            header = struct.pack(">I", 0x0800 | array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+            (raw / f"emnist-byclass-{part}-{kind}").write_bytes(header + array.tobytes())
+    bad = raw / "emnist-byclass-test-images-idx3-ubyte"
+    bad.write_bytes(bad.read_bytes()[:-100])
+    with pytest.raises(ConfigError) as err:
+        load_dataset("emnist", root=str(tmp_path))
+    assert_names_file(err, bad)
+    assert "truncated" in str(err.value)
+
+
+@pytest.mark.parametrize("content", ['{"users": ["A"], "user_data": {"A": {"x": ["ab', '[1, 2]',
+                                     '{"users": ["A"], "user_data": {}}'])
+def test_malformed_leaf_json(tmp_path, content):
+    folder = tmp_path / "shakespeare" / "data"
+    (folder / "train").mkdir(parents=True)
+    (folder / "test").mkdir()
+    bad = folder / "train" / "all_data_0.json"
+    bad.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        load_dataset("shakespeare", root=str(tmp_path))
+    assert_names_file(err, bad)
+
+
+def test_fit_on_corrupt_dataset_stops_before_writing(tmp_path, capsys):
+    """Through the whole command: the loader's error ends fit before the run folder exists."""
+    bad = _cinic(tmp_path / "data") / "test" / "cat" / "0.png"
+    bad.write_bytes(b"\x00" * 64)
+    out = tmp_path / "runs"
+    line = fails_cleanly(["fit", "--out_dir", str(out), "--data.name", "cinic10", "--data.root", str(tmp_path / "data"),
+                          "--partition.num_clients", "2", "--partition.min_size", "0",
+                          "--federation.clients_per_round", "1", "--federation.rounds", "1",
+                          "--fabric.accelerator", "cpu"], capsys, "data.root", tmp_path)
+    assert str(bad) in line and not out.exists()
+
+
+def test_leaf_json_reader_accepts_good_files(tmp_path):
+    text = "To be, or not to be, that is the question: " * 6
+    xs = [text[i:i + 80] for i in range(len(text) - 80)]
+    ys = [text[i + 80] for i in range(len(text) - 80)]
+    for split in ("train", "test"):
+        folder = tmp_path / "shakespeare" / "data" / split
+        folder.mkdir(parents=True)
+        blob = {"users": ["A"], "user_data": {"A": {"x": xs, "y": ys}}}
+        (folder / "d.json").write_text(json.dumps(blob))
+    assert len(load_dataset("shakespeare", root=str(tmp_path)).train) == len(xs)
