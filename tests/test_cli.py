@@ -143,3 +143,23 @@ def test_cli_imports_neither_torch_nor_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "PYTHONPATH": src}).stdout
     assert out.strip() == "[]"
+
+
+def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
+    out = str(tmp_path / "runs")
+    base = ["fit", "--data.name", "digits", "--partition.num_clients", "4", "--federation.clients_per_round", "2",
+            "--federation.rounds", "3", "--stop_after", "1", "--fabric.accelerator", "cpu", "--out_dir", out,
+            "--name", "r"]
+    assert main(base) == 0
+    last = tmp_path / "runs" / "r" / "checkpoints" / "last.ckpt"
+    saved = last.read_bytes()
+    for change, key in ((["--federation.rounds", "5"], "federation.rounds"),
+                        (["--model.kwargs", "{channels: [8, 16, 32]}"], "model.kwargs")):
+        capsys.readouterr()
+        code = main(base + ["--resume", "auto"] + change)
+        err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: resume:") and key in err[0], err
+        assert last.read_bytes() == saved
+    # A safe change (evaluation schedule) continues the run.
+    assert main(base[:-4] + ["--name", "r", "--out_dir", out, "--resume", "auto", "--eval.every", "2",
+                             "--stop_after", "3"]) == 0
