@@ -153,6 +153,23 @@ FIT_CASES = [
     (["--algorithm", "NoSuchAlgorithm"], "algorithm"),
     (["--algorithm.mu", "0.1"], "algorithm.mu"),
     (["--algorithm", "FedProx", "--algorithm.mu", "x"], "algorithm.mu"),
+    (["--algorithm", "FedProx", "--algorithm.mu", "-1"], "algorithm.mu"),
+    (["--algorithm", "Scaffold", "--algorithm.server_lr", "0"], "algorithm.server_lr"),
+    # model options
+    (["--model.kwargs", "{{channels: -1}}"], "model.kwargs.channels"),
+    (["--model.kwargs", "{{channels: [-1, 4]}}"], "model.kwargs.channels"),
+    (["--model.kwargs", "{{width: 0}}"], "model.kwargs.width"),
+    (["--model.kwargs", "{{min_width: 2}}"], "model.kwargs.min_width"),
+    (["--model.kwargs", "{{depth: 3}}"], "model.kwargs.depth"),
+    (["--model.name", "lstm", "--model.kwargs", "{{hidden_size: 0}}"], "model.kwargs.hidden_size"),
+    # FEAST options (checked before its cache search or any data)
+    *[(["--algorithm", "Feast", "--model.name", "ofa_resnet", f"--algorithm.{k}", v], f"algorithm.{k}")
+      for k, v in (("search.population", "0"), ("search.generations", "0"), ("search.mutation", "2"),
+                   ("calib_batch_size", "0"), ("mixup_alpha", "-1"), ("cutmix_alpha", "-1"), ("kappa", "-1"),
+                   ("kappa", "inf"), ("rho_kd", "2"), ("temperature", "0"), ("rule", "sometimes"),
+                   ("mix_schedule", "often"), ("calib_transform", "none"), ("cache", "{inputs}/binary.yaml"),
+                   ("cache", "{tmp}/no_cache.json"))],
+    (["--algorithm", "Feast", "--model.name", "ofa_resnet", "--algorithm.mixup_alpha", "0"], "algorithm.mix_schedule"),
 ]
 
 
@@ -235,7 +252,8 @@ def test_read_only_parent_of_out_dir(tmp_path, capsys, read_only):
 
 def test_read_only_checkpoint_of_resumed_run(tmp_path, capsys, read_only):
     run = tmp_path / "runs" / "x"
-    save_checkpoint({"model": {}, "round": 1}, run / "checkpoints" / "last.ckpt")
+    save_checkpoint({"model": {}, "algorithm": {}, "round": 1, "best": {"val_acc": -1.0, "round": -1}},
+                    run / "checkpoints" / "last.ckpt")
     read_only(run / "checkpoints" / "last.ckpt")
     fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--name", "x", "--resume", "auto"], capsys,
                   "name", tmp_path)

@@ -10,14 +10,14 @@ from fl_lightning.config import check_fabric_available, validate, validate_run
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
 from fl_lightning.errors import ConfigError
+from fl_lightning.federation.checkpoint import load_checkpoint
 from fl_lightning.federation.run_dir import RunDir, check_resume_compatible, check_run_name, check_writable
 
 
 def _check_model(model) -> None:
-    from fl_lightning.elastic.models import MODELS
+    from fl_lightning.elastic.models import check_model_kwargs
 
-    if model.name not in MODELS:
-        raise ConfigError("model.name", f"unknown model {model.name!r}; known: {', '.join(sorted(MODELS))}")
+    check_model_kwargs(model.name, model.kwargs)
 
 
 def _check_data(data, partition) -> None:
@@ -41,8 +41,12 @@ def fit_command(args, config_yaml: str) -> dict:
     run_dir = RunDir(args.out_dir, args.name)
     resume_from = run_dir.resolve_resume(args.resume)
     saved_config = run_dir.path / "config.yaml"
-    if resume_from is not None and saved_config.is_file():
-        check_resume_compatible(saved_config.read_text(), config_yaml)
+    if resume_from is not None:
+        if saved_config.is_file():
+            check_resume_compatible(saved_config.read_text(), config_yaml)
+        done = int(load_checkpoint(resume_from, key="resume", required=("model", "algorithm", "round", "best"))["round"])
+        if args.stop_after is not None and args.stop_after <= done:
+            raise ConfigError("stop_after", f"the run is already at round {done}; pass a larger value")
     run_dir.check_writable()
     check_fabric_available(args.fabric)
     spec = RunSpec(name=args.name, out_dir=args.out_dir, seed=args.seed, data=args.data,

@@ -11,6 +11,7 @@ population accuracy under largest-affordable serving (Supp. E.1, Table 1).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Literal, Optional, get_args
@@ -98,16 +99,23 @@ class Feast(Algorithm):
             ("cutmix_alpha", self.cutmix_alpha >= 0, "must be >= 0 (0 disables CutMix)"),
             ("calib_batch_size", self.calib_batch_size >= 1, "must be >= 1"),
             ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
-            ("kappa", self.kappa > 0, "must be > 0"),
+            ("kappa", math.isfinite(self.kappa) and self.kappa > 0, "must be a finite number > 0"),
             ("search.population", s.population >= 2, "must be >= 2"),
             ("search.generations", s.generations >= 1, "must be >= 1"),
             ("search.mutation", 0 <= s.mutation <= 1, "must be in [0, 1]"),
+            ("search.seed", s.seed >= 0, "must be >= 0"),
+            ("mixup_alpha", self.mix_schedule != "mixup" or self.mixup_alpha > 0, "must be > 0 for mix_schedule mixup"),
+            ("cutmix_alpha", self.mix_schedule != "cutmix" or self.cutmix_alpha > 0,
+             "must be > 0 for mix_schedule cutmix"),
+            ("mix_schedule", self.mix_schedule not in ("alternate", "random") or (self.mixup_alpha > 0
+             and self.cutmix_alpha > 0), "alternate and random need mixup_alpha > 0 and cutmix_alpha > 0"),
         ]
         for key, ok, problem in checks:
             if not ok:
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr_path(self, key)!r}")
         for i, seg in enumerate(s.segments):
-            if len(seg) != 4 or not 0 < seg[0] <= seg[1] or int(seg[2]) < 1 or not 0 < seg[3] <= 1:
+            if len(seg) != 4 or not all(math.isfinite(v) for v in seg) or not 0 < seg[0] <= seg[1] \
+                    or int(seg[2]) < 1 or not 0 < seg[3] <= 1:
                 raise ConfigError(f"algorithm.search.segments[{i}]",
                                   f"must be [low MACs, high MACs >= low, count >= 1, rho_0 in (0, 1]], got {seg}")
         if self.cache_path is not None:

@@ -17,6 +17,7 @@ from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, Federatio
                                  ModelConfig, PartitionConfig)
 from fl_lightning.data.federated import FederatedData, build_federated_data
 from fl_lightning.elastic.models import build_model
+from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import ClientData
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.seeding import derive_seed
@@ -51,8 +52,11 @@ class RunSpec:
 
 
 def make_fabric(cfg: FabricConfig, loggers=None) -> Fabric:
-    return Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-                  strategy=cfg.strategy, precision=cfg.precision, loggers=loggers)
+    try:
+        return Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      strategy=cfg.strategy, precision=cfg.precision, loggers=loggers)
+    except (ValueError, RuntimeError, ImportError, TypeError) as error:  # combinations Fabric refuses
+        raise ConfigError("fabric", " ".join(str(error).split())) from None
 
 
 def set_threads(fabric: Fabric, cfg: FabricConfig) -> None:
