@@ -591,3 +591,18 @@ def test_leaf_json_reader_accepts_good_files(tmp_path):
         blob = {"users": ["A"], "user_data": {"A": {"x": xs, "y": ys}}}
         (folder / "d.json").write_text(json.dumps(blob))
     assert len(load_dataset("shakespeare", root=str(tmp_path)).train) == len(xs)
+
+
+def test_image_damaged_past_its_header_found_in_training_leaves_no_run_folder(tmp_path, capsys):
+    """Found only when the lazily loaded image is decoded, during the first round: the one-line
+    error still comes, and the run folder this fit created is removed again."""
+    bad = _cinic(tmp_path) / "train" / "dog" / "1.png"
+    bad.write_bytes(bad.read_bytes()[:40])
+    out = tmp_path / "runs"
+    code = main(["fit", "--data.name", "cinic10", "--data.root", str(tmp_path), "--data.augment", "false",
+                 "--partition.method", "iid", "--partition.num_clients", "2", "--partition.min_size", "1",
+                 "--federation.clients_per_round", "2", "--federation.rounds", "1", "--train.batch_size", "4",
+                 "--fabric.accelerator", "cpu", "--out_dir", str(out), "--name", "lazy"])
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: data.root:") and str(bad) in lines[0]
+    assert not (out / "lazy").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from typing import Dict, List
 
@@ -20,7 +21,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from tqdm import tqdm
 
-from fl_lightning.errors import RunError
+from fl_lightning.errors import ConfigError, RunError
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
 from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.run_dir import JsonLines, RunDir
@@ -40,7 +41,15 @@ def run_fit(spec: RunSpec) -> dict:
 
 
 def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir) -> dict:
-    return Federation(fabric, spec, run_dir).run()
+    fresh = not run_dir.path.exists()
+    try:
+        return Federation(fabric, spec, run_dir).run()
+    except ConfigError:
+        # Bad input found only once data is read (a damaged image in a lazily loaded folder):
+        # a run folder this call created holds nothing worth keeping, so it goes.
+        if fresh and fabric.is_global_zero and not run_dir.last.exists():
+            shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise
 
 
 class Federation:
