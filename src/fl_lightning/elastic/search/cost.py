@@ -203,6 +203,16 @@ class OFACostModel:
         e = self.split(genes)[1]
         return [np.repeat(e[:, l:l + 1], 1 + m, axis=1) for l, m in enumerate(self.max_extra_blocks)]
 
+    def envelope(self, genes: np.ndarray) -> np.ndarray:
+        """The routed envelope of a set of genomes (FEAST Supp. Eq. 12, ``envelope.envelope``):
+        coordinate-wise maximum depth and width, the largest expansion in every stage."""
+        genes = np.atleast_2d(np.asarray(genes, dtype=np.int64))
+        if len(genes) == 0:
+            raise ValueError("envelope of an empty set")
+        d, _, w = self.split(genes)
+        e = np.full(self.num_stages, len(self.expansions) - 1, dtype=np.int64)
+        return np.concatenate([d.max(axis=0), e, w.max(axis=0)])
+
     # -- costs ------------------------------------------------------------------------------
     def _total(self, genes: np.ndarray, stem, first, other, head) -> np.ndarray:
         genes = np.atleast_2d(np.asarray(genes, dtype=np.int64))
