@@ -147,7 +147,9 @@ class PopulationTarget:
       E.4: "31 use one variant per mini-batch, six use two, and 63 use three");
     - ``below``: clients whose budget is below ``below_macs`` (Supp. E.1: 32 clients have
       budgets below ScaleFL's "approximately 35M-MAC minimum");
-    - ``shard_min`` / ``shard_max``: the smallest and largest shard (Supp. F.5: 36 <= n_i <= 1906).
+    - ``shard_min`` / ``shard_max``: the smallest and largest shard (Supp. F.5: 36 <= n_i <= 1906);
+    - ``least_reachable``: clients routing the least-reachable position (Supp. F.5: R_min = 11);
+      it depends on the cache's architectures too, so it only breaks ties.
     """
 
     afford: tuple[int, int, int] = (31, 6, 63)
@@ -155,6 +157,7 @@ class PopulationTarget:
     below_macs: float = 35e6
     shard_min: int = 36
     shard_max: int = 1906
+    least_reachable: int = 11
 
 
 PAPER_CIFAR100_POPULATION = PopulationTarget()
@@ -205,25 +208,35 @@ class SeedMatch(NamedTuple):
     below: int
     shard_min: int
     shard_max: int
+    least_reachable: Optional[int] = None
 
     def distance(self, target: PopulationTarget) -> float:
         """Relative distance of the shard range from the target's (0: both ends equal)."""
         return (abs(self.shard_min - target.shard_min) / target.shard_min
                 + abs(self.shard_max - target.shard_max) / target.shard_max)
 
+    def rank(self, target: PopulationTarget) -> tuple:
+        """Sort key: shard-range distance, then distance of ``least_reachable`` (when known),
+        then the seed."""
+        reach = abs(self.least_reachable - target.least_reachable) if self.least_reachable is not None else 0
+        return (round(self.distance(target), 12), reach, self.seed)
+
 
 def search_population_seeds(cache_macs: Sequence[float], seeds, target: PopulationTarget = PAPER_CIFAR100_POPULATION,
                             num_clients: int = 100, class_sizes: Sequence[int] = (450,) * 100,
                             s: float = ZIPF_S, b_min: float = B_MIN, b_max: float = B_MAX, b_cap: float = B_CAP,
                             alpha_eff: float = 0.45, gamma: float = 1.0, min_size: int = 10,
-                            stop_after_exact: Optional[int] = None) -> list[SeedMatch]:
+                            stop_after_exact: Optional[int] = None,
+                            least_reachable=None) -> list[SeedMatch]:
     """Run seeds whose population reproduces ``target``.
 
     For each seed in ``seeds`` (in order) the budgets are drawn exactly as a run draws them
     (:func:`zipf_budgets`); seeds whose affordable-set counts and below-threshold count equal
     the target's get their partition drawn (:func:`population_shard_sizes`). Returns those
-    seeds, closest shard range first (ties: smaller seed). ``stop_after_exact`` ends the scan
-    once that many seeds match every statistic exactly.
+    seeds ordered by :meth:`SeedMatch.rank`: closest shard range first, then (if
+    ``least_reachable``, a function of the budgets, is given) closest ``R_min``, then smaller
+    seed. ``stop_after_exact`` ends the scan once that many seeds match the budget statistics
+    and the shard range exactly.
     """
     found: list[SeedMatch] = []
     exact = 0
@@ -233,13 +246,14 @@ def search_population_seeds(cache_macs: Sequence[float], seeds, target: Populati
         if stats["afford"] != tuple(target.afford) or stats["below"] != target.below or stats["afford_none"]:
             continue
         sizes = population_shard_sizes(int(seed), budgets, class_sizes, alpha_eff, gamma, b_cap, min_size)
-        match = SeedMatch(int(seed), stats["afford"], stats["below"], int(sizes.min()), int(sizes.max()))
+        reach = None if least_reachable is None else int(least_reachable(budgets.tolist()))
+        match = SeedMatch(int(seed), stats["afford"], stats["below"], int(sizes.min()), int(sizes.max()), reach)
         found.append(match)
         if match.distance(target) == 0:
             exact += 1
             if stop_after_exact is not None and exact >= stop_after_exact:
                 break
-    return sorted(found, key=lambda m: (m.distance(target), m.seed))
+    return sorted(found, key=lambda m: m.rank(target))
 
 
 __all__ = [

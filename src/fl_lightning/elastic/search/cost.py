@@ -300,8 +300,8 @@ class DeepFedNASArch:
             per block slot, ``1 + max_extra_blocks[l]`` slots per stage, DeepFedNAS).
         mid_rounding: ``"counter"``: ``md(out * e)``, as DeepFedNAS's cost counter and fitness
             code compute it (and as the published numbers are); ``"module"``: ``md(round(out * e))``,
-            as DeepFedNAS's ``nn.Module`` sizes its blocks. The two differ for 14 (channels,
-            expansion) pairs of these spaces (e.g. 80 channels at 0.22: 16 vs 24).
+            as DeepFedNAS's ``nn.Module`` sizes its blocks. The two differ for 10 (stage, width,
+            expansion) triples of FEAST's space (e.g. 80 channels at 0.22: 16 vs 24).
         stage_strides: default: :func:`_stage_strides_for` the input.
         max_width_index: largest ``w`` index of the stem and each stage (default: the last),
             for a reduced space.
