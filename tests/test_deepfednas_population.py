@@ -2,7 +2,6 @@
 (built analytically, tests/data/feast_cifar100_deepfednas_cache.json), the seed search for the
 published population statistics, and the accounting computed without a module."""
 
-import json
 from pathlib import Path
 
 import numpy as np
