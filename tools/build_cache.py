@@ -5,6 +5,12 @@
     python tools/build_cache.py --model-kwargs '{"width_scale": 0.25, "divisor": 4}' \\
         --num-classes 10 --segments '[[2e6, 60e6, 8, 0.6]]' --population 64 --generations 64 \\
         --output /tmp/small.json
+    python tools/build_cache.py --construction deepfednas --output feast_cifar100_deepfednas.json
+
+``--construction ofa_resnet`` (default) searches this project's bottleneck supernet with MACs
+in fvcore's convention; ``deepfednas`` searches the DeepFedNAS construction FEAST describes
+(``elastic.search.cost.DeepFedNASArch``, its options in ``--model-kwargs``) with MACs in
+DeepFedNAS's convention, the paper's. The latter needs no model: the search is analytic.
 
 Segments are ``paper`` (Supp. Table 1: 50M-596M x 50 at rho_0 = 0.31 and 25M-75M x 6 at 0.40)
 or a JSON list of ``[low, high, count, rho0]``. Prints the cache as a table and the time taken.
@@ -20,7 +26,7 @@ import time
 import torch
 
 from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.search import PAPER_SEGMENTS, FitnessConfig, build_cache
+from fl_lightning.elastic.search import PAPER_SEGMENTS, DeepFedNASArch, FitnessConfig, build_cache
 from fl_lightning.errors import ConfigError
 
 
@@ -40,7 +46,10 @@ def parse_segments(text: str) -> list[tuple[float, float, int, float]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-kwargs", default="{}", help="ofa_resnet options as JSON")
+    parser.add_argument("--construction", choices=("ofa_resnet", "deepfednas"), default="ofa_resnet",
+                        help="supernet construction and its MAC convention (fvcore / DeepFedNAS's)")
+    parser.add_argument("--model-kwargs", default="{}",
+                        help="ofa_resnet options, or DeepFedNASArch fields, as JSON")
     parser.add_argument("--input-shape", type=int, nargs=3, default=(3, 32, 32), metavar=("C", "H", "W"))
     parser.add_argument("--num-classes", type=int, default=100)
     parser.add_argument("--segments", default="paper", help="'paper' or JSON [[low, high, count, rho0], ...]")
@@ -63,9 +72,14 @@ def main(argv=None) -> int:
         if not isinstance(kwargs, dict):
             raise ValueError("not a JSON object")
         segments = parse_segments(args.segments)
-        with torch.device("meta"):  # only the channel arithmetic is needed, not the weights
-            model = build_model("ofa_resnet", args.num_classes, args.input_shape, **kwargs)
-    except ValueError as err:  # ConfigError included
+        if args.construction == "deepfednas":
+            if args.fitness_layers != "deepfednas":
+                raise ValueError("--fitness-layers bottleneck does not apply to the deepfednas construction")
+            model = DeepFedNASArch(num_classes=args.num_classes, input_shape=tuple(args.input_shape), **kwargs)
+        else:
+            with torch.device("meta"):  # only the channel arithmetic is needed, not the weights
+                model = build_model("ofa_resnet", args.num_classes, args.input_shape, **kwargs)
+    except (ValueError, TypeError) as err:  # ConfigError included
         print(f"error: {err}", file=sys.stderr)
         return 2
 

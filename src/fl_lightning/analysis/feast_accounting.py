@@ -2,12 +2,18 @@
 
 Everything here is a function of the client budgets, shard sizes, the variant cache and the
 supernet; nothing trains. The same numbers are printed before a run and saved with it.
+
+Routed and deployed parameter counts come from the model (:func:`client_routed_params`,
+:func:`parameter_footprints`) or, for a space known only analytically (the DeepFedNAS
+construction before its module exists), from its cost model (:func:`analytic_routed_counter`,
+:func:`analytic_footprints`). :func:`seed_accounting` repeats the communication accounting
+over many population seeds (mean +- std); :data:`PAPER` holds the published figures.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -15,6 +21,21 @@ from fl_lightning.elastic.envelope import routed_param_count
 
 KAPPA_FB = 3  # forward + backward convolution MACs ~ 3x forward (Eq. 26)
 PAPER_ANCHORS = (25e6, 50e6, 229e6, 408e6, 596e6)  # Tables 9 and 10
+
+PAPER = {
+    "full_params": 55.68e6,
+    "mean_routed_params": 8.17e6,  # Table 2
+    "traffic_reduction": 6.8,
+    "client_reduction_mean": 43.8,
+    "client_reduction_median": 22.9,
+    "client_reduction_max": 111.0,
+    "deployed_params": dict(zip(PAPER_ANCHORS, (0.33e6, 0.72e6, 4.02e6, 7.99e6, 11.78e6))),  # Table 10
+    "routed_params": dict(zip(PAPER_ANCHORS, (0.50e6, 2.41e6, 10.02e6, 20.61e6, 35.60e6))),  # Table 9
+    "afford": (31, 6, 63),  # Supp. E.4
+    "least_reachable_clients": 11,  # Supp. F.5, R_min
+    "cache_span": (24.96e6, 595.67e6),  # Table 1
+}
+"""FEAST's published CIFAR-100 accounting (units: parameters, MACs, ratios)."""
 
 
 def affordable_sets(cache, budgets: Sequence[float]) -> List[List[int]]:
@@ -115,6 +136,121 @@ def client_routed_params(model, cache, sets: Sequence[Sequence[int]]) -> List[in
             memo[key] = routed_param_count(model, [cache.specs[j] for j in s])
         out.append(memo[key])
     return out
+
+
+def analytic_routed_counter(cost, cache) -> Callable[[Sequence[int]], int]:
+    """``P(A)`` for sets of cache indices from a cost model (no module): the parameters of the
+    routed envelope (Supp. Eq. 12: coordinate-wise maximum depth and width, the largest
+    expansion in every stage; as ``envelope.routed_param_count`` builds it). Memoized."""
+    genes = cost.encode_many(cache.specs)
+    memo: Dict[tuple, int] = {}
+
+    def count(indices: Sequence[int]) -> int:
+        key = tuple(indices)
+        if key not in memo:
+            memo[key] = int(cost.params(cost.envelope(genes[list(key)]))[0])
+        return memo[key]
+
+    return count
+
+
+def model_routed_counter(model, cache) -> Callable[[Sequence[int]], int]:
+    """``P(A)`` for sets of cache indices from the supernet itself (memoized)."""
+    memo: Dict[tuple, int] = {}
+
+    def count(indices: Sequence[int]) -> int:
+        key = tuple(indices)
+        if key not in memo:
+            memo[key] = routed_param_count(model, [cache.specs[j] for j in key])
+        return memo[key]
+
+    return count
+
+
+def analytic_footprints(cost, cache, anchors: Sequence[float] = PAPER_ANCHORS) -> List[Dict[str, float]]:
+    """:func:`parameter_footprints` from a cost model (deployed variant and routed envelope)."""
+    routed = analytic_routed_counter(cost, cache)
+    rows = []
+    for budget in anchors:
+        sets = cache.affordable(budget)
+        if not sets:
+            continue
+        params = cache.params[sets[-1]]
+        rows.append({"budget": budget, "deployed_macs": cache.macs[sets[-1]], "deployed_params": params,
+                     "routed_params": routed(sets), "routed_over_deployed": routed(sets) / params})
+    return rows
+
+
+def least_reachable_clients(cache, budgets: Sequence[float], genes: np.ndarray, num_stages: int) -> int:
+    """``R_min`` (Supp. F.5): how many clients route the least-reachable position. A position
+    at depth or width value ``v`` of a coordinate is routed to the clients whose envelope
+    reaches ``v``; the scarcest are at each coordinate's largest cached value, reached by the
+    clients affording the cheapest variant that has it. ``genes``: the cache's genomes in cache
+    order (``d`` in the first ``num_stages`` columns, ``w`` in the last ``num_stages + 1``)."""
+    genes = np.atleast_2d(genes)
+    coords = np.concatenate([genes[:, :num_stages], genes[:, -(num_stages + 1):]], axis=1)
+    macs = np.asarray(cache.macs, dtype=np.float64)
+    b = np.asarray(budgets, dtype=np.float64)
+    reach = []
+    for c in range(coords.shape[1]):
+        first = int(np.flatnonzero(coords[:, c] == coords[:, c].max())[0])
+        reach.append(int((b >= macs[first]).sum()))
+    return min(reach)
+
+
+def seed_accounting(cache, routed: Callable[[Sequence[int]], int], full_params: int, seeds: Iterable[int],
+                    num_clients: int = 100, zipf_s: float = 1.2, b_min: float = 25e6,
+                    b_max: float = 1500e6) -> Dict[str, object]:
+    """Communication accounting over many population seeds (budgets drawn as a run draws
+    them; the cache and supernet fixed): per seed the mean routed parameters and the aggregate
+    traffic reduction ``N P / sum_i P_i``; returns both lists and their mean and std."""
+    from fl_lightning.data.budgets import zipf_budgets
+
+    means, reductions, seeds_used = [], [], []
+    for seed in seeds:
+        budgets = zipf_budgets(num_clients, int(seed), s=zipf_s, b_min=b_min, b_max=b_max).tolist()
+        p = [routed(cache.affordable(b)) for b in budgets]
+        means.append(float(np.mean(p)))
+        reductions.append(communication(full_params, p)["traffic_reduction"])
+        seeds_used.append(int(seed))
+    stats = lambda v: {"mean": float(np.mean(v)), "std": float(np.std(v)), "min": float(np.min(v)),  # noqa: E731
+                       "max": float(np.max(v))}
+    return {"seeds": seeds_used, "mean_routed_params": means, "traffic_reduction": reductions,
+            "mean_routed_params_stats": stats(means), "traffic_reduction_stats": stats(reductions)}
+
+
+def format_paper_comparison(comm: Dict[str, float], footprints: Sequence[Dict[str, float]],
+                            over_seeds: Optional[Dict[str, object]] = None,
+                            afford: Optional[Sequence[int]] = None,
+                            least_reachable: Optional[int] = None) -> str:
+    """The accounting next to the paper's figures (:data:`PAPER`)."""
+    lines = [f"{'':40} {'here':>14} {'paper':>9}"]
+    row = lambda name, here, paper: lines.append(f"{name:40} {here:>14} {paper:>9}")  # noqa: E731
+    if afford is not None:
+        row("clients affording 1 / 2 / >=3", "/".join(map(str, afford)), "/".join(map(str, PAPER["afford"])))
+    if least_reachable is not None:
+        row("least-reachable position: clients", str(least_reachable), str(PAPER["least_reachable_clients"]))
+    row("full supernet parameters", f"{comm['full_params'] / 1e6:.2f}M", f"{PAPER['full_params'] / 1e6:.2f}M")
+    row("mean routed parameters", f"{comm['mean_routed_params'] / 1e6:.2f}M",
+        f"{PAPER['mean_routed_params'] / 1e6:.2f}M")
+    row("traffic reduction", f"{comm['traffic_reduction']:.1f}x", f"{PAPER['traffic_reduction']:.1f}x")
+    for key, name in (("client_reduction_mean", "client reduction mean"),
+                      ("client_reduction_median", "client reduction median"),
+                      ("client_reduction_max", "client reduction max")):
+        row(name, f"{comm[key]:.1f}x", f"{PAPER[key]:.1f}x")
+    if over_seeds is not None:
+        m, t = over_seeds["mean_routed_params_stats"], over_seeds["traffic_reduction_stats"]
+        n = len(over_seeds["seeds"])
+        row(f"mean routed parameters, {n} seeds", f"{m['mean'] / 1e6:.2f}+-{m['std'] / 1e6:.2f}M",
+            f"{PAPER['mean_routed_params'] / 1e6:.2f}M")
+        row(f"traffic reduction, {n} seeds", f"{t['mean']:.2f}+-{t['std']:.2f}x", f"{PAPER['traffic_reduction']:.1f}x")
+    for r in footprints:
+        budget = r["budget"]
+        deployed, routed = PAPER["deployed_params"].get(budget), PAPER["routed_params"].get(budget)
+        paper = f"{deployed / 1e6:.2f}/{routed / 1e6:.2f}M" if deployed is not None else "-"
+        row(f"deployed/routed params at {budget / 1e6:g}M MACs",
+            f"{r['deployed_params'] / 1e6:.2f}/{r['routed_params'] / 1e6:.2f}M", paper)
+    return "\n".join(lines)
 
 
 def default_anchors(cache_macs: Sequence[int]) -> List[float]:

@@ -5,11 +5,16 @@ genetic search per target budget (Supp. B.1, Table 1).
 File format (JSON)::
 
     {"input_shape": [3, 32, 32], "num_classes": 100,
-     "model": {<the OFAResNet construction options>},
+     "model": {<the supernet's construction options>},
      "variants": [{"d": [...], "e": [...], "w": [...], "macs": int, "params": int, ...}, ...],
      "search": {<how it was built>}}          # optional provenance
 
 Variants may carry extra keys (target budget, rho, fitness); loading ignores them.
+
+A cache belongs to a *space*: an :class:`OFAResNet` (MACs in fvcore's convention; ``model``
+holds ``model.arch``) or a :class:`~.cost.DeepFedNASArch` (MACs in DeepFedNAS's convention, the
+paper's; ``model`` holds ``arch.to_dict()``, marked ``"construction": "deepfednas"``). Every
+function below that takes a ``model`` takes either (or a cost model of either).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec
-from fl_lightning.elastic.search.cost import cost_model
+from fl_lightning.elastic.search.cost import CostModel, DeepFedNASArch, cost_model
 from fl_lightning.elastic.search.fitness import Fitness, FitnessConfig
 from fl_lightning.elastic.search.genetic import search
 from fl_lightning.errors import ConfigError
@@ -55,7 +60,7 @@ class VariantCache:
         variants: the architectures; they are sorted by MACs here.
         input_shape: the input the MACs were counted for.
         num_classes: classifier outputs of the model.
-        model_options: the OFAResNet construction options (``model.arch``).
+        model_options: the construction options (``model.arch`` or ``DeepFedNASArch.to_dict()``).
         search: optional provenance, saved with the cache.
     """
 
@@ -71,14 +76,14 @@ class VariantCache:
         self.search = dict(search or {})
 
     @classmethod
-    def from_specs(cls, model: OFAResNet, specs: Sequence[OFASpec],
+    def from_specs(cls, model: "Space", specs: Sequence[OFASpec],
                    input_shape: Optional[Sequence[int]] = None) -> "VariantCache":
-        """A cache of ``specs`` with analytic (fvcore-equal) MACs and parameters."""
+        """A cache of ``specs`` with analytic MACs and parameters (the space's convention)."""
         cost = cost_model(model, input_shape)
-        variants = [Variant(model.check_spec(s), cost.spec_macs(s), cost.spec_params(s)) for s in specs]
-        return cls(variants, cost.input_shape, model.num_classes, model.arch)
+        variants = [Variant(_checked(model, cost, s), cost.spec_macs(s), cost.spec_params(s)) for s in specs]
+        return cls(variants, cost.input_shape, cost.num_classes, cost.model_options)
 
-    def retarget(self, model: OFAResNet, input_shape: Optional[Sequence[int]] = None) -> "VariantCache":
+    def retarget(self, model: "Space", input_shape: Optional[Sequence[int]] = None) -> "VariantCache":
         """The same architectures with MACs recomputed for another model configuration or
         input (e.g. TinyImageNet's, Supp. B.1), re-sorted."""
         cache = self.from_specs(model, self.specs, input_shape)
@@ -166,7 +171,7 @@ class VariantCache:
             raise
 
     @classmethod
-    def load(cls, path: Union[str, Path], model: Optional[OFAResNet] = None) -> "VariantCache":
+    def load(cls, path: Union[str, Path], model: Optional["Space"] = None) -> "VariantCache":
         """Read a cache; with ``model``, check that it was built for this model (construction
         options, classes, input) and that every variant is one of its architectures with the
         stored MACs and parameters. Raises ConfigError naming what disagrees."""
@@ -187,20 +192,20 @@ class VariantCache:
             cache.check(model, key)
         return cache
 
-    def check(self, model: OFAResNet, key: str = "cache") -> None:
+    def check(self, model: "Space", key: str = "cache") -> None:
         """ConfigError unless this cache belongs to ``model`` (see :meth:`load`)."""
-        stored, actual = _plain(self.model_options), _plain(model.arch)
+        cost = cost_model(model, self.input_shape)
+        stored, actual = _plain(self.model_options), _plain(cost.model_options)
         differ = [k for k in sorted(set(stored) | set(actual)) if stored.get(k) != actual.get(k)]
         if differ:
             detail = "; ".join(f"{k}: cache {stored.get(k)!r}, model {actual.get(k)!r}" for k in differ)
             raise ConfigError(key, f"built for a different model ({detail}); rebuild it with "
                                    f"tools/build_cache.py or use VariantCache.retarget")
-        if self.num_classes != model.num_classes:
-            raise ConfigError(key, f"built for {self.num_classes} classes, model has {model.num_classes}")
-        cost = cost_model(model, self.input_shape)
+        if self.num_classes != cost.num_classes:
+            raise ConfigError(key, f"built for {self.num_classes} classes, model has {cost.num_classes}")
         for i, v in enumerate(self.variants):
             try:
-                model.check_spec(v.spec)
+                _checked(model, cost, v.spec)
             except ValueError as err:
                 raise ConfigError(key, f"variant {i} ({v.spec}) is not an architecture of the model: {err}") from None
             macs, params = cost.spec_macs(v.spec), cost.spec_params(v.spec)
@@ -217,6 +222,17 @@ class VariantCache:
 
 
 _VARIANT_KEYS = {"d", "e", "w", "macs", "params"}
+
+Space = Union[OFAResNet, DeepFedNASArch, CostModel]
+"""What a cache is built for: see the module docstring."""
+
+
+def _checked(model: Space, cost: CostModel, spec: OFASpec) -> OFASpec:
+    """``spec`` with its expansions snapped to the space's choices; ValueError if it is not
+    one of its architectures."""
+    if isinstance(model, OFAResNet):
+        return model.check_spec(spec)
+    return cost.decode(cost.encode(spec))
 
 
 def _umask() -> int:
@@ -258,7 +274,7 @@ def segment_targets(low: float, high: float, count: int, spacing: str = "linear"
     raise ValueError(f"spacing must be 'geometric' or 'linear', got {spacing!r}")
 
 
-def build_cache(model: OFAResNet, input_shape: Optional[Sequence[int]] = None,
+def build_cache(model: Space, input_shape: Optional[Sequence[int]] = None,
                 segments: Sequence[Segment] = PAPER_SEGMENTS, population: int = 256,
                 generations: int = 512, mutation: float = 0.3, seed: int = 0,
                 spacing: str = "linear", tournament: int = 3, elitism: int = 1,
@@ -294,4 +310,4 @@ def build_cache(model: OFAResNet, input_shape: Optional[Sequence[int]] = None,
                   "elitism": elitism, "seed": seed, "targets": len(jobs), "duplicates": len(jobs) - len(found),
                   "fitness": fitness.to_dict(),
                   "seconds": round(time.perf_counter() - start, 2)}
-    return VariantCache(list(found.values()), cost.input_shape, model.num_classes, model.arch, provenance)
+    return VariantCache(list(found.values()), cost.input_shape, cost.num_classes, cost.model_options, provenance)

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
-from fl_lightning.elastic.search.cost import OFACostModel
+from fl_lightning.elastic.search.cost import CostModel
 
 LAYER_ACCOUNTINGS = ("deepfednas", "bottleneck")
 
@@ -65,9 +65,11 @@ class FitnessConfig:
 
 
 class Fitness:
-    """``F`` and ``rho`` for genome batches of one :class:`OFACostModel`."""
+    """``F`` and ``rho`` for genome batches of one cost model (:class:`OFACostModel`, or
+    :class:`DeepFedNASCostModel` whose blocks are DeepFedNAS's, so only the ``deepfednas``
+    accounting applies; its block-layout genomes, one expansion per block, are handled too)."""
 
-    def __init__(self, cost: OFACostModel, config: FitnessConfig = FitnessConfig()):
+    def __init__(self, cost: CostModel, config: FitnessConfig = FitnessConfig()):
         self.cost = cost
         self.config = config
         S = cost.num_stages
@@ -76,6 +78,9 @@ class Fitness:
             raise ValueError(f"alpha needs {S} stage weights, got {len(alpha)}")
         if config.layers not in LAYER_ACCOUNTINGS:
             raise ValueError(f"layers must be one of {LAYER_ACCOUNTINGS}, got {config.layers!r}")
+        if config.layers not in cost.layer_accountings:
+            raise ValueError(f"layers={config.layers!r} does not apply to {type(cost).__name__} "
+                             f"(use one of {cost.layer_accountings})")
         self.alpha = np.asarray(alpha, dtype=np.float64)
         k2, log = 9.0, np.log
         self._stem_log_width = log(cost.in_channels * k2)
@@ -104,9 +109,15 @@ class Fitness:
         """Per-stage ``S_l`` and conv counts, both (n, S)."""
         d, e, w = self.cost.split(genes)
         sums = np.empty(d.shape, dtype=np.float64)
-        for l in range(self.cost.num_stages):
-            sums[:, l] = (self._first[l][w[:, l], w[:, l + 1], e[:, l]]
-                          + d[:, l] * self._other[l][w[:, l + 1], e[:, l]])
+        if self.cost.expansion_per == "stage":
+            for l in range(self.cost.num_stages):
+                sums[:, l] = (self._first[l][w[:, l], w[:, l + 1], e[:, l]]
+                              + d[:, l] * self._other[l][w[:, l + 1], e[:, l]])
+        else:  # one expansion per block slot; slots beyond the stage's depth are inactive
+            for l, slots in enumerate(self.cost.block_expansions(genes)):
+                sums[:, l] = self._first[l][w[:, l], w[:, l + 1], slots[:, 0]]
+                for b in range(1, slots.shape[1]):
+                    sums[:, l] += (d[:, l] >= b) * self._other[l][w[:, l + 1], slots[:, b]]
         first, other = self._counts
         return sums, first + other * d
 

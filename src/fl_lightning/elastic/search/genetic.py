@@ -21,12 +21,12 @@ numpy arrays with one seeded generator, so a search is deterministic given its s
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec
-from fl_lightning.elastic.search.cost import OFACostModel, cost_model
+from fl_lightning.elastic.search.cost import CostModel, DeepFedNASArch, cost_model
 from fl_lightning.elastic.search.fitness import Fitness, FitnessConfig
 
 
@@ -45,7 +45,7 @@ class InfeasibleError(ValueError):
 class Problem:
     """One constrained target: the limits plus the cost and fitness models that check them."""
 
-    def __init__(self, cost: OFACostModel, fitness: Fitness, mac_limit: float, rho_limit: float):
+    def __init__(self, cost: CostModel, fitness: Fitness, mac_limit: float, rho_limit: float):
         self.cost, self.fitness = cost, fitness
         self.mac_limit, self.rho_limit = float(mac_limit), float(rho_limit)
 
@@ -185,12 +185,15 @@ def evolve(problem: Problem, population: int = 256, generations: int = 512, muta
     return best_genes, best_fit, best_macs
 
 
-def search(model: OFAResNet, mac_limit: float, rho_limit: float, population: int = 256,
-           generations: int = 512, mutation: float = 0.3, tournament: int = 3, elitism: int = 1,
-           seed: int = 0, input_shape: Optional[Sequence[int]] = None,
+def search(model: Union[OFAResNet, DeepFedNASArch, CostModel], mac_limit: float, rho_limit: float,
+           population: int = 256, generations: int = 512, mutation: float = 0.3, tournament: int = 3,
+           elitism: int = 1, seed: int = 0, input_shape: Optional[Sequence[int]] = None,
            fitness: FitnessConfig = FitnessConfig()) -> SearchResult:
     """``argmax F(a)`` over the model's architectures with ``MAC(a) <= mac_limit`` and
     ``rho(a) <= rho_limit`` (MACs counted at ``input_shape``, default the model's).
+
+    ``model`` is an :class:`OFAResNet` (fvcore MACs), a :class:`DeepFedNASArch` (DeepFedNAS's
+    convention, the paper's) or a cost model of either; genomes with one expansion per stage.
 
     The paper's settings are the defaults (population 256, 512 generations, mutation 0.3;
     population 512 for post-hoc extraction, Supp. E.3); ``fitness`` chooses the objective's
