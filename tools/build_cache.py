@@ -28,6 +28,7 @@ import torch
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search import PAPER_SEGMENTS, DeepFedNASArch, FitnessConfig, build_cache
 from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import SEARCH_GENERATIONS, SEARCH_POPULATION
 
 
 def parse_segments(text: str) -> list[tuple[float, float, int, float]]:
@@ -55,8 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--segments", default="paper", help="'paper' or JSON [[low, high, count, rho0], ...]")
     parser.add_argument("--spacing", choices=("linear", "geometric"), default="linear",
                         help="target budgets within a segment")
-    parser.add_argument("--population", type=int, default=256)
-    parser.add_argument("--generations", type=int, default=512)
+    parser.add_argument("--population", type=int, default=SEARCH_POPULATION)
+    parser.add_argument("--generations", type=int, default=SEARCH_GENERATIONS)
     parser.add_argument("--mutation", type=float, default=0.3)
     parser.add_argument("--tournament", type=int, default=3)
     parser.add_argument("--elitism", type=int, default=1)

@@ -27,6 +27,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
 from fl_lightning.errors import ConfigError, RunError
+from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
 
 if TYPE_CHECKING:
     from fl_lightning.algorithms import Algorithm
@@ -120,8 +121,8 @@ def extract(
     budget: str,
     checkpoint: str = "best",
     rho: Optional[float] = None,
-    population: int = 512,
-    generations: int = 512,
+    population: int = EXTRACTION_POPULATION,
+    generations: int = SEARCH_GENERATIONS,
     seed: int = 0,
     out: Optional[str] = None,
     fabric: FabricConfig = FabricConfig(),

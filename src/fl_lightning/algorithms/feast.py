@@ -19,6 +19,8 @@ from typing import Dict, List, Literal, Optional, get_args
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.feast_protocol import (CACHE_SEGMENTS, CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS,
+                                         SEARCH_MUTATION, SEARCH_POPULATION)
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import eval_batches
@@ -35,13 +37,13 @@ INTERMEDIATE_STREAM, MIXING_STREAM, CALIBRATION_STREAM = 11, 12, 13
 class CacheSearch:
     """How the variant cache is built when no cache file is given (Supp. B.1, Table 1)."""
 
-    segments: List[List[float]] = field(default_factory=lambda: [[50e6, 596e6, 50, 0.31], [25e6, 75e6, 6, 0.40]])
+    segments: List[List[float]] = field(default_factory=lambda: [list(s) for s in CACHE_SEGMENTS])
     """[lowest MACs, highest MACs, number of targets, effectiveness ceiling rho_0] per segment."""
-    population: int = 256
+    population: int = SEARCH_POPULATION
     """Genetic-search population per target."""
-    generations: int = 512
+    generations: int = SEARCH_GENERATIONS
     """Genetic-search generations per target."""
-    mutation: float = 0.3
+    mutation: float = SEARCH_MUTATION
     """Mutation probability."""
     seed: int = 0
     """Search seed (the cache is built once, before federation)."""
@@ -56,8 +58,8 @@ class Feast(Algorithm):
     def __init__(self, cache: Optional[str] = None, retarget: bool = False, search: CacheSearch = CacheSearch(),
                  routing: bool = True,
                  rule: Rule = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
-                 cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate", calib_batch_size: int = 100,
-                 calib_transform: Literal["train", "eval"] = "train", kappa: float = 3.0):
+                 cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate", calib_batch_size: int = CALIB_BATCH_SIZE,
+                 calib_transform: Literal["train", "eval"] = "train", kappa: float = KAPPA_FB):
         """
         Args:
             cache: JSON file of cached variants (architectures and MACs); built by the genetic
@@ -181,7 +183,7 @@ class Feast(Algorithm):
         comm = accounting.communication(full_param_count(ctx.model), self.routed_params)
         compute = accounting.training_computation(self.cache, self.sets, ctx.client_sizes,
                                                   ctx.rounds, ctx.clients_per_round,
-                                                  ctx.train.epochs, self.rule)
+                                                  ctx.train.epochs, self.rule, kappa=self.kappa)
         footprints = accounting.parameter_footprints(ctx.model, self.cache, accounting.default_anchors(self.cache.macs))
         self.accounting = {"population": summary, "communication": comm, "computation": compute,
                            "footprints": footprints}

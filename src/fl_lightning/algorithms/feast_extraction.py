@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import extraction_rho
 
 _UNITS = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9}
 
@@ -21,11 +22,6 @@ def parse_macs(text: str, key: str = "budget") -> float:
     return float(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
-def default_rho(budget: float) -> float:
-    """The cache-construction ceilings reused for extraction: 0.40 below 50M MACs, else 0.31."""
-    return 0.40 if budget < 50e6 else 0.31
-
-
 def extract_subnet(feast, budget: float, rho: Optional[float], population: int, generations: int, seed: int,
                    batch_size: int, out: Optional[Path] = None) -> dict:
     """Search, extract, recalibrate and score a subnet of ``feast``'s trained supernet (set up
@@ -35,7 +31,7 @@ def extract_subnet(feast, budget: float, rho: Optional[float], population: int, 
     from fl_lightning.runtime.evaluation import evaluate
 
     ctx = feast.ctx
-    rho = default_rho(budget) if rho is None else rho
+    rho = extraction_rho(budget) if rho is None else rho
     try:
         found = search(ctx.model, budget, rho, population=population, generations=generations, seed=seed)
     except InfeasibleError as error:

@@ -19,7 +19,8 @@ import numpy as np
 
 from fl_lightning.elastic.envelope import routed_param_count
 
-KAPPA_FB = 3  # forward + backward convolution MACs ~ 3x forward (Eq. 26)
+from fl_lightning.feast_protocol import KAPPA_FB
+
 PAPER_ANCHORS = (25e6, 50e6, 229e6, 408e6, 596e6)  # Tables 9 and 10
 
 PAPER = {
@@ -100,15 +101,17 @@ def communication(full_params: int, routed_params: Sequence[int]) -> Dict[str, f
 
 
 def training_computation(cache, sets: Sequence[Sequence[int]], sizes: Sequence[int], rounds: int,
-                         clients_per_round: int, epochs: int = 1, rule: str = "full") -> Dict[str, float]:
-    """Expected federation totals of Eq. 26 (kappa = 3) for one local epoch (or ``epochs``) per
-    participation, against the single-variant reference that trains only a_max_i (Table 7)."""
+                         clients_per_round: int, epochs: int = 1, rule: str = "full",
+                         kappa: float = KAPPA_FB) -> Dict[str, float]:
+    """Expected federation totals of Eq. 26 (forward MACs times ``kappa``) for one local epoch
+    (or ``epochs``) per participation, against the single-variant reference that trains only
+    a_max_i (Table 7)."""
     participation = rounds * clients_per_round / len(sizes)
     feast = sum(n * pass_macs_per_example(cache, s, rule) for n, s in zip(sizes, sets))
     single = sum(n * cache.macs[s[-1]] for n, s in zip(sizes, sets))
-    scale = KAPPA_FB * epochs * participation
+    scale = kappa * epochs * participation
     return {"feast_train_macs": feast * scale, "single_variant_train_macs": single * scale,
-            "ratio": feast / single if single else float("nan")}
+            "ratio": feast / single if single else float("nan"), "kappa": kappa}
 
 
 def parameter_footprints(model, cache, anchors: Sequence[float] = PAPER_ANCHORS) -> List[Dict[str, float]]:
@@ -285,7 +288,7 @@ def format_accounting(summary: Dict[str, object], comm: Dict[str, float], comput
                  f"mean routed {comm['mean_routed_params'] / 1e6:.2f}M, traffic reduction "
                  f"{comm['traffic_reduction']:.1f}x, client reduction mean {comm['client_reduction_mean']:.1f}x / "
                  f"median {comm['client_reduction_median']:.1f}x / max {comm['client_reduction_max']:.1f}x")
-    lines.append(f"Training computation (Eq. 26, kappa=3, expected over the run): FEAST "
+    lines.append(f"Training computation (Eq. 26, kappa={compute.get('kappa', KAPPA_FB):g}, expected over the run): FEAST "
                  f"{human(compute['feast_train_macs'])}MAC vs single-variant "
                  f"{human(compute['single_variant_train_macs'])}MAC (x{compute['ratio']:.2f})")
     if footprints:

@@ -35,11 +35,12 @@ from fl_lightning.elastic.search.cost import CostModel, DeepFedNASArch, cost_mod
 from fl_lightning.elastic.search.fitness import Fitness, FitnessConfig
 from fl_lightning.elastic.search.genetic import search
 from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import CACHE_SEGMENTS
 
 Segment = tuple[float, float, int, float]
 """``(lowest target MACs, highest target MACs, number of targets, rho_0)``."""
 
-PAPER_SEGMENTS: tuple[Segment, ...] = ((50e6, 596e6, 50, 0.31), (25e6, 75e6, 6, 0.40))
+PAPER_SEGMENTS: tuple[Segment, ...] = CACHE_SEGMENTS
 """FEAST Supp. Table 1: the main search and the low-compute extension (merged, MAC-sorted)."""
 
 

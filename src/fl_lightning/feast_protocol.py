@@ -1,0 +1,27 @@
+"""FEAST's published protocol constants, defined once for the algorithm, the cache search, the
+extraction command and the accounting (a plain module: the command line imports it cheaply).
+"""
+
+CACHE_SEGMENTS = ((50e6, 596e6, 50, 0.31), (25e6, 75e6, 6, 0.40))
+"""Supp. Table 1: ``(lowest MACs, highest MACs, targets, rho_0)`` of the main search and of the
+low-compute extension."""
+
+SEARCH_POPULATION, SEARCH_GENERATIONS, SEARCH_MUTATION = 256, 512, 0.3
+"""Supp. B.1: genetic search per cache target."""
+
+EXTRACTION_POPULATION = 512
+"""Supp. E.3: post-hoc extraction searches with a larger population."""
+
+KAPPA_FB = 3.0
+"""Eq. 26: forward-plus-backward convolution MACs as a multiple of the forward MACs."""
+
+CALIB_BATCH_SIZE = 100
+"""Batch size of BN recalibration (the paper fixes the samples and their order, not the batch)."""
+
+
+def extraction_rho(budget: float) -> float:
+    """The cache-construction ceiling reused for extraction (Supp. E.3): the low-compute
+    segment's rho_0 below the main segment's lowest target (0.40 below 50M), else the main
+    segment's (0.31)."""
+    main, low = CACHE_SEGMENTS
+    return low[3] if budget < main[0] else main[3]
