@@ -163,3 +163,30 @@ def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
     # A safe change (evaluation schedule) continues the run.
     assert main(base[:-4] + ["--name", "r", "--out_dir", out, "--resume", "auto", "--eval.every", "2",
                              "--stop_after", "3"]) == 0
+
+
+def test_help_lists_every_model_and_dataset_option(capsys):
+    """The catalog is read from the source; here it is checked against the imported registries."""
+    import inspect
+
+    from fl_lightning.data.datasets import DATASETS
+    from fl_lightning.elastic.models import MODELS
+    from fl_lightning.option_catalog import dataset_options, model_options
+
+    def names(function, fixed):
+        return [p for p in inspect.signature(function).parameters if p not in fixed]
+
+    models = model_options()
+    assert set(models) == set(MODELS)
+    for name, cls in MODELS.items():
+        shown = [o.split("=")[0] for o in models[name]]
+        assert shown == names(cls, {"self", "num_classes", "input_shape"}), name
+    datasets = dataset_options()
+    assert set(datasets) == set(DATASETS)
+    for name, loader in DATASETS.items():
+        shown = [o.split("=")[0] for o in datasets[name]]
+        assert shown == names(inspect.unwrap(loader), {"root", "download", "augment"}), name
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ofa_resnet: stem_channels=" in text and "synthetic: num_classes=10" in text

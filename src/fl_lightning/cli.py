@@ -159,9 +159,23 @@ def build_parser() -> ArgumentParser:
         if name == "partition":  # reads a fit config as it is
             sub.add_function_arguments(fit, as_group=False)
         sub.add_function_arguments(function, as_group=False)
+        _list_registered_options(sub)
         subcommands.add_subcommand(name, sub, help=function.__doc__.splitlines()[0])
         parser.subcommand_parsers[name] = sub
     return parser
+
+
+def _list_registered_options(sub: ArgumentParser) -> None:
+    """Append every model's and dataset's options to the help of ``--model.kwargs`` and
+    ``--data.options`` (read from the source, so ``--help`` stays fast)."""
+    from fl_lightning.option_catalog import dataset_options, describe, model_options
+
+    catalogs = {"model.kwargs": ("options per model", model_options),
+                "data.options": ("options per dataset", dataset_options)}
+    for action in sub._actions:
+        if action.dest in catalogs:
+            title, catalog = catalogs[action.dest]
+            action.help = f"{action.help} {title.capitalize()}: {describe(catalog())}."
 
 
 @functools.lru_cache(maxsize=1)
