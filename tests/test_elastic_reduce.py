@@ -57,8 +57,8 @@ def lstm_case():
     return model, torch.randint(0, 30, (3, 12)), p, qs
 
 
-def ofa_case():
-    model = randomize_norms(build_model("ofa_resnet", 10, (3, 16, 16), width_scale=0.125,
+def ofa_case(block="bottleneck"):
+    model = randomize_norms(build_model("ofa_resnet", 10, (3, 16, 16), block=block, width_scale=0.125,
                                         max_extra_blocks=2, divisor=2), 3)
     p = OFASpec((1, 2, 0, 1), (0.25,) * 4, (6, 9, 4, 7, 5))
     qs = [OFASpec((0, 2, 0, 1), (0.1, 0.18, 0.25, 0.14), (6, 3, 4, 7, 0)),
@@ -66,7 +66,8 @@ def ofa_case():
     return model, torch.randn(2, 3, 16, 16), p, qs
 
 
-CASES = {"cnn": cnn_case, "resnet18": resnet_case, "lstm": lstm_case, "ofa_resnet": ofa_case}
+CASES = {"cnn": cnn_case, "resnet18": resnet_case, "lstm": lstm_case, "ofa_resnet": ofa_case,
+         "ofa_resnet_basic_pair": lambda: ofa_case("basic_pair")}
 
 
 @pytest.fixture(params=sorted(CASES))

@@ -17,12 +17,13 @@ SHAPE = (3, 16, 16)
 
 
 
-@pytest.fixture(scope="module")
-def small():
-    """A narrowed supernet (same search space, 1/8 width, up to 2 extra blocks) with
-    non-trivial BN statistics, so eval-mode outputs depend on every sliced tensor."""
+@pytest.fixture(scope="module", params=["bottleneck", "basic_pair"])
+def small(request):
+    """A narrowed supernet of each construction (same search space, 1/8 width, up to 2 extra
+    blocks) with non-trivial BN statistics, so eval-mode outputs depend on every sliced tensor."""
     torch.manual_seed(0)
-    model = build_model("ofa_resnet", 10, SHAPE, width_scale=0.125, max_extra_blocks=2, divisor=2)
+    model = build_model("ofa_resnet", 10, SHAPE, block=request.param, width_scale=0.125, max_extra_blocks=2,
+                        divisor=2)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
@@ -67,12 +68,120 @@ def coverage(model, regions_list):
 def test_full_supernet_has_55_68m_parameters():
     with torch.device("meta"):
         model = build_model("ofa_resnet", 100, (3, 32, 32))
+    assert model.arch["block"] == "bottleneck"  # the default construction
     assert full_param_count(model) == 55_677_412
     assert abs(full_param_count(model) / 1e6 - 55.68) < 0.01
     assert model.stem_width(9) == 128
     assert [model.stage_width(l, 9) for l in range(4)] == [256, 512, 1024, 2048]
     assert [len(stage) for stage in model.stages] == [9, 9, 9, 9]
     assert model.stages[3][0].conv2.weight.shape[0] == 512  # middle = 0.25 x 2048
+
+
+def test_feast_basic_pair_supernet_has_deepfednas_parameter_count():
+    """FEAST's supernet as its code builds it: DeepFedNAS's cost counter gives 55,682,916."""
+    with torch.device("meta"):
+        model = build_model("ofa_resnet", 100, (3, 32, 32), block="basic_pair")
+    assert full_param_count(model) == 55_682_916
+    assert [model.stem_width(i) for i in range(10)] == [8, 16, 24, 24, 32, 40, 48, 48, 56, 64]
+    assert [model.stage_width(l, 9) for l in range(4)] == [128, 256, 512, 1024]
+    assert [model.stage_width(0, i) for i in range(10)] == [16, 24, 40, 48, 64, 80, 88, 104, 112, 128]
+    assert [len(stage) for stage in model.stages] == [9, 9, 9, 9]
+    first, other = model.stages[3][0], model.stages[3][1]
+    assert first.conv1.weight.shape == (256, 512, 3, 3)  # in -> middle = 0.25 x 1024, 3x3
+    assert first.conv2.weight.shape == (1024, 256, 3, 3)  # middle -> out, 3x3
+    assert first.shortcut.conv.weight.shape == (1024, 512, 1, 1)
+    assert isinstance(other.shortcut, torch.nn.Identity)
+    # projection on stage 1's first block too (64 -> 128), no stride there at 32 px
+    assert model.stages[0][0].shortcut.conv.weight.shape == (128, 64, 1, 1)
+    assert model.arch["stage_strides"] == (1, 2, 2, 2) and model.arch["stem_stride"] == 1
+
+
+def deepfednas_param_count(model, spec):
+    """Parameters by DeepFedNAS's counting rule (utils/subnet_cost.py, written out here): a
+    3x3 stem with BN, per block two 3x3 convs with BN, a 1x1 projection with BN on each stage's
+    first block, a linear head with bias; channels from the model's own rules."""
+    stem = model.stem_width(spec.w[0])
+    total, c_in = 3 * stem * 9 + 2 * stem, stem
+    for l in range(model.num_stages):
+        out = model.stage_width(l, spec.w[l + 1])
+        mid = model.mid_width(out, spec.e[l])
+        for b in range(1 + spec.d[l]):
+            total += c_in * mid * 9 + 2 * mid + mid * out * 9 + 2 * out
+            if b == 0:
+                total += c_in * out + 2 * out
+            c_in = out
+    return total + c_in * model.num_classes + model.num_classes
+
+
+def test_basic_pair_subnets_match_deepfednas_counting():
+    with torch.device("meta"):
+        model = build_model("ofa_resnet", 100, (3, 32, 32), block="basic_pair")
+    g = torch.Generator().manual_seed(7)
+    for spec in [model.min_spec(), model.max_spec()] + [model.sample_spec(g) for _ in range(6)]:
+        with torch.device("meta"):
+            local = model.build_local(spec, elastic=False)
+        assert sum(p.numel() for p in local.parameters()) == deepfednas_param_count(model, spec), spec
+
+
+# Cached variants of FEAST's code release (bostankhan6/FEAST,
+# subnet_caches/extended_range_25M_1500M.csv): macs, params, d, e, w. Its counter ran at
+# 10 classes (the config's n_classes was not changed) and counts convolutions and the linear
+# layer only.
+FEAST_CACHE_ROWS = [
+    (24_957_968, 327_522, (3, 7, 6, 7), (0.18, 0.18, 0.1, 0.1), (2, 0, 0, 0, 0)),
+    (34_584_608, 803_754, (4, 7, 8, 7), (0.25, 0.25, 0.14, 0.1), (1, 0, 0, 0, 1)),
+    (284_466_160, 3_879_610, (8, 8, 8, 8), (0.1, 0.1, 0.1, 0.1), (7, 6, 3, 3, 3)),
+    (595_671_072, 11_782_122, (8, 8, 8, 8), (0.18, 0.1, 0.1, 0.1), (9, 4, 6, 7, 6)),
+]
+
+
+def conv_and_linear_macs(module, input_shape):
+    """Multiply-adds of the convolutions and linear layers of one forward pass, by hooks."""
+    total = 0
+
+    def hook(layer, inputs, output):
+        nonlocal total
+        if isinstance(layer, torch.nn.Conv2d):
+            kh, kw = layer.kernel_size
+            total += output.numel() * layer.in_channels // layer.groups * kh * kw
+        else:
+            total += output.numel() * layer.in_features
+
+    handles = [m.register_forward_hook(hook) for m in module.modules()
+               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    with torch.no_grad():
+        module.eval()(torch.zeros(1, *input_shape))
+    for h in handles:
+        h.remove()
+    return total
+
+
+def test_basic_pair_reproduces_feast_cache_figures():
+    """The paper's cached variants have exactly the published parameters and MACs here."""
+    with torch.device("meta"):
+        model = build_model("ofa_resnet", 10, (3, 32, 32), block="basic_pair")
+    for macs, params, d, e, w in FEAST_CACHE_ROWS:
+        spec = OFASpec(d, e, w)
+        local = model.reduced(spec).extract(spec).module
+        assert sum(p.numel() for p in local.parameters()) == params, spec
+        assert conv_and_linear_macs(local, (3, 32, 32)) == macs, spec
+    # rounding out * e first (FEAST's network code) widens stage 2 of the 284M variant: 17.6 -> 24
+    assert model.mid_width(176, 0.1) == 16
+    rounded = build_model("ofa_resnet", 10, (3, 32, 32), block="basic_pair", round_middle=True,
+                          max_extra_blocks=0, max_width_index=(0,) * 5)
+    assert rounded.mid_width(176, 0.1) == 24
+
+
+def test_basic_pair_tinyimagenet_stem_strides_like_feast_code():
+    model = OFAResNet(200, (3, 64, 64), block="basic_pair", max_extra_blocks=0, max_width_index=(0,) * 5)
+    cifar = OFAResNet(200, (3, 32, 32), block="basic_pair", max_extra_blocks=0, max_width_index=(0,) * 5)
+    assert model.arch["stem_stride"] == 2 and model.arch["stage_strides"] == (1, 2, 2, 2)
+    spec = model.min_spec()
+    # the stem brings 64 px to 32 px, so every layer costs what it costs on CIFAR
+    assert spec_macs(model, spec, (3, 64, 64)) == spec_macs(cifar, spec, (3, 32, 32))
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 200)
+    with pytest.raises(ConfigError, match="block"):
+        build_model("ofa_resnet", 10, SHAPE, block="inverted")
 
 
 def test_mac_span_covers_25m_to_600m_at_32px():
@@ -182,7 +291,7 @@ def test_routed_envelope_runs_every_spec_like_the_global_supernet(small, x):
         for l, stage in enumerate(reduced.stages):
             # Supp. C: middle channels sized for the largest expansion at the routed width.
             out = small.stage_width(l, reduced.max_width_index[l + 1])
-            assert stage[0].conv2.weight.shape[0] == small.mid_width(out, 0.25)
+            assert stage[0].conv1.weight.shape[0] == small.mid_width(out, 0.25)
         for spec in group:
             small.set_active(spec)
             reduced.set_active(spec)

@@ -162,7 +162,8 @@ class ElasticModel(nn.Module, abc.ABC):
         with torch.device("meta"), uninitialized():
             module = self.build_local(spec, elastic)
         _check_covered(module, regions)  # every tensor gets overwritten below
-        reference = next(t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point())
+        reference = next((t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point()),
+                         torch.empty(0))
         if reference.dtype != torch.get_default_dtype():
             module = module.to(dtype=reference.dtype)  # on meta: no data to convert
         module = module.to_empty(device=reference.device)
@@ -253,6 +254,17 @@ _INITIALISERS = frozenset({
 })
 
 
+def kaiming_init(module: nn.Module) -> None:
+    """He-normal (fan-out) convolutions and unit-scale, zero-shift batch norms, as torchvision's
+    ResNets initialise."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class uninitialized(TorchFunctionMode):
     """Build modules without running their initialisers (tensors hold arbitrary values).
 
@@ -265,17 +277,6 @@ class uninitialized(TorchFunctionMode):
         if func in _INITIALISERS:
             return args[0] if args else kwargs["tensor"]
         return func(*args, **(kwargs or {}))
-
-
-def kaiming_init(module: nn.Module) -> None:
-    """He-normal (fan-out) convolutions and unit-scale, zero-shift batch norms, as torchvision's
-    ResNets initialise."""
-    for m in module.modules():
-        if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(m, nn.BatchNorm2d):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 class WidthElasticModel(ElasticModel):

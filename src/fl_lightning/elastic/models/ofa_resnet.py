@@ -1,19 +1,27 @@
-"""FEAST's shared elastic supernet: a Once-for-All-style bottleneck ResNet (FEAST Sec. 3.2, Supp. B).
+"""FEAST's shared elastic supernet: a Once-for-All-style ResNet (FEAST Sec. 3.2, Supp. B).
 
 Architecture ``a = (d, e, w)`` (:class:`OFASpec`):
 
 - ``d[l]`` in {0..8}: extra blocks of stage ``l`` after its base block (OFA keeps the *first*
   ``1 + d[l]`` blocks of a stage);
-- ``e[l]`` in {0.10, 0.14, 0.18, 0.22, 0.25}: stage expansion, the bottleneck's middle width
-  being ``make_divisible(round(out * e))`` (a leading slice of the middle channels);
+- ``e[l]`` in {0.10, 0.14, 0.18, 0.22, 0.25}: stage expansion, a block's middle width being
+  ``make_divisible(out * e)`` (a leading slice of the middle channels; see ``round_middle``);
 - ``w[j]`` in {0..9}: width-multiplier index (multipliers 0.1..1.0) of the stem (``j = 0``)
   and of each stage's output width (leading slices of the channels).
 
-Full construction (docs/feast_supernet.md): 3x3 stem of 128 channels; four stages of nine
-1x1-3x3-1x1 bottlenecks with output widths [256, 512, 1024, 2048] and middle widths up to
-0.25 x output; a projection shortcut (average pool, 1x1 conv, BN; ResNet-D / OFA style) on
-the first block of every stage, identity elsewhere; global average pool and a linear head.
-With 100 classes this is 55,677,412 parameters, FEAST's 55.68M.
+Two constructions share this space (``block``; docs/feast_supernet.md):
+
+- ``"basic_pair"``, FEAST's own (the DeepFedNAS ``GenericOFAResNet`` as the FEAST code builds
+  it): 3x3 stem of 64 channels; four stages of nine blocks of two 3x3 convolutions
+  (in -> mid -> out) with output widths [128, 256, 512, 1024]; 55,682,916 parameters at 100
+  classes;
+- ``"bottleneck"`` (the default, kept for existing runs and caches): 3x3 stem of 128 channels;
+  four stages of nine 1x1-3x3-1x1 bottlenecks with output widths [256, 512, 1024, 2048];
+  55,677,412 parameters at 100 classes.
+
+Both put a projection shortcut (average pool, 1x1 conv, BN; OFA's ``avgpool_conv``) on the
+first block of every stage and an identity elsewhere, and end in global average pooling and a
+linear head.
 
 The same class with smaller maxima (``max_extra_blocks``, ``max_width_index``) is the reduced
 supernet that FEAST routes to a client (``fl_lightning.elastic.envelope``); its tensors are
@@ -40,8 +48,6 @@ from fl_lightning.errors import ConfigError
 EXPANSION_CHOICES = (0.10, 0.14, 0.18, 0.22, 0.25)
 WIDTH_MULTIPLIERS = tuple(round(0.1 * (i + 1), 1) for i in range(10))
 MAX_EXTRA_BLOCKS = 8
-STEM_CHANNELS = 128
-STAGE_CHANNELS = (256, 512, 1024, 2048)
 CHANNEL_DIVISOR = 8
 
 
@@ -94,12 +100,16 @@ class Stem(nn.Module):
         return F.relu(self.bn(self.conv(x)))
 
 
-class Bottleneck(nn.Module):
-    """1x1 reduce - 3x3 (carries the stride) - 1x1 expand, plus a shortcut.
+def _projection(kit: LayerKit, in_channels: int, out_channels: int, stride: int) -> nn.Sequential:
+    """Average pool (when strided), 1x1 conv, BN: OFA's ``avgpool_conv`` shortcut (ResNet-D),
+    so the 1x1 conv sees every input position instead of one in four."""
+    pool = nn.AvgPool2d(stride, stride, ceil_mode=True) if stride > 1 else nn.Identity()
+    return nn.Sequential(OrderedDict(
+        pool=pool, conv=kit.conv(in_channels, out_channels, 1, padding=0), bn=kit.bn(out_channels)))
 
-    The projection shortcut average-pools before its 1x1 conv (ResNet-D, as OFA's
-    ``avgpool_conv``) so the 1x1 conv sees every input position instead of one in four.
-    """
+
+class Bottleneck(nn.Module):
+    """1x1 reduce - 3x3 (carries the stride) - 1x1 expand, plus a shortcut; ReLU after the add."""
 
     def __init__(self, kit: LayerKit, in_channels: int, mid_channels: int, out_channels: int,
                  stride: int, projection: bool):
@@ -110,11 +120,7 @@ class Bottleneck(nn.Module):
         self.bn2 = kit.bn(mid_channels)
         self.conv3 = kit.conv(mid_channels, out_channels, 1, padding=0)
         self.bn3 = kit.bn(out_channels)
-        self.shortcut: nn.Module = nn.Identity()
-        if projection:
-            pool = nn.AvgPool2d(stride, stride, ceil_mode=True) if stride > 1 else nn.Identity()
-            self.shortcut = nn.Sequential(OrderedDict(
-                pool=pool, conv=kit.conv(in_channels, out_channels, 1, padding=0), bn=kit.bn(out_channels)))
+        self.shortcut: nn.Module = _projection(kit, in_channels, out_channels, stride) if projection else nn.Identity()
 
     def set_widths(self, mid_channels: int, out_channels: int) -> None:
         """Active widths of an elastic block (the input width is read from the input)."""
@@ -130,6 +136,61 @@ class Bottleneck(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
+class BasicPair(nn.Module):
+    """3x3 conv in -> mid (carries the stride) - BN - ReLU, 3x3 conv mid -> out - BN - ReLU,
+    plus a shortcut, ReLU after the add (DeepFedNAS's residual block).
+
+    Unlike a torchvision ``BasicBlock`` the middle width is ``out x e`` (at most a quarter of the
+    output) and the second conv's BN is followed by a ReLU *before* the residual addition, as
+    DeepFedNAS's ``DynamicResidualBlock`` / ``NewResidualBlock`` compute.
+    """
+
+    def __init__(self, kit: LayerKit, in_channels: int, mid_channels: int, out_channels: int,
+                 stride: int, projection: bool):
+        super().__init__()
+        self.conv1 = kit.conv(in_channels, mid_channels, 3, stride=stride)
+        self.bn1 = kit.bn(mid_channels)
+        self.conv2 = kit.conv(mid_channels, out_channels, 3)
+        self.bn2 = kit.bn(out_channels)
+        self.shortcut: nn.Module = _projection(kit, in_channels, out_channels, stride) if projection else nn.Identity()
+
+    def set_widths(self, mid_channels: int, out_channels: int) -> None:
+        """Active widths of an elastic block (the input width is read from the input)."""
+        self.conv1.active_out = mid_channels
+        self.conv2.active_out = out_channels
+        if isinstance(self.shortcut, nn.Sequential):
+            self.shortcut.conv.active_out = out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        return F.relu(out + self.shortcut(x))
+
+
+@dataclass(frozen=True)
+class Construction:
+    """A block type and the widths and strides the supernet built from it uses by default."""
+
+    block: type
+    stem_channels: int
+    stage_channels: tuple[int, ...]
+    # Inputs of at least 64 px (TinyImageNet): the stride of the stem and of stage 1's first
+    # block (later stages always stride 2), so the stages see what they see at 32 px.
+    large_input_stem_stride: int
+    large_input_first_stride: int
+    # Middle width: make_divisible(round(out * e)) if True, make_divisible(out * e) if False.
+    round_middle: bool
+
+
+CONSTRUCTIONS: dict[str, Construction] = {
+    # FEAST's code (configs/supernets/4-stage-supernet-*.json): stem stride 2 at 64 px; middle
+    # widths as its cost counter (utils/subnet_cost.py), which produced the paper's figures.
+    "basic_pair": Construction(BasicPair, 64, (128, 256, 512, 1024), 2, 1, False),
+    # This repository's earlier reading of the paper: stage 1 strides at 64 px instead.
+    "bottleneck": Construction(Bottleneck, 128, (256, 512, 1024, 2048), 1, 2, True),
+}
+
+
 @dataclass(frozen=True)
 class StageShape:
     """Physical shape of one stage: number of blocks and channel widths."""
@@ -140,14 +201,14 @@ class StageShape:
 
 
 class _ResNetBody(nn.Module):
-    """Stem, stages of bottlenecks and a linear head at given physical sizes.
+    """Stem, stages of residual blocks and a linear head at given physical sizes.
 
     Both the elastic supernet (at its maxima) and plain extractions (at a spec's sizes) are
     built here, so their state-dict keys coincide and every tensor of an extraction is a
     leading slice of the supernet tensor with the same key.
     """
 
-    def _build(self, kit: LayerKit, num_classes: int, in_channels: int, stem: int,
+    def _build(self, kit: LayerKit, block: type, num_classes: int, in_channels: int, stem: int,
                stages: Sequence[StageShape], strides: Sequence[int], stem_stride: int) -> None:
         self.stem = Stem(kit, in_channels, stem, stem_stride)
         self.stages = nn.ModuleList()
@@ -155,8 +216,8 @@ class _ResNetBody(nn.Module):
         for shape, stride in zip(stages, strides):
             blocks = nn.ModuleList()
             for b in range(shape.blocks):
-                blocks.append(Bottleneck(kit, width, shape.mid, shape.out, stride if b == 0 else 1,
-                                         projection=b == 0))
+                blocks.append(block(kit, width, shape.mid, shape.out, stride if b == 0 else 1,
+                                    projection=b == 0))
                 width = shape.out
             self.stages.append(blocks)
         self.classifier = kit.linear(width, num_classes)
@@ -184,12 +245,13 @@ class _ResNetBody(nn.Module):
 
 
 class OFASubnet(_ResNetBody):
-    """A plain (deployable) network for one spec; built by :meth:`OFAResNet.extract`."""
+    """A plain (deployable) network for one spec; built by :meth:`OFAResNet.build_local`."""
 
     def __init__(self, num_classes: int, in_channels: int, stem: int, stages: Sequence[StageShape],
-                 strides: Sequence[int], stem_stride: int = 1):
+                 strides: Sequence[int], stem_stride: int = 1, block: str = "bottleneck"):
         super().__init__()
-        self._build(LAYER_KITS[False], num_classes, in_channels, stem, stages, strides, stem_stride)
+        self._build(LAYER_KITS[False], CONSTRUCTIONS[block].block, num_classes, in_channels, stem, stages,
+                    strides, stem_stride)
         self._depths = tuple(s.blocks for s in stages)
 
     def blocks(self) -> "OrderedDict[str, nn.Module]":
@@ -212,15 +274,20 @@ def leading_regions(global_state, local_state) -> RegionMap:
 
 @register_model("ofa_resnet")
 class OFAResNet(_ResNetBody, ElasticModel):
-    """FEAST's OFA-style elastic bottleneck ResNet (``d``, ``e``, ``w`` elastic).
+    """FEAST's OFA-style elastic ResNet (``d``, ``e``, ``w`` elastic).
 
     Args:
         num_classes: classifier outputs (fixed).
         input_shape: (channels, height, width) of one input. Inputs of at least 64 px
-            (TinyImageNet) get a stride-2 first stage, so every stage sees the same
-            resolution as at 32 px (CIFAR); smaller inputs keep stage 1 at stride 1.
-        stem_channels: full stem width (128 in FEAST).
-        stage_channels: full output width of each stage ([256, 512, 1024, 2048]).
+            (TinyImageNet) are brought to the stage resolutions of a 32 px input (CIFAR) by a
+            stride-2 stem (``basic_pair``, as FEAST's code) or a stride-2 first stage
+            (``bottleneck``); smaller inputs keep both at stride 1.
+        block: the construction: ``"basic_pair"`` (FEAST's supernet: two 3x3 convs per block,
+            64-channel stem, stage widths [128, 256, 512, 1024]) or ``"bottleneck"`` (1x1-3x3-1x1
+            blocks, 128-channel stem, stage widths [256, 512, 1024, 2048]). Both have 55.68M
+            parameters at 100 classes (docs/feast_supernet.md).
+        stem_channels: full stem width (default: the construction's, 64 or 128).
+        stage_channels: full output width of each stage (default: the construction's).
         width_scale: multiplies ``stem_channels`` and ``stage_channels``, for a narrowed
             CPU-sized supernet (1.0 is FEAST's).
         max_extra_blocks: most extra blocks per stage (int or one per stage; 8 in FEAST).
@@ -231,32 +298,51 @@ class OFAResNet(_ResNetBody, ElasticModel):
         divisor: channel counts are rounded to multiples of this (8 as OFA/DeepFedNAS; use
             1-4 for narrowed supernets so small widths stay distinct).
         stage_strides: stride of each stage's first block (default: see ``input_shape``).
-        stem_stride: stride of the stem conv.
+        stem_stride: stride of the stem conv (default: see ``input_shape``).
+        round_middle: whether a block's middle width rounds ``out * e`` to an integer before
+            ``make_divisible`` (as OFA's and FEAST's network code do) or rounds ``out * e``
+            directly (as DeepFedNAS's and FEAST's cost counter, which produced the paper's MAC
+            and parameter figures, does). The two differ for a few (stage, width, expansion)
+            choices, e.g. 176 x 0.1 = 17.6 gives 24 or 16 channels. Default: the
+            construction's (``basic_pair``: False, ``bottleneck``: True).
     """
 
     spec_type = OFASpec
 
     def __init__(self, num_classes: int = 100, input_shape: Sequence[int] = (3, 32, 32),
-                 stem_channels: int = STEM_CHANNELS, stage_channels: Sequence[int] = STAGE_CHANNELS,
+                 block: str = "bottleneck", stem_channels: Optional[int] = None,
+                 stage_channels: Optional[Sequence[int]] = None,
                  width_scale: float = 1.0, max_extra_blocks: Union[int, Sequence[int]] = MAX_EXTRA_BLOCKS,
                  expansions: Sequence[float] = EXPANSION_CHOICES,
                  width_multipliers: Sequence[float] = WIDTH_MULTIPLIERS,
                  max_width_index: Optional[Sequence[int]] = None, divisor: int = CHANNEL_DIVISOR,
-                 stage_strides: Optional[Sequence[int]] = None, stem_stride: int = 1):
+                 stage_strides: Optional[Sequence[int]] = None, stem_stride: Optional[int] = None,
+                 round_middle: Optional[bool] = None):
+        if block not in CONSTRUCTIONS:
+            raise ConfigError("model.kwargs.block", f"unknown block {block!r}; known: {', '.join(sorted(CONSTRUCTIONS))}")
+        construction = CONSTRUCTIONS[block]
+        stem_channels = construction.stem_channels if stem_channels is None else stem_channels
+        stage_channels = construction.stage_channels if stage_channels is None else stage_channels
         num_stages = len(stage_channels)
         if isinstance(max_extra_blocks, int):
             max_extra_blocks = (max_extra_blocks,) * num_stages
         if max_width_index is None:
             max_width_index = (len(width_multipliers) - 1,) * (num_stages + 1)
+        large = min(input_shape[1:]) >= 64
         if stage_strides is None:
-            stage_strides = (2 if min(input_shape[1:]) >= 64 else 1,) + (2,) * (num_stages - 1)
-        arch = dict(num_classes=int(num_classes), input_shape=tuple(int(v) for v in input_shape),
+            stage_strides = (construction.large_input_first_stride if large else 1,) + (2,) * (num_stages - 1)
+        if stem_stride is None:
+            stem_stride = construction.large_input_stem_stride if large else 1
+        if round_middle is None:
+            round_middle = construction.round_middle
+        arch = dict(num_classes=int(num_classes), input_shape=tuple(int(v) for v in input_shape), block=block,
                     stem_channels=int(stem_channels), stage_channels=tuple(int(c) for c in stage_channels),
                     width_scale=float(width_scale), max_extra_blocks=tuple(int(v) for v in max_extra_blocks),
                     expansions=tuple(sorted(float(v) for v in expansions)),
                     width_multipliers=tuple(sorted(float(v) for v in width_multipliers)),
                     max_width_index=tuple(int(v) for v in max_width_index), divisor=int(divisor),
-                    stage_strides=tuple(int(v) for v in stage_strides), stem_stride=int(stem_stride))
+                    stage_strides=tuple(int(v) for v in stage_strides), stem_stride=int(stem_stride),
+                    round_middle=bool(round_middle))
         _check_arch(arch)
         ElasticModel.__init__(self, **arch)
         self.arch = arch
@@ -267,8 +353,8 @@ class OFAResNet(_ResNetBody, ElasticModel):
         self.width_multipliers = arch["width_multipliers"]
         self.max_extra_blocks = arch["max_extra_blocks"]
         self.max_width_index = arch["max_width_index"]
-        self._build(LAYER_KITS[True], self.num_classes, self.input_shape[0], *self._shapes(self.max_spec()),
-                    arch["stage_strides"], arch["stem_stride"])
+        self._build(LAYER_KITS[True], construction.block, self.num_classes, self.input_shape[0],
+                    *self._shapes(self.max_spec()), arch["stage_strides"], arch["stem_stride"])
         self._init_weights()
         self.set_active(self.max_spec())
 
@@ -286,7 +372,9 @@ class OFAResNet(_ResNetBody, ElasticModel):
         return make_divisible(base * self.width_multipliers[index], self.arch["divisor"])
 
     def mid_width(self, out_channels: int, expansion: float) -> int:
-        return make_divisible(round(out_channels * expansion), self.arch["divisor"])
+        """A block's middle width at output width ``out_channels`` (see ``round_middle``)."""
+        value = out_channels * expansion
+        return make_divisible(round(value) if self.arch["round_middle"] else value, self.arch["divisor"])
 
     def _shapes(self, spec: OFASpec) -> tuple[int, list[StageShape]]:
         stages = []
@@ -367,7 +455,7 @@ class OFAResNet(_ResNetBody, ElasticModel):
             return self.reduced(spec)
         stem, stages = self._shapes(self.check_spec(spec))
         return OFASubnet(self.num_classes, self.input_shape[0], stem, stages,
-                         self.arch["stage_strides"], self.arch["stem_stride"])
+                         self.arch["stage_strides"], self.arch["stem_stride"], self.arch["block"])
 
     def regions(self, spec: OFASpec, kind: str = "leading", offset: int = 0) -> RegionMap:
         _leading_only(kind)
