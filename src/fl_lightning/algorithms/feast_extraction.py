@@ -27,6 +27,7 @@ def extract_subnet(feast, budget: float, rho: Optional[float], population: int, 
     """Search, extract, recalibrate and score a subnet of ``feast``'s trained supernet (set up
     on a saved run); optionally save the subnet's weights and architecture to ``out``."""
     from fl_lightning.elastic.search.genetic import InfeasibleError, search
+    from fl_lightning.elastic.specs import spec_to_dict
     from fl_lightning.federation.checkpoint import save_checkpoint
     from fl_lightning.runtime.evaluation import evaluate
 
@@ -45,8 +46,6 @@ def extract_subnet(feast, budget: float, rho: Optional[float], population: int, 
             metrics = evaluate(ctx.fabric, subnet, dataset, indices, ctx.num_classes, batch_size)
             result.update({f"{split}_{k}": v for k, v in metrics.items()})
     if out is not None and ctx.fabric.is_global_zero:
-        spec = found.spec
-        save_checkpoint({"model": subnet.state_dict(), "spec": {"d": list(spec.d), "e": list(spec.e), "w": list(spec.w)},
-                         "macs": int(found.macs)}, out)
+        save_checkpoint({"model": subnet.state_dict(), "spec": spec_to_dict(found.spec), "macs": int(found.macs)}, out)
         result["saved"] = str(out)
     return result

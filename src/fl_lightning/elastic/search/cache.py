@@ -34,6 +34,7 @@ from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec
 from fl_lightning.elastic.search.cost import CostModel, DeepFedNASArch, cost_model
 from fl_lightning.elastic.search.fitness import Fitness, FitnessConfig
 from fl_lightning.elastic.search.genetic import search
+from fl_lightning.elastic.specs import spec_from_dict, spec_to_dict
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CACHE_SEGMENTS
 
@@ -42,6 +43,10 @@ Segment = tuple[float, float, int, float]
 
 PAPER_SEGMENTS: tuple[Segment, ...] = CACHE_SEGMENTS
 """FEAST Supp. Table 1: the main search and the low-compute extension (merged, MAC-sorted)."""
+
+
+OPTION_DEFAULTS = {"block": "bottleneck", "round_middle": True}
+"""Model options newer than some cache files, with the values those files were built for."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +154,7 @@ class VariantCache:
             "input_shape": list(self.input_shape),
             "num_classes": self.num_classes,
             "model": _plain(self.model_options),
-            "variants": [{"d": list(v.spec.d), "e": list(v.spec.e), "w": list(v.spec.w),
-                          "macs": int(v.macs), "params": int(v.params), **_plain(v.info)}
+            "variants": [{**spec_to_dict(v.spec), "macs": int(v.macs), "params": int(v.params), **_plain(v.info)}
                          for v in self.variants],
             **({"search": _plain(self.search)} if self.search else {}),
         }
@@ -172,23 +176,24 @@ class VariantCache:
             raise
 
     @classmethod
-    def load(cls, path: Union[str, Path], model: Optional["Space"] = None) -> "VariantCache":
+    def load(cls, path: Union[str, Path], model: Optional["Space"] = None,
+             key: str = "algorithm.cache") -> "VariantCache":
         """Read a cache; with ``model``, check that it was built for this model (construction
         options, classes, input) and that every variant is one of its architectures with the
-        stored MACs and parameters. Raises ConfigError naming what disagrees."""
+        stored MACs and parameters. Raises ConfigError (under ``key``, naming the file) for
+        what disagrees."""
         path = Path(path)
-        key = f"cache[{path}]"
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(key, f"cannot read a variant cache: {err}") from None
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ConfigError(key, f"{path}: cannot read a variant cache: {' '.join(str(err).split())}") from None
         try:
-            variants = [Variant(OFASpec(tuple(v["d"]), tuple(v["e"]), tuple(v["w"])), int(v["macs"]),
+            variants = [Variant(spec_from_dict(OFASpec, {k: v[k] for k in ("d", "e", "w")}), int(v["macs"]),
                                 int(v["params"]), {k: x for k, x in v.items() if k not in _VARIANT_KEYS})
                         for v in data["variants"]]
             cache = cls(variants, data["input_shape"], data["num_classes"], data["model"], data.get("search"))
         except (KeyError, TypeError, ValueError) as err:
-            raise ConfigError(key, f"not a variant cache file ({type(err).__name__}: {err})") from None
+            raise ConfigError(key, f"{path}: not a variant cache file ({type(err).__name__}: {err})") from None
         if model is not None:
             cache.check(model, key)
         return cache
@@ -196,7 +201,10 @@ class VariantCache:
     def check(self, model: "Space", key: str = "cache") -> None:
         """ConfigError unless this cache belongs to ``model`` (see :meth:`load`)."""
         cost = cost_model(model, self.input_shape)
-        stored, actual = _plain(self.model_options), _plain(cost.model_options)
+        # options added to the model after a cache was written take the values it was built with
+        stored = {**OPTION_DEFAULTS, **_plain(self.model_options)} if "construction" not in self.model_options \
+            else _plain(self.model_options)
+        actual = _plain(cost.model_options)
         differ = [k for k in sorted(set(stored) | set(actual)) if stored.get(k) != actual.get(k)]
         if differ:
             detail = "; ".join(f"{k}: cache {stored.get(k)!r}, model {actual.get(k)!r}" for k in differ)

@@ -645,6 +645,8 @@ def cost_model(model: Union[OFAResNet, DeepFedNASArch, CostModel],
         if isinstance(model, DeepFedNASCostModel):
             return cost_model(model.spec_arch, shape)
         raise ValueError("an OFACostModel counts at one input; build one from the model for another")
+    if isinstance(model, OFAResNet) and model.arch["block"] == "basic_pair":
+        model = deepfednas_arch_of(model)
     if isinstance(model, DeepFedNASArch):
         key = ("deepfednas", model, shape)
         make = lambda: DeepFedNASCostModel(model, shape)  # noqa: E731
@@ -658,6 +660,23 @@ def cost_model(model: Union[OFAResNet, DeepFedNASArch, CostModel],
 
 
 _COST_MODELS: dict = {}
+
+
+def deepfednas_arch_of(model: OFAResNet) -> DeepFedNASArch:
+    """The DeepFedNAS description of an ``OFAResNet(block="basic_pair")``: the same channel
+    rules, strides and choices, so its cache, budgets and MACs are in the paper's convention."""
+    arch = model.arch
+    scale = arch["width_scale"]
+    stem, stages = arch["stem_channels"] * scale, [c * scale for c in arch["stage_channels"]]
+    if not all(float(c).is_integer() for c in [stem, *stages]):
+        raise ValueError(f"width_scale {scale} gives fractional base channels; the DeepFedNAS counter needs integers")
+    return DeepFedNASArch(num_classes=arch["num_classes"], input_shape=arch["input_shape"], stem_channels=int(stem),
+                          stage_channels=tuple(int(c) for c in stages), max_extra_blocks=arch["max_extra_blocks"],
+                          expansions=arch["expansions"], width_multipliers=arch["width_multipliers"],
+                          divisor=arch["divisor"], stage_strides=arch["stage_strides"],
+                          stem_stride=arch["stem_stride"],
+                          mid_rounding="module" if arch["round_middle"] else "counter",
+                          max_width_index=arch["max_width_index"])
 
 
 def analytic_macs(model: OFAResNet, spec: OFASpec, input_shape: Optional[Sequence[int]] = None) -> int:
