@@ -189,4 +189,4 @@ def test_help_lists_every_model_and_dataset_option(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "ofa_resnet: stem_channels=" in text and "synthetic: num_classes=10" in text
+    assert "ofa_resnet: block=" in text and "synthetic: num_classes=10" in text
