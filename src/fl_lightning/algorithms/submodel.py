@@ -381,7 +381,8 @@ class HASFL(SubmodelAlgorithm):
         super().setup(ctx)
         n = ctx.num_clients
         self.h_tilde = torch.ones(n, dtype=torch.float64)
-        self.widths = self.caps.clone()
+        # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).
+        self.widths = self.caps.clone() if self.t_warm > 0 else self.allocate()
         self._pending: Dict[int, Dict[str, torch.Tensor]] = {}
         self._h_hat = torch.zeros(n, dtype=torch.float64)
 
