@@ -107,6 +107,7 @@ class SubmodelAlgorithm(FedAvg):
                      for k in self.param_keys}
         self.last_widths: Dict[int, float] = {}
         self._round_figures: Dict[str, float] = {}
+        self._costs: Dict[object, tuple] = {}
 
     @property
     def max_cap(self) -> float:
@@ -132,16 +133,22 @@ class SubmodelAlgorithm(FedAvg):
     def route(self, task, plan):
         return self.ctx.model.extract(task.spec)
 
-    def fit_client(self, task, plan):
-        from fl_lightning.elastic.macs import spec_macs, spec_params
+    def cost(self, spec) -> tuple:
+        """(parameters, forward MACs per example) of the sub-model ``spec``, memoized."""
+        from fl_lightning.elastic.macs import count_macs, count_params
 
+        if spec not in self._costs:
+            local = self.ctx.model.extract(spec).module
+            example = self.ctx.data.bundle.train[0][0]
+            dtype = None if example.is_floating_point() else example.dtype  # token models take ids
+            self._costs[spec] = (count_params(local), count_macs(local, self.ctx.data.bundle.input_shape, dtype))
+        return self._costs[spec]
+
+    def fit_client(self, task, plan):
         result = super().fit_client(task, plan)
-        shape = self.ctx.data.bundle.input_shape
-        result.metrics.update({
-            "p": task.options["p"], "p_max": float(self.caps[task.client]),
-            "params": spec_params(self.ctx.model, task.spec, shape),
-            "macs": spec_macs(self.ctx.model, task.spec, shape),
-        })
+        params, macs = self.cost(task.spec)
+        result.metrics.update({"p": task.options["p"], "p_max": float(self.caps[task.client]),
+                               "params": params, "macs": macs})
         return result
 
     # -- the server step --------------------------------------------------------------------
