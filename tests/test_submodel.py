@@ -187,3 +187,11 @@ def test_mnist_subset_trains(spec_factory):
                         federation=FederationConfig(rounds=2, clients_per_round=6))
     summary = run_fit(spec)
     assert summary["final"]["test_acc"] > 0.2  # chance is 0.1
+
+
+def test_fjord_self_distillation_option_trains(spec_factory):
+    spec = spec_factory(name="fjd", algorithm=FjORD(distill=True, caps=[1.0] * 6),
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    summary = run_fit(spec)
+    assert summary["final"]["test_acc"] > 0.1
+    assert all(c["p"] in (0.25, 0.5, 0.75, 1.0) for c in rows(spec, "clients.jsonl"))
