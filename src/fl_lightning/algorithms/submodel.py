@@ -137,12 +137,15 @@ class SubmodelAlgorithm(FedAvg):
         """(parameters, forward MACs per example) of the sub-model ``spec``, memoized."""
         from fl_lightning.elastic.macs import count_macs, count_params
 
-        if spec not in self._costs:
-            local = self.ctx.model.extract(spec).module
+        model = self.ctx.model
+        # Widths that round to the same channels are the same sub-model: count it once.
+        key = model.stage_channels(spec) if hasattr(model, "stage_channels") else spec
+        if key not in self._costs:
+            local = model.extract(spec).module
             example = self.ctx.data.bundle.train[0][0]
             dtype = None if example.is_floating_point() else example.dtype  # token models take ids
-            self._costs[spec] = (count_params(local), count_macs(local, self.ctx.data.bundle.input_shape, dtype))
-        return self._costs[spec]
+            self._costs[key] = (count_params(local), count_macs(local, self.ctx.data.bundle.input_shape, dtype))
+        return self._costs[key]
 
     def fit_client(self, task, plan):
         result = super().fit_client(task, plan)
