@@ -45,8 +45,6 @@ def test_proposition_3_coordinates_outside_the_largest_slice_never_move(spec_fac
     init = initial_model(spec)
     run_fit(spec)
     final = last_model(spec)
-    model_regions = None
-    from fl_lightning.elastic.models import build_model  # noqa: F401  (registry import)
     from fl_lightning.federation.builder import build_context
     from lightning.fabric import Fabric
 
