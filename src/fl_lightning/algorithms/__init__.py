@@ -4,5 +4,7 @@ from fl_lightning.algorithms.base import Algorithm, FedAvg, RunContext
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.feast import CacheSearch, Feast
 from fl_lightning.algorithms.scaffold import Scaffold
+from fl_lightning.algorithms.submodel import HASFL, FjORD, HeteroFL, RandomBudget, SubmodelAlgorithm, Uniform
 
-__all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext"]
+__all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
+           "SubmodelAlgorithm", "HeteroFL", "FjORD", "Uniform", "RandomBudget", "HASFL"]

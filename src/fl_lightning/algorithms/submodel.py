@@ -1,0 +1,484 @@
+"""Sub-model federated learning: nested width slices per client, with five allocation policies.
+
+Every policy here trains, for each client in a round's cohort, the leading ``p``-fraction of
+every layer's channels (the classifier's input side included) and averages each coordinate
+over exactly the clients that trained it (``dense = False``). The policies differ only in how
+``p`` is chosen (``docs/submodel.md``):
+
+- :class:`HeteroFL`: every client at its cap ``p_max``.
+- :class:`FjORD`: each round a tier drawn uniformly from the tiers no larger than the cap.
+- :class:`Uniform`: ``min(width, p_max)`` with ``width = 0.5``.
+- :class:`RandomBudget`: random time-varying widths whose cohort average matches a target
+  budget (a number, or the per-round ``p_bar`` trace of a saved run).
+- :class:`HASFL`: heterogeneity-aware allocation from update divergence (Algorithm 1 of
+  ``papers/hasfl-capacity-confounds-coverage.md``), with the coverage guarantee.
+
+Caps are server state drawn once per seed (:func:`draw_caps`). The allocation for a round is
+decided in ``plan`` from state that every rank holds (caps, last round's estimates), so every
+rank computes the same plan. Monitoring (every round): the cohort's mean width ``p_bar``, the
+fraction of each layer's coordinates that no client trained this round (``uncovered/<key>``)
+and that no client has trained since initialisation (``never_trained/<key>``), and per client
+its width, cap, parameters and MACs trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.data.budgets import seeded_rng
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.collectives import all_reduce_sum
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.seeding import derive_seed, sample_clients
+
+TIERS = (0.25, 0.5, 0.75, 1.0)
+TIER_PROBS = (0.3, 0.3, 0.2, 0.2)
+"""Default cap distribution: constrained devices are more common (expected cap 0.575; the
+paper's realized mean over its seeds is about 0.56)."""
+
+ALLOCATION = 17  # stream tag of allocation draws (FjORD tiers, Random-budget widths)
+
+
+def draw_caps(num_clients: int, seed: int, tiers: Sequence[float] = TIERS,
+              probs: Sequence[float] = TIER_PROBS) -> torch.Tensor:
+    """Each client's capacity cap ``p_max``, drawn i.i.d. from ``tiers`` with ``probs``;
+    a pure function of ``seed`` (every policy of a seed shares it). float64 [N]."""
+    rng = seeded_rng(seed, "capacity_caps")
+    p = np.asarray(probs, dtype=np.float64)
+    idx = rng.choice(len(tiers), size=int(num_clients), p=p / p.sum())
+    return torch.tensor([float(tiers[i]) for i in idx], dtype=torch.float64)
+
+
+def allocation_rng(seed: int, round_idx: int) -> np.random.Generator:
+    return np.random.default_rng(derive_seed(seed, ALLOCATION, round_idx))
+
+
+class SubmodelAlgorithm(FedAvg):
+    """Shared machinery: caps, width specs per task, routing by leading-slice extraction,
+    coordinate-wise aggregation, coverage and cost monitoring. Subclasses implement
+    :meth:`widths_for` (the cohort's widths for a round)."""
+
+    dense = False
+
+    def __init__(self, tiers: Sequence[float] = TIERS, tier_probs: Sequence[float] = TIER_PROBS,
+                 caps: Optional[List[float]] = None, log_layers: bool = True):
+        """
+        Args:
+            tiers: capacity tiers (width ratios in (0, 1]) a client's cap is drawn from.
+            tier_probs: probability of each tier (normalised); defaults favour small devices.
+            caps: explicit per-client caps instead of a draw (length = number of clients).
+            log_layers: log the per-layer coverage fractions (besides their totals).
+        """
+        self.tiers = [float(t) for t in tiers]
+        self.tier_probs = [float(p) for p in tier_probs]
+        self.caps_given = None if caps is None else [float(c) for c in caps]
+        self.log_layers = log_layers
+
+    def check(self, train) -> None:
+        if not self.tiers or any(not 0 < t <= 1 for t in self.tiers):
+            raise ConfigError("algorithm.tiers", f"must be widths in (0, 1], got {self.tiers}")
+        if len(self.tier_probs) != len(self.tiers) or any(p < 0 for p in self.tier_probs) or sum(self.tier_probs) <= 0:
+            raise ConfigError("algorithm.tier_probs", f"must be {len(self.tiers)} non-negative numbers with a positive sum")
+        if self.caps_given is not None and any(not 0 < c <= 1 for c in self.caps_given):
+            raise ConfigError("algorithm.caps", "every cap must lie in (0, 1]")
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup(self, ctx) -> None:
+        self.ctx = ctx
+        self.global_state = ctx.model.state_dict()
+        n = ctx.num_clients
+        if self.caps_given is not None:
+            if len(self.caps_given) != n:
+                raise ConfigError("algorithm.caps", f"needs {n} caps (one per client), got {len(self.caps_given)}")
+            self.caps = torch.tensor(self.caps_given, dtype=torch.float64)
+        else:
+            self.caps = draw_caps(n, ctx.seed, self.tiers, self.tier_probs)
+        self.stages = len(ctx.model.max_spec().widths)
+        self.param_keys = [k for k, _ in ctx.model.named_parameters()]
+        # Coordinates trained by some client since initialisation (bool per parameter).
+        self.ever = {k: torch.zeros(self.global_state[k].shape, dtype=torch.bool, device=self.global_state[k].device)
+                     for k in self.param_keys}
+        self.last_widths: Dict[int, float] = {}
+        self._round_figures: Dict[str, float] = {}
+        self._costs: Dict[object, tuple] = {}
+
+    @property
+    def max_cap(self) -> float:
+        return float(self.caps.max())
+
+    # -- the plan ---------------------------------------------------------------------------
+    def widths_for(self, round_idx: int, cohort: List[int]) -> Dict[int, float]:
+        """Each cohort client's width this round (at most its cap)."""
+        raise NotImplementedError
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        from fl_lightning.elastic.specs import WidthSpec
+
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        widths = self.widths_for(round_idx, cohort)
+        tasks = []
+        for c in cohort:
+            p = min(float(widths[c]), float(self.caps[c]))
+            tasks.append(ClientTask(c, spec=WidthSpec.uniform(p, self.stages), options={"p": p}))
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def route(self, task, plan):
+        return self.ctx.model.extract(task.spec)
+
+    def cost(self, spec) -> tuple:
+        """(parameters, forward MACs per example) of the sub-model ``spec``, memoized."""
+        from fl_lightning.elastic.macs import count_macs, count_params
+
+        model = self.ctx.model
+        # Widths that round to the same channels are the same sub-model: count it once.
+        key = model.stage_channels(spec) if hasattr(model, "stage_channels") else spec
+        if key not in self._costs:
+            local = model.extract(spec).module
+            example = self.ctx.data.bundle.train[0][0]
+            dtype = None if example.is_floating_point() else example.dtype  # token models take ids
+            self._costs[key] = (count_params(local), count_macs(local, self.ctx.data.bundle.input_shape, dtype))
+        return self._costs[key]
+
+    def fit_client(self, task, plan):
+        result = super().fit_client(task, plan)
+        params, macs = self.cost(task.spec)
+        result.metrics.update({"p": task.options["p"], "p_max": float(self.caps[task.client]),
+                               "params": params, "macs": macs})
+        return result
+
+    # -- the server step --------------------------------------------------------------------
+    def finish_round(self, new_state, sums, plan, owned) -> None:
+        figures = {"p_bar": float(np.mean([t.options["p"] for t in plan.tasks]))}
+        total = uncovered = never = 0
+        for key in self.param_keys:
+            covered = sums[f"c/{key}"] > 0
+            self.ever[key] |= covered
+            n = covered.numel()
+            u, e = n - int(covered.sum()), n - int(self.ever[key].sum())
+            total, uncovered, never = total + n, uncovered + u, never + e
+            if self.log_layers:
+                figures[f"uncovered/{key}"] = u / n
+                figures[f"never_trained/{key}"] = e / n
+        figures["uncovered/all"] = uncovered / total
+        figures["never_trained/all"] = never / total
+        self._round_figures = figures
+        for task in plan.tasks:
+            self.last_widths[task.client] = task.options["p"]
+        super().finish_round(new_state, sums, plan, owned)
+
+    def round_metrics(self, sums) -> Dict[str, float]:
+        return dict(self._round_figures)
+
+    def artifacts(self) -> Dict[str, str]:
+        return {"caps.json": json.dumps([float(c) for c in self.caps])}
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        out = {"caps": self.caps.clone()}
+        out.update({f"ever/{k}": v.to(torch.uint8) for k, v in self.ever.items()})
+        return out
+
+    def load_state_dict(self, state) -> None:
+        self.caps = state["caps"].to(torch.float64).cpu()
+        for k, v in self.ever.items():
+            v.copy_(state[f"ever/{k}"].bool())
+
+
+class HeteroFL(SubmodelAlgorithm):
+    """HeteroFL (Diao et al., 2021) with coordinate-wise averaging: every client at its cap."""
+
+    def widths_for(self, round_idx, cohort):
+        return {c: float(self.caps[c]) for c in cohort}
+
+
+class Uniform(SubmodelAlgorithm):
+    """Every client at ``min(width, p_max)`` (the paper's Uniform baseline, width 0.5)."""
+
+    def __init__(self, width: float = 0.5, **kwargs):
+        """
+        Args:
+            width: the common width before capping.
+        """
+        super().__init__(**kwargs)
+        self.width = float(width)
+
+    def check(self, train):
+        super().check(train)
+        if not 0 < self.width <= 1:
+            raise ConfigError("algorithm.width", f"must be in (0, 1], got {self.width}")
+
+    def widths_for(self, round_idx, cohort):
+        return {c: min(self.width, float(self.caps[c])) for c in cohort}
+
+
+class FjORD(SubmodelAlgorithm):
+    """FjORD (Horvath et al., 2021) as compared in the paper: each round each client's tier is
+    redrawn uniformly from the tiers no larger than its cap. With ``distill``, the client also
+    trains the smallest tier inside its local model and distils the full local model's outputs
+    into it (FjORD's self-distillation); off by default, as in the paper's comparison."""
+
+    def __init__(self, distill: bool = False, distill_weight: float = 1.0, **kwargs):
+        """
+        Args:
+            distill: add FjORD's self-distillation (elastic local model, in-place distillation).
+            distill_weight: weight of the distillation term.
+        """
+        super().__init__(**kwargs)
+        self.distill = distill
+        self.distill_weight = float(distill_weight)
+
+    def widths_for(self, round_idx, cohort):
+        rng = allocation_rng(self.ctx.seed, round_idx)
+        out = {}
+        for c in cohort:  # one draw per client, in cohort order: the same on every rank
+            allowed = [t for t in self.tiers if t <= float(self.caps[c]) + 1e-12] or [float(self.caps[c])]
+            out[c] = float(allowed[int(rng.integers(len(allowed)))])
+        return out
+
+    def route(self, task, plan):
+        return self.ctx.model.extract(task.spec, elastic=self.distill)
+
+    def client_module(self, routed, task, plan):
+        if not self.distill:
+            return super().client_module(routed, task, plan)
+        from fl_lightning.elastic.specs import WidthSpec
+        from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
+
+        t = self.ctx.train
+        smallest = min(self.tiers)
+        low = WidthSpec.uniform(min(smallest, task.options["p"]), self.stages)
+        return OrderedDropoutDistillClient(routed.module, plan.lr, t.momentum, t.weight_decay,
+                                           task.spec, low, self.distill_weight)
+
+
+class RandomBudget(SubmodelAlgorithm):
+    """Random time-varying widths whose cohort average matches a target budget.
+
+    Each round every cohort client draws ``u ~ U(0, 1)``; widths are
+    ``min(p_max, clip(p_lo + s u, p_lo, 1))`` with the scale ``s`` found by bisection so that
+    the cohort mean equals the round's target (clipped to what the caps allow). The target is
+    ``budget`` (a number), or the per-round ``p_bar`` of a saved run (``budget_from``: a run
+    folder or its ``metrics.jsonl``; rounds past its end repeat its mean).
+    """
+
+    def __init__(self, budget: float = 0.5, budget_from: Optional[str] = None, p_lo: float = 0.0625, **kwargs):
+        """
+        Args:
+            budget: target average width of each round's cohort.
+            budget_from: a saved run (folder or metrics.jsonl) whose per-round ``p_bar`` is the target trace.
+            p_lo: smallest width drawn.
+        """
+        super().__init__(**kwargs)
+        self.budget = float(budget)
+        self.budget_from = budget_from
+        self.p_lo = float(p_lo)
+        self.trace: Optional[List[float]] = None
+
+    def check(self, train):
+        super().check(train)
+        if not 0 < self.budget <= 1:
+            raise ConfigError("algorithm.budget", f"must be in (0, 1], got {self.budget}")
+        if not 0 < self.p_lo <= 1:
+            raise ConfigError("algorithm.p_lo", f"must be in (0, 1], got {self.p_lo}")
+        if self.budget_from is not None:
+            self.trace = load_budget_trace(self.budget_from)
+
+    def target(self, round_idx: int) -> float:
+        if self.trace is None and self.budget_from is not None:
+            self.trace = load_budget_trace(self.budget_from)
+        if self.trace:
+            return self.trace[round_idx] if round_idx < len(self.trace) else float(np.mean(self.trace))
+        return self.budget
+
+    def widths_for(self, round_idx, cohort):
+        rng = allocation_rng(self.ctx.seed, round_idx)
+        u = rng.random(len(cohort))
+        caps = np.array([float(self.caps[c]) for c in cohort])
+        widths = matched_widths(u, caps, self.target(round_idx), self.p_lo)
+        return {c: float(w) for c, w in zip(cohort, widths)}
+
+
+def matched_widths(u: np.ndarray, caps: np.ndarray, target: float, p_lo: float) -> np.ndarray:
+    """``min(caps, clip(p_lo + s u, p_lo, 1))`` with ``s >= 0`` chosen so the mean is ``target``
+    (or as near as the caps allow)."""
+    lo_caps = np.minimum(caps, p_lo)
+
+    def widths(s):
+        return np.minimum(caps, np.clip(p_lo + s * u, p_lo, 1.0))
+
+    if target <= widths(0.0).mean():
+        return widths(0.0) if target >= lo_caps.mean() else lo_caps
+    hi = 1.0
+    while widths(hi).mean() < target and hi < 1e6:
+        hi *= 2
+    lo = 0.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if widths(mid).mean() < target:
+            lo = mid
+        else:
+            hi = mid
+    return widths(hi)
+
+
+def load_budget_trace(path: Union[str, Path]) -> List[float]:
+    """Per-round ``p_bar`` of a saved run (its folder or its ``metrics.jsonl``)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError("algorithm.budget_from", f"no metrics file at {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    trace = [float(r["p_bar"]) for r in sorted(rows, key=lambda r: r["round"]) if r.get("p_bar") is not None]
+    if not trace:
+        raise ConfigError("algorithm.budget_from", f"{path} has no p_bar column (not a sub-model run)")
+    return trace
+
+
+class HASFL(SubmodelAlgorithm):
+    """HAS-FL (Algorithm 1): allocation by normalised update divergence, with coverage guarantee.
+
+    - Estimate, for each client trained this round (parameters only):
+      ``H_hat = ||m * (D_i - D_bar)||^2 / (||m * D_bar||^2 + eps)`` with ``D_i`` the client's
+      update, ``D_bar`` the coordinate-wise aggregate's change, ``m`` the client's coordinates.
+    - EMA ``H_tilde <- beta H_tilde + (1 - beta) H_hat`` for the clients trained (every round),
+      ``H_tilde(0) = 1``; every ``t_norm`` rounds all estimates are rescaled to unit mean.
+    - Widths: ``p_max`` for the first ``t_warm`` rounds; then, recomputed every ``t_adapt``
+      rounds, ``p = min(p_max, p_min + gamma H_tilde / (H_bar + eps))`` with ``H_bar`` the mean
+      over all clients; with ``coverage``, clients whose cap is the federation's largest get it.
+    """
+
+    def __init__(self, p_min: float = 0.4, gamma: float = 0.25, beta: float = 0.9, t_warm: int = 10,
+                 t_adapt: int = 5, t_norm: int = 20, coverage: bool = True, eps: float = 1e-8, **kwargs):
+        """
+        Args:
+            p_min: base width of the allocation rule.
+            gamma: sensitivity to the relative heterogeneity estimate.
+            beta: EMA factor of the estimates.
+            t_warm: warm-up rounds at the caps.
+            t_adapt: rounds between allocation updates after the warm-up.
+            t_norm: rounds between rescalings of the estimates to unit mean.
+            coverage: the coverage guarantee (clients with the largest cap train at it).
+            eps: stabiliser of the ratios.
+        """
+        super().__init__(**kwargs)
+        self.p_min, self.gamma, self.beta = float(p_min), float(gamma), float(beta)
+        self.t_warm, self.t_adapt, self.t_norm = int(t_warm), int(t_adapt), int(t_norm)
+        self.coverage, self.eps = bool(coverage), float(eps)
+
+    def check(self, train):
+        super().check(train)
+        if not 0 <= self.beta < 1:
+            raise ConfigError("algorithm.beta", f"must be in [0, 1), got {self.beta}")
+        if not 0 < self.p_min <= 1:
+            raise ConfigError("algorithm.p_min", f"must be in (0, 1], got {self.p_min}")
+        if self.gamma < 0:
+            raise ConfigError("algorithm.gamma", f"must be >= 0, got {self.gamma}")
+        for key in ("t_adapt", "t_norm"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"algorithm.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if self.t_warm < 0:
+            raise ConfigError("algorithm.t_warm", f"must be >= 0, got {self.t_warm}")
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        n = ctx.num_clients
+        self.h_tilde = torch.ones(n, dtype=torch.float64)
+        # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).
+        self.widths = self.caps.clone() if self.t_warm > 0 else self.allocate()
+        self._pending: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._h_hat = torch.zeros(n, dtype=torch.float64)
+
+    # -- allocation rule --------------------------------------------------------------------
+    def allocate(self) -> torch.Tensor:
+        return allocation_rule(self.h_tilde, self.caps, self.p_min, self.gamma, self.coverage, self.eps)
+
+    def widths_for(self, round_idx, cohort):
+        return {c: float(self.widths[c]) for c in cohort}
+
+    # -- estimation -------------------------------------------------------------------------
+    def commit(self, acc, task, result, plan):
+        super().commit(acc, task, result, plan)
+        # Keep this client's update on its own coordinates until the aggregate is known.
+        local = result.update.module.state_dict()
+        delta = {}
+        for local_key, (global_key, region) in result.update.regions.items():
+            if global_key in self.ever:
+                old = region.gather(self.global_state[global_key]).to(torch.float64)
+                delta[global_key] = (local[local_key].detach().to(torch.float64) - old, region)
+        self._pending[task.client] = delta
+
+    def finish_round(self, new_state, sums, plan, owned):
+        h_hat = torch.zeros(self.ctx.num_clients, dtype=torch.float64)
+        trained = torch.zeros(self.ctx.num_clients, dtype=torch.float64)
+        for client, delta in self._pending.items():
+            h_hat[client] = update_divergence(delta, new_state, self.global_state, self.eps)
+            trained[client] = 1.0
+        self._pending = {}
+        # Owners computed their clients' estimates; one sum makes them identical on every rank.
+        reduced = all_reduce_sum(self.ctx.fabric, {"h_hat": h_hat.to(self.ctx.fabric.device),
+                                                   "trained": trained.to(self.ctx.fabric.device)})
+        h_hat, trained = reduced["h_hat"].cpu(), reduced["trained"].cpu() > 0
+        self._h_hat = h_hat
+        super().finish_round(new_state, sums, plan, owned)
+        self.h_tilde = torch.where(trained, self.beta * self.h_tilde + (1 - self.beta) * h_hat, self.h_tilde)
+        done = plan.round_idx + 1  # rounds completed
+        if done % self.t_norm == 0:
+            self.h_tilde = self.h_tilde / self.h_tilde.mean().clamp_min(self.eps)
+        if done >= self.t_warm and (done - self.t_warm) % self.t_adapt == 0:
+            self.widths = self.allocate()
+        figures = {"H_bar": float(self.h_tilde.mean())}
+        for task in plan.tasks:
+            c = task.client
+            figures[f"H_hat/{c}"] = float(h_hat[c])
+        for c in range(self.ctx.num_clients):
+            figures[f"H_tilde/{c}"] = float(self.h_tilde[c])
+            figures[f"p/{c}"] = float(self.widths[c])
+        self._round_figures.update(figures)
+
+    def state_dict(self):
+        out = super().state_dict()
+        out.update({"h_tilde": self.h_tilde.clone(), "widths": self.widths.clone()})
+        return out
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.h_tilde = state["h_tilde"].to(torch.float64).cpu()
+        self.widths = state["widths"].to(torch.float64).cpu()
+
+
+def allocation_rule(h_tilde: torch.Tensor, caps: torch.Tensor, p_min: float, gamma: float,
+                    coverage: bool, eps: float = 1e-8) -> torch.Tensor:
+    """Eq. (6) and the coverage guarantee: ``min(p_max, p_min + gamma H / (H_bar + eps))``;
+    with ``coverage``, clients whose cap equals the largest cap get their cap."""
+    h_tilde, caps = h_tilde.to(torch.float64), caps.to(torch.float64)
+    p = torch.minimum(caps, p_min + gamma * h_tilde / (h_tilde.mean() + eps))
+    if coverage:
+        top = caps == caps.max()
+        p = torch.where(top, caps, p)
+    return p
+
+
+def update_divergence(delta: Dict[str, tuple], new_state, old_state, eps: float = 1e-8) -> float:
+    """``||m (D_i - D_bar)||^2 / (||m D_bar||^2 + eps)`` over the client's coordinates ``m``.
+
+    ``delta`` maps global keys to (the client's update on its region, the region); the
+    aggregate's change ``D_bar = new - old`` is read on the same region only.
+    """
+    num = den = 0.0
+    for key, (d_i, region) in delta.items():
+        d_bar = region.gather(new_state[key]).to(torch.float64) - region.gather(old_state[key]).to(torch.float64)
+        num += float((d_i - d_bar).pow(2).sum())
+        den += float(d_bar.pow(2).sum())
+    return num / (den + eps)
+
+
+__all__ = ["SubmodelAlgorithm", "HeteroFL", "FjORD", "Uniform", "RandomBudget", "HASFL", "draw_caps",
+           "allocation_rule", "update_divergence", "matched_widths", "load_budget_trace", "TIERS", "TIER_PROBS"]

