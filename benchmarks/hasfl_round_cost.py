@@ -1,8 +1,8 @@
 """HAS-FL round cost against its routed sub-models trained in a bare loop, and peak memory
 against the number of clients.
 
-    PYTHONPATH=src python benchmarks/hasfl_round_cost.py            # time ratio
-    PYTHONPATH=src python benchmarks/hasfl_round_cost.py --memory   # 20 vs 1,000 clients
+    python benchmarks/hasfl_round_cost.py            # time ratio
+    python benchmarks/hasfl_round_cost.py --memory   # 20 vs 1,000 clients
 
 Time: for the same plans (cohort and widths chosen by HAS-FL), a full federation round
 (plan, routing by extraction, local training through the LightningModule, aggregation,
