@@ -320,6 +320,11 @@ def test_checkpoint_that_runs_code_is_named_as_such(tmp_path):
     assert "io.open" in str(err.value) and "safe_globals" not in str(err.value) and "trust" not in str(err.value)
 
 
+def test_config_error_survives_pickling():
+    error = pickle.loads(pickle.dumps(ConfigError("data.root", "x.png: empty")))
+    assert isinstance(error, ConfigError) and error.key == "data.root" and str(error) == "data.root: x.png: empty"
+
+
 def test_good_checkpoint_loads(tmp_path):
     save_checkpoint({"model": {"w": torch.arange(3.0)}, "round": 2}, tmp_path / "last.ckpt")
     state = load_checkpoint(tmp_path / "last.ckpt", key="resume", required=("model", "round"))

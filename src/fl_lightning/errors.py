@@ -11,3 +11,7 @@ class ConfigError(ValueError):
         self.key = key
         self.problem = problem
         super().__init__(f"{key}: {problem}")
+
+    def __reduce__(self):
+        # Pickled with its two arguments, so it crosses process boundaries (spawned ranks) intact.
+        return (type(self), (self.key, self.problem))
