@@ -334,8 +334,14 @@ def test_bad_checkpoint_is_a_config_error(tmp_path, kind, key):
 
 def test_checkpoint_that_runs_code_is_named_as_such(tmp_path):
     path = _bad_checkpoint("runs_code", tmp_path / "best.ckpt", tmp_path / "code_ran")
-    with pytest.raises(ConfigError, match="could run code"):
+    with pytest.raises(ConfigError, match="could run code") as err:
         load_checkpoint(path)
+    assert "io.open" in str(err.value) and "safe_globals" not in str(err.value) and "trust" not in str(err.value)
+
+
+def test_config_error_survives_pickling():
+    error = pickle.loads(pickle.dumps(ConfigError("data.root", "x.png: empty")))
+    assert isinstance(error, ConfigError) and error.key == "data.root" and str(error) == "data.root: x.png: empty"
 
 
 def test_good_checkpoint_loads(tmp_path):

@@ -186,7 +186,8 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
          "must be [num_ops >= 1, magnitude in 0..30] or null"),
         ("partition.num_clients", partition.num_clients >= 1, "must be >= 1"),
         ("partition.alpha", _finite(partition.alpha) and partition.alpha > 0, "must be a finite number > 0"),
-        ("partition.alpha_eff", partition.alpha_eff is None or (_finite(partition.alpha_eff) and partition.alpha_eff > 0),
+        ("partition.alpha_eff",
+         partition.alpha_eff is None or (_finite(partition.alpha_eff) and partition.alpha_eff > 0),
          "must be a finite number > 0 or null"),
         ("partition.gamma", _finite(partition.gamma) and partition.gamma >= 0, "must be a finite number >= 0"),
         ("partition.min_size", partition.min_size >= 0, "must be >= 0"),
@@ -262,7 +263,8 @@ def check_fabric_available(fabric: FabricConfig) -> None:
         raise ConfigError("fabric.accelerator", "cuda, but torch sees no CUDA GPU on this machine "
                                                 "(torch.cuda.is_available() is False); use cpu or auto")
     if accelerator == "gpu" and not (cuda or mps):
-        raise ConfigError("fabric.accelerator", "gpu, but torch sees no CUDA or MPS GPU on this machine; use cpu or auto")
+        raise ConfigError("fabric.accelerator",
+                          "gpu, but torch sees no CUDA or MPS GPU on this machine; use cpu or auto")
     if accelerator == "mps" and not mps:
         raise ConfigError("fabric.accelerator", "mps, but this machine has no Apple MPS device; use cpu or auto")
     uses_cuda = accelerator == "cuda" or (accelerator in ("gpu", "auto") and cuda)
@@ -281,7 +283,8 @@ def check_fabric_available(fabric: FabricConfig) -> None:
     if strategy.startswith("fsdp") and not uses_cuda:
         raise ConfigError("fabric.strategy", f"{strategy} runs on CUDA GPUs only; use auto or ddp")
     if precision.startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("fabric.precision", f"{precision} needs the transformer_engine package, which is not installed")
+        raise ConfigError("fabric.precision",
+                          f"{precision} needs the transformer_engine package, which is not installed")
 
 
 def validate_run(name: str, out_dir: str, seed: int, checkpoint_every: int = 1,

@@ -1,4 +1,4 @@
-"""The one error type that the CLI turns into a one-line message and exit status 2."""
+"""The errors the CLI turns into one-line messages: ConfigError (exit 2) and RunError (exit 1)."""
 
 
 class ConfigError(ValueError):
@@ -11,6 +11,10 @@ class ConfigError(ValueError):
         self.key = key
         self.problem = problem
         super().__init__(f"{key}: {problem}")
+
+    def __reduce__(self):
+        # Pickled with its two arguments, so it crosses process boundaries (spawned ranks) intact.
+        return (type(self), (self.key, self.problem))
 
 
 class RunError(RuntimeError):

@@ -423,7 +423,8 @@ def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception
         if file != cls.meta["filename"]:
             data = entry.get("data") if isinstance(entry, dict) else None
             labels = entry.get(label_key) if isinstance(entry, dict) else None
-            if data is None or labels is None or len(data) != len(labels) or np.asarray(data).size != len(labels) * 3072:
+            if (data is None or labels is None or len(data) != len(labels)
+                    or np.asarray(data).size != len(labels) * 3072):
                 return corrupt_file(path, f"not a {title} batch ('data' of N x 3072 pixels and N '{label_key}')", hint)
     if download:
         return ConfigError("data.download", f"downloading {title} into '{folder}' failed ({_reason(error)})")

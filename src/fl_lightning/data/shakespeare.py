@@ -276,7 +276,8 @@ def _read_leaf_file(path: str) -> dict[str, dict]:
                              "a truncated or interrupted copy?", hint) from None
     except OSError as error:
         raise _corrupt(path, f"cannot be read ({error.strerror or error})", hint) from None
-    if not isinstance(blob, dict) or not isinstance(blob.get("users"), list) or not isinstance(blob.get("user_data"), dict):
+    if (not isinstance(blob, dict) or not isinstance(blob.get("users"), list)
+            or not isinstance(blob.get("user_data"), dict)):
         raise _corrupt(path, "not a LEAF data file (expected 'users': [...] and 'user_data': {...})", hint)
     out = {}
     for user in blob["users"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -113,8 +114,8 @@ def _check_file(path: Path, key: str) -> None:
 
 def _unpickling_problem(message: str) -> str:
     if "GLOBAL" in message:
-        blocked = next((line.strip() for line in message.splitlines() if "GLOBAL" in line), "")
-        detail = f" ({blocked.rstrip('.')})" if blocked else ""
+        named = re.search(r"GLOBAL ([\w.]+)", message)
+        detail = f" (it calls {named.group(1)})" if named else ""
         return ("holds pickled Python objects besides tensors and plain values, and loading those could run "
                 f"code; refused{detail}. Only checkpoints written by fl_lightning can be loaded")
     return "not a checkpoint file (its contents are not a torch.save archive of tensors and plain values)"

@@ -137,7 +137,8 @@ def _flat_config(text: str, which: str) -> dict:
     try:
         tree = yaml.safe_load(text) if text else {}
     except yaml.YAMLError as error:
-        raise ConfigError("resume", f"the {which} config is not valid YAML ({' '.join(str(error).split())[:120]})") from None
+        detail = " ".join(str(error).split())[:120]
+        raise ConfigError("resume", f"the {which} config is not valid YAML ({detail})") from None
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
