@@ -128,7 +128,8 @@ class Federation:
             else:  # left out of the round; the global model and the client's state stay as they were
                 rows[task.client] = {**result.row(), "skipped": problem}
         sums = all_reduce_sum(fabric, {**acc.tensors(), **algorithm.round_tensors(),
-                                       "round/committed": torch.tensor(float(committed), dtype=torch.float64)})
+                                       "round/committed": torch.tensor(float(committed), dtype=torch.float64,
+                                                                        device=fabric.device)})
         rows = all_gather_objects(fabric, rows)
         clients = [{"round": round_idx, "client": c, **rows[c]} for c in plan.cohort]
         if int(sums["round/committed"]) == 0:
