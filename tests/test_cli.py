@@ -160,6 +160,10 @@ def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
         assert code == 2 and len(err) == 1 and err[0].startswith("error: resume:") and key in err[0], err
         assert last.read_bytes() == saved
+    capsys.readouterr()
+    assert main(base + ["--resume", "auto"]) == 2  # stop_after 1: the checkpoint is already at round 1
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith("error: stop_after:") and last.read_bytes() == saved
     # A safe change (evaluation schedule) continues the run.
     assert main(base[:-4] + ["--name", "r", "--out_dir", out, "--resume", "auto", "--eval.every", "2",
                              "--stop_after", "3"]) == 0

@@ -10,7 +10,6 @@ from fl_lightning.config import check_fabric_available, validate, validate_run
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint
 from fl_lightning.federation.run_dir import RunDir, check_resume_compatible, check_run_name, check_writable
 
 
@@ -41,12 +40,8 @@ def fit_command(args, config_yaml: str) -> dict:
     run_dir = RunDir(args.out_dir, args.name)
     resume_from = run_dir.resolve_resume(args.resume)
     saved_config = run_dir.path / "config.yaml"
-    if resume_from is not None:
-        if saved_config.is_file():
-            check_resume_compatible(saved_config.read_text(), config_yaml)
-        done = int(load_checkpoint(resume_from, key="resume", required=("model", "algorithm", "round", "best"))["round"])
-        if args.stop_after is not None and args.stop_after <= done:
-            raise ConfigError("stop_after", f"the run is already at round {done}; pass a larger value")
+    if resume_from is not None and saved_config.is_file():
+        check_resume_compatible(saved_config.read_text(), config_yaml)
     run_dir.check_writable()
     check_fabric_available(args.fabric)
     spec = RunSpec(name=args.name, out_dir=args.out_dir, seed=args.seed, data=args.data,

@@ -76,15 +76,16 @@ class Algorithm:
         return round_lr(t.lr, t.lr_schedule, round_idx, self.ctx.rounds, t.lr_decay)
 
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        """Route, train locally, and report the routed bytes both ways."""
+        """Route, train locally, and report the routed bytes both ways (the client returns the
+        same slices it received, so one count serves both directions)."""
         routed = self.route(task, plan)
-        down = routed.payload_bytes()
+        payload = routed.payload_bytes()
         module = self.client_module(routed, task, plan)
         fit = train_locally(self.ctx.fabric, module, self.ctx.shards[task.client], self.ctx.train,
                             client_generator(self.ctx.seed, plan.round_idx, task.client))
         return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": down,
-                                     "bytes_up": routed.payload_bytes()})
+                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": payload,
+                                     "bytes_up": payload})
 
     def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
         load_routed_state(self.worker, self.global_state, self.worker_regions)

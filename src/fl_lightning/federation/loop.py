@@ -67,6 +67,8 @@ class Federation:
             load_model_state(self.model, state["model"], spec.resume_from, key="resume")
             self.algorithm.load_state_dict(state["algorithm"])
             self.start_round, self.best = int(state["round"]), dict(state["best"])
+            if spec.stop_after is not None and spec.stop_after <= self.start_round:
+                raise ConfigError("stop_after", f"the run is already at round {self.start_round}; pass a larger value")
 
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> dict:
