@@ -1,0 +1,446 @@
+"""FedSGA: sufficiency-guided adaptive split FL with interface harmonization.
+
+SplitFed V1 with a cut chosen per client and round from the candidate set P:
+
+- private prompt tokens per client (``modules/prompts.py``), kept in the server's per-client
+  store, trained by the client's optimizer only, never aggregated;
+- descriptors (semantic alignment, temporal stability, prompt-state variation) on a fixed
+  probe batch after each client fit, and the estimator Gamma_theta of the probability that the
+  shallowest cut suffices, trained on calibration labels ``L(p1) <= (1 + beta) L(p_ref)``
+  every ``calibration_every`` rounds (``modules/sufficiency.py``);
+- the monotone, budget-aware policy Psi from that probability to a cut;
+- the depth-aware interface harmonizer with EMA class prototypes at the server
+  (``modules/harmonizer.py``), its alignment loss added to the server half's.
+
+Every formula and the choices the paper leaves open: docs/fedsga.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Literal, Optional
+
+import torch
+from torch import nn
+
+from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.seeding import derive_seed, sample_clients
+
+Strategy = Literal["sufficiency", "static", "random"]
+# seed streams: probe batches, random splits, harmonizer and estimator initialization
+PROBE_STREAM, SPLIT_STREAM, INIT_STREAM = 22, 23, 24
+
+
+def default_candidates(names: List[str]) -> List[str]:
+    """Ends of all but the last stage for ``stage.index`` block names, else the boundaries
+    after a quarter, a half and three quarters of the blocks."""
+    inner = names[:-1]
+    stages: Dict[str, str] = {}
+    for name in inner:
+        if "." in name:
+            stages[name.split(".")[0]] = name  # the last block seen of each stage
+    last_stage = names[-1].split(".")[0] if "." in names[-1] else None
+    ends = [end for stage, end in stages.items() if stage != last_stage]
+    if len(ends) >= 2:
+        return ends
+    depth = len(names)
+    counts = sorted({min(max(1, round(depth * q)), depth - 1) for q in (0.25, 0.5, 0.75)})
+    return [names[k - 1] for k in counts]
+
+
+class FedSGA(SplitFed):
+    """Sufficiency-guided adaptive split FL (SplitFed V1 underneath)."""
+
+    def __init__(self, candidates: Optional[List[str]] = None, split_strategy: Strategy = "sufficiency",
+                 static_cut: Optional[str] = None, adaptation_channel: bool = True,
+                 sufficiency_estimator: bool = True, harmonizer: bool = True, num_prompts: int = 4,
+                 prompt_width: int = 4, rho: float = 0.1, beta: float = 0.05, lambda_align: float = 0.1,
+                 tau_a: float = 0.5, tau_m: float = 0.5, prototype_momentum: float = 0.9,
+                 projection_dim: int = 128, calibration_every: int = 5, probe_size: int = 32,
+                 estimator_hidden: int = 16, estimator_buffer: int = 256, respect_budgets: bool = False,
+                 server_lr: Optional[float] = None):
+        """
+        Args:
+            candidates: candidate cuts P (block names, shallowest first); None: the stage ends
+                (ResNet) or the quarter points (ViT), see docs/fedsga.md. p1 is the first,
+                p_ref the middle one.
+            split_strategy: sufficiency (estimator and policy), static (everyone at
+                ``static_cut``) or random (uniform over the affordable candidates): Fig. 4.
+            static_cut: the static strategy's cut (None: p_ref).
+            adaptation_channel: train private prompt tokens (false: the "w/o Adapt." ablation).
+            sufficiency_estimator: use Gamma_theta (false: the "w/o Suff. Est." ablation, a
+                hand-crafted score of the same descriptors).
+            harmonizer: add the prototype alignment loss at the server (false: "w/o Harmon.").
+            num_prompts: prompt tokens per client, m.
+            prompt_width: border width in pixels of the input-side prompt (CNN backbones).
+            rho: split-policy parameter (larger: deeper splits).
+            beta: shallow-sufficiency margin.
+            lambda_align: weight of the prototype alignment loss.
+            tau_a: prototype temperature.
+            tau_m: prompt contribution temperature.
+            prototype_momentum: EMA coefficient mu of the class prototypes.
+            projection_dim: width of the harmonizer's shared semantic space.
+            calibration_every: rounds between calibrations (rounds 1, 1 + k, 1 + 2k, ...).
+            probe_size: examples in each client's fixed probe batch.
+            estimator_hidden: hidden width of Gamma_theta.
+            estimator_buffer: calibration pairs Gamma_theta is trained on (the most recent).
+            respect_budgets: cap each client's cut at the deepest one whose client forward MACs
+                fit its budget (partition.budgets).
+            server_lr: learning rate of the server half (None: the clients' round rate).
+        """
+        super().__init__(cut=None, version="v1", server_lr=server_lr)
+        self.candidates = candidates
+        self.split_strategy = split_strategy
+        self.static_cut = static_cut
+        self.adaptation_channel = adaptation_channel
+        self.use_estimator = sufficiency_estimator
+        self.use_harmonizer = harmonizer
+        self.num_prompts = num_prompts
+        self.prompt_width = prompt_width
+        self.rho, self.beta, self.lambda_align = rho, beta, lambda_align
+        self.tau_a, self.tau_m = tau_a, tau_m
+        self.prototype_momentum = prototype_momentum
+        self.projection_dim = projection_dim
+        self.calibration_every = calibration_every
+        self.probe_size = probe_size
+        self.estimator_hidden = estimator_hidden
+        self.estimator_buffer = estimator_buffer
+        self.respect_budgets = respect_budgets
+
+    def check(self, train) -> None:
+        super().check(train)
+        if self.split_strategy not in ("sufficiency", "static", "random"):
+            raise ConfigError("algorithm.split_strategy",
+                              f"must be sufficiency, static or random, got {self.split_strategy!r}")
+        positive_ints = {"num_prompts": self.num_prompts, "prompt_width": self.prompt_width,
+                         "projection_dim": self.projection_dim, "calibration_every": self.calibration_every,
+                         "probe_size": self.probe_size, "estimator_hidden": self.estimator_hidden,
+                         "estimator_buffer": self.estimator_buffer}
+        for key, value in positive_ints.items():
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"algorithm.{key}", f"must be an integer >= 1, got {value!r}")
+        ranges = {"rho": (self.rho, 0.0, None), "beta": (self.beta, 0.0, None),
+                  "lambda_align": (self.lambda_align, 0.0, None), "tau_a": (self.tau_a, 1e-8, None),
+                  "tau_m": (self.tau_m, 1e-8, None), "prototype_momentum": (self.prototype_momentum, 0.0, 1.0)}
+        for key, (value, low, high) in ranges.items():
+            ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= low
+            if not ok or (high is not None and value > high):
+                bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+                raise ConfigError(f"algorithm.{key}", f"must be a finite number {bound}, got {value!r}")
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def candidate_cuts(self, model: nn.Module) -> List[str]:
+        names = list(model.block_names)
+        cuts = list(self.candidates) if self.candidates is not None else default_candidates(names)
+        for cut in cuts:
+            self._check_cut("algorithm.candidates", cut, names)
+        if len(cuts) < 2 or len(set(cuts)) != len(cuts):
+            raise ConfigError("algorithm.candidates", f"needs at least two distinct cuts, got {cuts}")
+        if [names.index(c) for c in cuts] != sorted(names.index(c) for c in cuts):
+            raise ConfigError("algorithm.candidates", f"must be listed shallowest first, got {cuts}")
+        if self.static_cut is not None and self.static_cut not in cuts:
+            raise ConfigError("algorithm.static_cut", f"must be one of the candidates {cuts}, got {self.static_cut!r}")
+        return cuts
+
+    def setup(self, ctx) -> None:
+        from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
+        from fl_lightning.modules.prompts import PromptChannel
+        from fl_lightning.modules.sufficiency import SufficiencyEstimator
+
+        super().setup(ctx)
+        device = ctx.fabric.device
+        self.ref_index = (len(self.cuts) - 1) // 2
+        self.static_index = self.cuts.index(self.static_cut) if self.static_cut is not None else self.ref_index
+        input_shape = tuple(ctx.data.bundle.input_shape)
+        model = ctx.model
+        try:
+            self.prompts = PromptChannel(model.split(self.cuts[0])[0], input_shape, self.num_prompts,
+                                         self.prompt_width, getattr(model, "embed_dim", None))
+        except ValueError as error:
+            raise ConfigError("algorithm.prompt_width", str(error)) from None
+        with torch.no_grad():
+            was_training = model.training
+            model.eval()
+            x = torch.zeros(1, *input_shape, device=device)
+            widths = [pool_interface(model.split(cut)[0](x)).shape[1] for cut in self.cuts]
+            model.train(was_training)
+        self.widths = widths
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(ctx.seed, INIT_STREAM))
+            self.harmonizer = InterfaceHarmonizer(widths, ctx.num_classes, self.projection_dim, tau=self.tau_a,
+                                                  momentum=self.prototype_momentum).to(device)
+            self.estimator = SufficiencyEstimator(self.estimator_hidden)
+        self.harmonizer_worker = InterfaceHarmonizer(widths, ctx.num_classes, self.projection_dim, tau=self.tau_a,
+                                                     momentum=self.prototype_momentum).to(device)
+        self.pairs = torch.zeros(0, 4, dtype=torch.float64)
+        probe = min(self.probe_size, min(ctx.client_sizes))
+        self.store = ClientStateStore(lambda: {
+            "prompt": self.prompts.initial(device),
+            "descriptor": torch.zeros(3, device=device),
+            "has_descriptor": torch.zeros(1, device=device),
+            "probe_features": torch.zeros(probe, widths[0], device=device),
+        })
+        self._probe_count = probe
+        self._probes: Dict[int, tuple] = {}
+        self.afford = self._affordable(ctx)
+        self._reset_round()
+        self._round_figures: Dict[str, float] = {}
+
+    def _affordable(self, ctx) -> Optional[List[int]]:
+        """Per client, the deepest candidate index whose client forward fits its budget."""
+        if not self.respect_budgets:
+            return None
+        if ctx.budgets is None:
+            raise ConfigError("algorithm.respect_budgets", "the partition assigns no client budgets")
+        macs = [self.halves.front_macs[c] for c in self.cuts]
+        poor = [i for i, b in enumerate(ctx.budgets.tolist()) if b < macs[0]]
+        if poor:
+            raise ConfigError("algorithm.respect_budgets",
+                              f"{len(poor)} clients (e.g. {poor[:3]}) cannot afford the shallowest cut "
+                              f"{self.cuts[0]} ({macs[0] / 1e6:.2f}M MACs)")
+        return [max(k for k, m in enumerate(macs) if m <= b) for b in ctx.budgets.tolist()]
+
+    def _reset_round(self) -> None:
+        h = self.harmonizer
+        self._harm_sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in h.named_parameters()}
+        self._harm_weight = torch.zeros((), dtype=torch.float64, device=h.prototypes.device)
+        self._proto_sums = torch.zeros_like(h.prototypes, dtype=torch.float64)
+        self._proto_counts = torch.zeros(h.prototypes.shape[0], dtype=torch.float64, device=h.prototypes.device)
+        self._cal_pairs = torch.zeros(self.ctx.num_clients, 5, dtype=torch.float64, device=h.prototypes.device)
+        self._pending: Dict[int, dict] = {}
+
+    # -- the plan -------------------------------------------------------------------------------
+    def is_calibration(self, round_idx: int) -> bool:
+        return round_idx >= 1 and (round_idx - 1) % self.calibration_every == 0
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        calibrate = self.is_calibration(round_idx)
+        tasks = []
+        for client in cohort:
+            index, r = self.choose(client, round_idx)
+            options = {"index": index, "calibrate": calibrate}
+            if r is not None:
+                options["r"] = r
+            tasks.append(ClientTask(client, cut=self.cuts[index], options=options))
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def choose(self, client: int, round_idx: int) -> tuple[int, Optional[float]]:
+        """The client's candidate index this round and the sufficiency probability behind it."""
+        from fl_lightning.modules.sufficiency import handcrafted_score, split_index
+
+        deepest = self.afford[client] if self.afford is not None else len(self.cuts) - 1
+        if self.split_strategy == "static":
+            return min(self.static_index, deepest), None
+        if self.split_strategy == "random":
+            generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, SPLIT_STREAM, round_idx, client))
+            return int(torch.randint(deepest + 1, (1,), generator=generator)), None
+        state = self.store.get(client)
+        if state["has_descriptor"].item() == 0 or (self.use_estimator and not self.estimator.trained.item()):
+            return min(self.ref_index, deepest), None
+        descriptor = state["descriptor"].cpu()
+        r = self.estimator.probability(descriptor) if self.use_estimator else handcrafted_score(descriptor)
+        return split_index(r, len(self.cuts), self.rho, deepest), r
+
+    # -- a client's round -----------------------------------------------------------------------
+    def _probe(self, client: int):
+        """The client's fixed probe batch (evaluation transform), on the device."""
+        if client not in self._probes:
+            from fl_lightning.runtime.client_data import eval_batches
+
+            indices = self.ctx.data.clients[client]
+            generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, PROBE_STREAM, client))
+            chosen = indices[torch.randperm(len(indices), generator=generator)[:self._probe_count]]
+            self._probes[client] = next(eval_batches(self.ctx.data.bundle.train_eval, chosen, len(chosen),
+                                                     self.ctx.fabric.device))
+        return self._probes[client]
+
+    def _prompted(self, front, prompt):
+        return self.prompts.apply(front, prompt) if self.adaptation_channel else front
+
+    @torch.no_grad()
+    def _probe_losses(self, client: int, prompt: torch.Tensor) -> tuple[float, float]:
+        """Cross-entropy of the received global model on the probe batch, cut at p1 and at p_ref."""
+        import torch.nn.functional as F
+
+        model = self.ctx.model
+        x, y = self._probe(client)
+        was_training = model.training
+        model.eval()
+        losses = []
+        for cut in (self.cuts[0], self.cuts[self.ref_index]):
+            front, back = model.split(cut)
+            with self.ctx.fabric.autocast():
+                losses.append(float(F.cross_entropy(back(self._prompted(front, prompt)(x)).float(), y)))
+        model.train(was_training)
+        return losses[0], losses[1]
+
+    def fit_client(self, task: ClientTask, plan: RoundPlan):
+        from fl_lightning.modules.sufficiency import sufficiency_label
+
+        state = self.store.get(task.client)
+        self._prompt_before = state["prompt"].detach().clone()
+        self._prompt = state["prompt"].detach().clone().requires_grad_(self.adaptation_channel)
+        self._grad_norms = torch.zeros(self.num_prompts, dtype=torch.float64)
+        self._grad_steps = 0
+        self._class_counts = torch.zeros_like(self._proto_counts)
+        self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
+        calibration = {}
+        if task.options.get("calibrate"):
+            loss_p1, loss_ref = self._probe_losses(task.client, self._prompt.detach())
+            calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
+                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta))}
+        result = super().fit_client(task, plan)
+        result.metrics.update(calibration)
+        result.metrics.update(self._after_fit(task, calibration))
+        return result
+
+    def client_forward(self, front, task):
+        return self._prompted(front, self._prompt)
+
+    def client_trainables(self, task):
+        return [self._prompt] if self.adaptation_channel else []
+
+    def server_trainables(self, task):
+        return list(self.harmonizer_worker.parameters()) if self.use_harmonizer else []
+
+    def after_client_backward(self, task):
+        if not self.adaptation_channel:
+            return None
+
+        def record():
+            if self._prompt.grad is not None:
+                self._grad_norms += self.prompts.token_norms(self._prompt.grad.detach()).double().cpu()
+                self._grad_steps += 1
+        return record
+
+    def server_objective(self, task, plan):
+        import torch.nn.functional as F
+
+        depth = task.options["index"]
+
+        def loss(back, sent, y):
+            task_loss = F.cross_entropy(back(sent), y)
+            if not self.use_harmonizer:
+                return task_loss
+            align, counts = self.harmonizer_worker(sent, y, depth)
+            self._class_counts += counts.to(self._class_counts.dtype)
+            return task_loss + self.lambda_align * align
+        return loss
+
+    @torch.no_grad()
+    def _after_fit(self, task: ClientTask, calibration: dict) -> Dict[str, float]:
+        """Descriptors on the probe batch with the trained front and prompt; the client's new
+        store entry waits in ``_pending`` until the result is committed."""
+        from fl_lightning.modules.harmonizer import pool_interface
+        from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
+
+        x, y = self._probe(task.client)
+        state = self.store.get(task.client)
+        worker = self.client_worker
+        was_training = worker.training
+        worker.eval()
+        front, _ = worker.split(self.cuts[0])
+        with self.ctx.fabric.autocast():
+            shallow = self._prompted(front, self._prompt.detach())(x)
+        worker.train(was_training)
+        pooled = pool_interface(shallow).float()
+        alignment = float(self.harmonizer_worker.true_class_probability(shallow, y, 0))
+        previous = state["probe_features"] if state["has_descriptor"].item() else None
+        stability = temporal_stability(pooled, previous)
+        if self.adaptation_channel and self._grad_steps:
+            variation = prompt_variation(self.prompts.tokens(self._prompt_before), self.prompts.tokens(self._prompt.detach()),
+                                         self._grad_norms / self._grad_steps, self.tau_m)
+        else:
+            variation = 0.0
+        descriptor = torch.tensor([alignment, stability, variation], device=state["descriptor"].device)
+        self._pending[task.client] = {
+            "prompt": self._prompt.detach().clone(), "descriptor": descriptor,
+            "has_descriptor": torch.ones_like(state["has_descriptor"]), "probe_features": pooled.to(state["probe_features"]),
+            "old_descriptor": state["descriptor"].clone(), "had_descriptor": bool(state["has_descriptor"].item()),
+            "sufficient": calibration.get("sufficient"),
+        }
+        figures = {"cut": task.options["index"], "alignment": alignment, "stability": stability,
+                   "prompt_variation": variation, "probe_bytes": shallow.numel() * shallow.element_size()}
+        if "r" in task.options:
+            figures["r"] = task.options["r"]
+        return figures
+
+    def commit(self, acc, task, result, plan) -> None:
+        super().commit(acc, task, result, plan)
+        pending = self._pending.pop(task.client)
+        weight = float(result.num_samples)
+        if self.use_harmonizer:
+            for name, param in self.harmonizer_worker.named_parameters():
+                self._harm_sums[name] += weight * param.detach().double()
+            self._harm_weight += weight
+            self._proto_sums += self._class_counts[:, None] * self.harmonizer_worker.prototypes.double()
+            self._proto_counts += self._class_counts
+        if pending["sufficient"] is not None and pending["had_descriptor"]:
+            self._cal_pairs[task.client, :3] = pending["old_descriptor"].double()
+            self._cal_pairs[task.client, 3] = pending["sufficient"]
+            self._cal_pairs[task.client, 4] = 1.0
+        self.store.set(task.client, {k: pending[k] for k in ("prompt", "descriptor", "has_descriptor", "probe_features")})
+
+    # -- the server's round end -----------------------------------------------------------------
+    def round_tensors(self) -> Dict[str, torch.Tensor]:
+        out = {f"harmonizer/{k}": v for k, v in self._harm_sums.items()}
+        out.update({"harmonizer/weight": self._harm_weight, "prototypes/sums": self._proto_sums,
+                    "prototypes/counts": self._proto_counts, "calibration/pairs": self._cal_pairs})
+        return out
+
+    def finish_round(self, new_state, sums, plan, owned) -> None:
+        import torch.nn.functional as F
+
+        super().finish_round(new_state, sums, plan, owned)
+        h = self.harmonizer
+        with torch.no_grad():
+            weight = sums["harmonizer/weight"]
+            if weight > 0:
+                for name, param in h.named_parameters():
+                    param.copy_((sums[f"harmonizer/{name}"] / weight).to(param.dtype))
+            counts = sums["prototypes/counts"]
+            seen = counts > 0
+            if seen.any():
+                means = sums["prototypes/sums"][seen] / counts[seen, None]
+                h.prototypes[seen] = F.normalize(means, dim=1).to(h.prototypes.dtype)
+                h.has_prototype[seen] = 1.0
+        figures = {"split/mean_index": sum(t.options["index"] for t in plan.tasks) / len(plan.tasks),
+                   "split/frac_p1": sum(t.options["index"] == 0 for t in plan.tasks) / len(plan.tasks)}
+        pairs = sums["calibration/pairs"].cpu()
+        new_pairs = pairs[pairs[:, 4] > 0, :4]
+        if len(new_pairs):
+            self.pairs = torch.cat([self.pairs, new_pairs])[-self.estimator_buffer:]
+            figures["calibration/frac_sufficient"] = float(new_pairs[:, 3].mean())
+            if self.use_estimator and self.split_strategy == "sufficiency":
+                fit = self.estimator.fit(self.pairs[:, :3], self.pairs[:, 3])
+                figures.update({f"estimator/{k}": v for k, v in fit.items()})
+        self._round_figures = figures
+        self.store.sync(self.ctx.fabric, plan.cohort, owned)
+        self._reset_round()
+
+    def round_metrics(self, sums) -> Dict[str, float]:
+        return dict(self._round_figures)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        state = super().state_dict()
+        state.update({f"harmonizer/{k}": v for k, v in self.harmonizer.state_dict().items()})
+        state.update({f"estimator/{k}": v for k, v in self.estimator.state_dict().items()})
+        state["calibration_pairs"] = self.pairs
+        state.update({f"clients/{k}": v for k, v in self.store.state_dict().items()})
+        return state
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+
+        def part(prefix):
+            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        self.harmonizer.load_state_dict(part("harmonizer/"))
+        self.estimator.load_state_dict(part("estimator/"))
+        self.pairs = state["calibration_pairs"].to(torch.float64)
+        self.store.load_state_dict(part("clients/"))

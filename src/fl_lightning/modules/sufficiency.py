@@ -1,0 +1,84 @@
+"""FedSGA's shallow sufficiency estimation (Sec. 3.3): descriptors, the estimator Gamma_theta,
+the calibration label and the split policy Psi. Formulas: docs/fedsga.md."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUM_DESCRIPTORS = 3  # semantic alignment, temporal stability, prompt-state variation
+
+
+def temporal_stability(pooled: torch.Tensor, previous: Optional[torch.Tensor]) -> float:
+    """Mean cosine similarity of the probe batch's pooled interface with the previous fit's."""
+    if previous is None:
+        return 0.0
+    return float(F.cosine_similarity(pooled.float(), previous.float(), dim=1).mean())
+
+
+def prompt_variation(before: list, after: list, grad_norms: torch.Tensor, tau: float, eps: float = 1e-12) -> float:
+    """``sum_j w_j delta_j``: each token's relative change over the fit, weighted by
+    ``softmax(log g / tau)`` of its mean gradient norm (tokens the loss leans on weigh most)."""
+    delta = torch.stack([(a - b).norm() / (a.norm() + b.norm() + eps) for b, a in zip(before, after)])
+    weights = torch.softmax(torch.log(grad_norms.double() + eps) / tau, dim=0)
+    return float((weights * delta.double()).sum())
+
+
+def sufficiency_label(loss_p1: float, loss_ref: float, beta: float) -> bool:
+    """The shallowest split suffices when ``L(p1) <= (1 + beta) L(p_ref)``."""
+    return loss_p1 <= (1.0 + beta) * loss_ref
+
+
+def handcrafted_score(descriptor: torch.Tensor) -> float:
+    """Estimator-free sufficiency score (the "w/o Suff. Est." ablation): the descriptors
+    rescaled to [0, 1] (alignment, stability, one minus variation) and averaged."""
+    a, s, v = (float(x) for x in descriptor)
+    return (a + (s + 1.0) / 2.0 + (1.0 - v)) / 3.0
+
+
+def split_index(r: float, num_candidates: int, rho: float, deepest_affordable: Optional[int] = None) -> int:
+    """Psi: ``clamp(round((1 - r + rho)(K - 1)), 0, K - 1)``, capped at the deepest affordable.
+
+    Monotone: a larger sufficiency probability never gives a deeper split; a larger ``rho``
+    never gives a shallower one.
+    """
+    k = int(torch.floor(torch.tensor((1.0 - r + rho) * (num_candidates - 1) + 0.5, dtype=torch.float64)))
+    k = min(max(k, 0), num_candidates - 1)
+    if deepest_affordable is not None:
+        k = min(k, deepest_affordable)
+    return k
+
+
+class SufficiencyEstimator(nn.Module):
+    """Gamma_theta: descriptors -> probability that the shallowest split suffices (two-layer MLP)."""
+
+    def __init__(self, hidden: int = 16, inputs: int = NUM_DESCRIPTORS):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.register_buffer("trained", torch.zeros(()))
+
+    def forward(self, descriptors: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.net(descriptors).squeeze(-1))
+
+    @torch.no_grad()
+    def probability(self, descriptor: torch.Tensor) -> float:
+        return float(self(descriptor.float()[None])[0])
+
+    def fit(self, descriptors: torch.Tensor, labels: torch.Tensor, steps: int = 100, lr: float = 0.01) -> dict:
+        """Full-batch binary cross-entropy with Adam; returns the fit's BCE and accuracy."""
+        x, y = descriptors.float(), labels.float()
+        optimizer = torch.optim.Adam(self.net.parameters(), lr=lr)
+        with torch.enable_grad():
+            for _ in range(steps):
+                optimizer.zero_grad()
+                loss = F.binary_cross_entropy_with_logits(self.net(x).squeeze(-1), y)
+                loss.backward()
+                optimizer.step()
+        self.trained.fill_(1.0)
+        with torch.no_grad():
+            logits = self.net(x).squeeze(-1)
+            return {"bce": float(F.binary_cross_entropy_with_logits(logits, y)),
+                    "accuracy": float(((logits > 0).float() == y).float().mean())}

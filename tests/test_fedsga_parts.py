@@ -1,0 +1,171 @@
+"""FedSGA's pieces on their own: prompts, harmonizer, descriptors, estimator labels, policy."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_lightning.algorithms.fedsga import default_candidates
+from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
+from fl_lightning.modules.prompts import PromptChannel, border_order
+from fl_lightning.modules.sufficiency import (SufficiencyEstimator, handcrafted_score, prompt_variation,
+                                              split_index, sufficiency_label, temporal_stability)
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def test_border_order_is_the_ring_clockwise():
+    order = border_order(8, 6, 1)
+    rows, cols = order // 6, order % 6
+    assert len(order) == 8 * 6 - 6 * 4 and len(set(order.tolist())) == len(order)
+    assert all(r in (0, 7) or c in (0, 5) for r, c in zip(rows.tolist(), cols.tolist()))
+    # clockwise from the top-left corner: the top row left to right comes first
+    assert order[:6].tolist() == list(range(6))
+    with pytest.raises(ValueError):
+        border_order(8, 8, 5)
+
+
+def test_four_padding_tokens_are_the_four_sides():
+    channel = PromptChannel(nn.Identity(), (3, 10, 10), num_tokens=4, band=1)
+    tokens = channel.tokens(torch.arange(3 * 36, dtype=torch.float).view(3, 36))
+    assert [t.shape[1] for t in tokens] == [9, 9, 9, 9]
+    side = channel.order.split(9)
+    rows = [set((s // 10).tolist()) for s in side]
+    cols = [set((s % 10).tolist()) for s in side]
+    assert rows[0] == {0} and cols[1] == {9} and rows[2] == {9} and cols[3] == {0}
+
+
+def test_padding_prompt_touches_only_the_border_and_learns():
+    front = nn.Conv2d(3, 2, 1)
+    channel = PromptChannel(front, (3, 8, 8), num_tokens=4, band=2)
+    prompt = torch.randn(channel.shape, requires_grad=True)
+    x = torch.zeros(1, 3, 8, 8)
+    shifted = channel.apply(nn.Identity(), prompt)(x)
+    assert torch.count_nonzero(shifted[0, :, 2:6, 2:6]) == 0
+    assert torch.count_nonzero(shifted[0, 0]) == 64 - 16
+    channel.apply(front, prompt)(x).sum().backward()
+    assert prompt.grad is not None and torch.count_nonzero(prompt.grad) > 0
+    assert len(channel.token_norms(prompt.grad)) == 4
+
+
+class _TokenFront(nn.Module):
+    def forward(self, x, prompt_tokens=None):
+        tokens = x.flatten(2).transpose(1, 2)
+        return torch.cat([tokens[:, :1], prompt_tokens.expand(len(x), -1, -1), tokens[:, 1:]], dim=1)
+
+
+def test_token_prompts_follow_the_front_that_takes_them():
+    channel = PromptChannel(_TokenFront(), (5, 2, 2), num_tokens=3, band=1, token_dim=5)
+    assert channel.token_prompts and channel.shape == (3, 5)
+    out = channel.apply(_TokenFront(), torch.ones(3, 5))(torch.zeros(2, 5, 2, 2))
+    assert out.shape == (2, 4 + 3, 5) and out[:, 1:4].eq(1).all()
+
+
+# -- harmonizer ---------------------------------------------------------------------------------
+def test_pooling_of_maps_and_tokens():
+    z = torch.randn(2, 3, 4, 5)
+    assert torch.allclose(pool_interface(z), z.mean(dim=(2, 3)))
+    t = torch.randn(2, 7, 3)
+    assert torch.allclose(pool_interface(t), t.mean(dim=1))
+
+
+def test_depth_embedding_changes_the_projection():
+    torch.manual_seed(0)
+    h = InterfaceHarmonizer([8, 8, 8], num_classes=3, projection_dim=4)
+    z = torch.randn(5, 8)
+    assert not torch.allclose(h.project(z, 0), h.project(z, 2))
+    with torch.no_grad():
+        h.depth_embedding.weight[2].copy_(h.depth_embedding.weight[0])
+    assert torch.allclose(h.project(z, 0), h.project(z, 2))
+
+
+def test_narrow_interfaces_are_zero_padded():
+    torch.manual_seed(0)
+    h = InterfaceHarmonizer([2, 6], num_classes=3, projection_dim=4)
+    z = torch.randn(4, 2, 3, 3)
+    wide = torch.cat([z, torch.zeros(4, 4, 3, 3)], dim=1)
+    embedding = h.depth_embedding.weight[0].expand(4, -1)
+    expected = F.normalize(h.projector(torch.cat([pool_interface(wide), embedding], 1)), dim=1)
+    assert torch.allclose(h.project(z, 0), expected)
+    with pytest.raises(ValueError):
+        h.project(torch.randn(4, 6), 0)
+
+
+def test_prototype_ema_and_alignment_loss_by_hand():
+    h = InterfaceHarmonizer([4], num_classes=3, projection_dim=2, tau=0.5, momentum=0.9)
+    f1 = F.normalize(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), dim=1)
+    counts = h.update_prototypes(f1, torch.tensor([0, 1, 0]))
+    assert counts.tolist() == [2, 1, 0]
+    first0 = F.normalize((f1[0] + f1[2]) / 2, dim=0)
+    assert torch.allclose(h.prototypes[0], first0) and h.has_prototype.tolist() == [1, 1, 0]
+    f2 = torch.tensor([[0.0, 1.0]])
+    h.update_prototypes(f2, torch.tensor([0]))
+    assert torch.allclose(h.prototypes[0], F.normalize(0.9 * first0 + 0.1 * f2[0], dim=0))
+    # class 2 has no prototype: excluded from the softmax
+    feats = F.normalize(torch.tensor([[0.3, 0.7]]), dim=1)
+    sims = torch.stack([feats[0] @ h.prototypes[0], feats[0] @ h.prototypes[1]]) / 0.5
+    expected = -torch.log_softmax(sims, dim=0)[1]
+    assert torch.allclose(h.alignment_loss(feats, torch.tensor([1])), expected)
+
+
+# -- descriptors, labels, estimator, policy ------------------------------------------------------
+def test_sufficiency_label_is_the_beta_rule():
+    assert sufficiency_label(1.05, 1.0, 0.05)
+    assert not sufficiency_label(1.0501, 1.0, 0.05)
+    assert sufficiency_label(0.5, 1.0, 0.0) and not sufficiency_label(1.2, 1.0, 0.1)
+
+
+def test_prompt_variation_by_hand():
+    before = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])]
+    after = [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 2.0])]
+    grads = torch.tensor([1.0, 3.0])
+    delta0 = 1.0 / (1.0 + math.sqrt(2.0))
+    w0 = 1.0 / (1.0 + 9.0)  # g^(1/tau) with tau = 0.5 -> g^2
+    assert prompt_variation(before, after, grads, tau=0.5) == pytest.approx(w0 * delta0)
+    fresh = prompt_variation([torch.zeros(2)], [torch.ones(2)], torch.ones(1), tau=0.5)
+    assert fresh == pytest.approx(1.0)
+
+
+def test_temporal_stability():
+    a = torch.randn(4, 3)
+    assert temporal_stability(a, None) == 0.0
+    assert temporal_stability(a, 2 * a) == pytest.approx(1.0, abs=1e-6)
+    assert temporal_stability(a, -a) == pytest.approx(-1.0, abs=1e-6)
+
+
+def test_policy_is_monotone_and_respects_budgets():
+    rs = [i / 50 for i in range(51)]
+    for rho in (0.0, 0.1, 0.5):
+        ks = [split_index(r, 4, rho) for r in rs]
+        assert ks == sorted(ks, reverse=True) and ks[0] == 3 and set(ks) <= {0, 1, 2, 3}
+    for r in rs:
+        assert split_index(r, 4, 0.1) <= split_index(r, 4, 0.3)
+        assert split_index(r, 4, 0.1, deepest_affordable=1) <= 1
+    # rho = 0.1, K = 3: the shallowest needs r > 0.85, the middle r > 0.35
+    assert split_index(0.86, 3, 0.1) == 0 and split_index(0.84, 3, 0.1) == 1
+    assert split_index(0.36, 3, 0.1) == 1 and split_index(0.34, 3, 0.1) == 2
+
+
+def test_handcrafted_score_range():
+    assert handcrafted_score(torch.tensor([1.0, 1.0, 0.0])) == pytest.approx(1.0)
+    assert handcrafted_score(torch.tensor([0.0, -1.0, 1.0])) == pytest.approx(0.0)
+
+
+def test_estimator_learns_a_separable_labelling():
+    torch.manual_seed(0)
+    x = torch.rand(64, 3)
+    y = (x[:, 0] > 0.5).float()
+    gamma = SufficiencyEstimator()
+    assert not gamma.trained.item()
+    fit = gamma.fit(x, y, steps=300, lr=0.05)
+    assert fit["accuracy"] >= 0.9 and gamma.trained.item()
+    assert gamma.probability(torch.tensor([0.9, 0.5, 0.5])) > 0.5 > gamma.probability(torch.tensor([0.1, 0.5, 0.5]))
+
+
+def test_default_candidates():
+    resnet = ["stem"] + [f"layer{s}.{i}" for s in range(1, 5) for i in range(2)]
+    assert default_candidates(resnet) == ["layer1.1", "layer2.1", "layer3.1"]
+    vit = [f"block{i}" for i in range(12)]
+    assert default_candidates(vit) == ["block2", "block5", "block8"]
+    assert default_candidates([f"block{i}" for i in range(4)]) == ["block0", "block1", "block2"]

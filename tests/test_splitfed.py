@@ -1,0 +1,183 @@
+"""SplitFed and FedSGA through the federation loop: equivalences with FedAvg, the bytes at the
+cut, private prompts, calibration and the estimator, exact resume, bad options."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_lightning.algorithms import FedAvg, FedSGA, SplitFed
+from fl_lightning.config import FederationConfig, LocalTrainConfig, ModelConfig
+from fl_lightning.elastic.models import build_model
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.federation.loop import run_fit
+
+RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})
+VIT = ModelConfig(name="vit", kwargs={"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2})
+TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+
+
+def rows(spec, name):
+    return [json.loads(line) for line in (Path(spec.out_dir) / spec.name / name).read_text().splitlines()]
+
+
+def saved(spec):
+    return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")
+
+
+def assert_same_model(a, b, atol=1e-6):
+    for key, value in a.items():
+        if value.is_floating_point():
+            assert torch.allclose(value, b[key], atol=atol), key
+        else:
+            assert torch.equal(value, b[key]), key
+
+
+@pytest.mark.parametrize("model", [RESNET, VIT], ids=["resnet", "vit"])
+def test_splitfed_v1_is_fedavg_with_a_cut(spec_factory, model):
+    """Both halves step SGD on the gradients of the unsplit model, so a V1 round is a FedAvg
+    round (an independent code path): only the traffic differs."""
+    fed = FederationConfig(rounds=2, clients_per_round=3)
+    cut = "layer2.1" if model is RESNET else "block1"
+    split = spec_factory(name="split", algorithm=SplitFed(cut=cut), model=model, train=TRAIN, federation=fed)
+    plain = spec_factory(name="plain", algorithm=FedAvg(), model=model, train=TRAIN, federation=fed)
+    run_fit(split)
+    run_fit(plain)
+    assert_same_model(saved(split)["model"], saved(plain)["model"])
+
+
+def test_splitfed_v2_trains_one_server_half_in_a_shuffled_order(spec_factory):
+    fed = FederationConfig(rounds=2, clients_per_round=1)
+    one = spec_factory(name="v2one", algorithm=SplitFed(cut="layer1.1", version="v2"), model=RESNET, train=TRAIN,
+                       federation=fed)
+    plain = spec_factory(name="plain", model=RESNET, train=TRAIN, federation=fed)
+    run_fit(one)
+    run_fit(plain)
+    # One client per round: the server half sees one client's activations, as in V1 / FedAvg,
+    # but its momentum persists across rounds, so only round 0 matches exactly.
+    assert saved(one)["algorithm"]  # the server optimizer's momentum is checkpointed
+    fed3 = FederationConfig(rounds=3, clients_per_round=4)
+    v2 = spec_factory(name="v2", algorithm=SplitFed(cut="layer1.1", version="v2"), model=RESNET, train=TRAIN,
+                      federation=fed3)
+    v1 = spec_factory(name="v1", algorithm=SplitFed(cut="layer1.1"), model=RESNET, train=TRAIN, federation=fed3)
+    run_fit(v2)
+    run_fit(v1)
+    orders = {}
+    for r in rows(v2, "clients.jsonl"):
+        orders.setdefault(r["round"], []).append(r["client"])
+    assert any(order != sorted(order) for order in orders.values())
+    assert any(not torch.allclose(v, saved(v1)["model"][k]) for k, v in saved(v2)["model"].items()
+               if v.is_floating_point())
+
+
+def test_v2_round_zero_with_one_client_matches_fedavg(spec_factory):
+    fed = FederationConfig(rounds=1, clients_per_round=1)
+    v2 = spec_factory(name="v2", algorithm=SplitFed(cut="layer3.0", version="v2"), model=RESNET, train=TRAIN,
+                      federation=fed)
+    plain = spec_factory(name="plain", model=RESNET, train=TRAIN, federation=fed)
+    run_fit(v2)
+    run_fit(plain)
+    assert_same_model(saved(v2)["model"], saved(plain)["model"])
+
+
+def test_bytes_at_the_cut_are_the_tensor_sizes(spec_factory):
+    spec = spec_factory(name="bytes", algorithm=SplitFed(cut="layer2.0"), model=RESNET,
+                        train=LocalTrainConfig(epochs=2, batch_size=16, lr=0.05),
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    run_fit(spec)
+    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    activation = model.forward_until(torch.zeros(1, 1, 8, 8), "layer2.0")
+    per_example = activation.numel() * 4
+    front = [k for k, v in model.state_dict().items()
+             if k.startswith(("stem.", "layer1.", "layer2.0."))]
+    model_bytes = sum(model.state_dict()[k].numel() * model.state_dict()[k].element_size() for k in front)
+    for row in rows(spec, "clients.jsonl"):
+        examples = 2 * row["samples"]
+        assert row["cut_bytes_down"] == examples * per_example
+        assert row["cut_bytes_up"] == examples * (per_example + 8)  # int64 labels go up too
+        assert row["model_bytes"] == model_bytes
+        assert row["bytes_up"] == row["cut_bytes_up"] + model_bytes
+
+
+def fedsga(**kw):
+    options = dict(calibration_every=2, probe_size=8, prompt_width=1)
+    options.update(kw)
+    return FedSGA(**options)
+
+
+def test_fedsga_calibrates_trains_the_estimator_and_adapts_cuts(spec_factory):
+    spec = spec_factory(name="sga", algorithm=fedsga(), model=RESNET, train=TRAIN,
+                        federation=FederationConfig(rounds=6, clients_per_round=6))
+    run_fit(spec)
+    clients = rows(spec, "clients.jsonl")
+    metrics = rows(spec, "metrics.jsonl")
+    calibrated = [r for r in clients if "sufficient" in r]
+    assert {r["round"] for r in calibrated} == {1, 3, 5}
+    for r in calibrated:  # the label is the beta rule on the logged probe losses
+        assert r["sufficient"] == float(r["probe_loss_p1"] <= 1.05 * r["probe_loss_ref"])
+    assert all("estimator/bce" in m for m in metrics if m["round"] in (1, 3, 5))
+    # rounds 0-1 split at p_ref; afterwards the estimator decides and logs r
+    assert all(r["cut"] == 1 for r in clients if r["round"] <= 1)
+    assert all("r" in r for r in clients if r["round"] >= 2)
+    for r in clients:
+        assert 0.0 <= r["alignment"] <= 1.0 and -1.0 <= r["stability"] <= 1.0 and 0.0 <= r["prompt_variation"] <= 1.0
+
+
+def test_prompts_stay_private(spec_factory):
+    spec = spec_factory(name="sga", algorithm=fedsga(split_strategy="static"), model=RESNET, train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=6))
+    run_fit(spec)
+    state = saved(spec)
+    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    assert set(state["model"]) == set(model.state_dict())  # nothing of the prompts in the global model
+    prompts = [v for k, v in state["algorithm"].items() if k.endswith("/prompt")]
+    assert len(prompts) == 6 and all(p.abs().sum() > 0 for p in prompts)
+    # each client kept its own: an aggregated prompt would be the same for all
+    assert all(not torch.allclose(prompts[0], p) for p in prompts[1:])
+
+
+def test_fedsga_resumes_exactly(spec_factory):
+    fed = FederationConfig(rounds=4, clients_per_round=4)
+    whole = spec_factory(name="whole", algorithm=fedsga(), model=VIT, train=TRAIN, federation=fed)
+    run_fit(whole)
+    part = spec_factory(name="part", algorithm=fedsga(), model=VIT, train=TRAIN, federation=fed)
+    part.stop_after = 2
+    run_fit(part)
+    resumed = spec_factory(name="part", algorithm=fedsga(), model=VIT, train=TRAIN, federation=fed)
+    resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
+    run_fit(resumed)
+    assert_same_model(saved(whole)["model"], saved(resumed)["model"], atol=0)
+    for key, value in saved(whole)["algorithm"].items():
+        assert torch.equal(value, saved(resumed)["algorithm"][key]), key
+
+
+@pytest.mark.parametrize("options, key", [
+    (dict(candidates=["layer1.1"]), "algorithm.candidates"),
+    (dict(candidates=["layer2.1", "layer1.1"]), "algorithm.candidates"),
+    (dict(candidates=["layer1.1", "fc"]), "algorithm.candidates"),
+    (dict(candidates=["layer1.1", "layer4.1"]), "algorithm.candidates"),
+    (dict(static_cut="layer3.0"), "algorithm.static_cut"),
+    (dict(respect_budgets=True, candidates=["layer1.1", "layer2.1"]), None),
+])
+def test_bad_fedsga_options_are_refused_before_training(spec_factory, options, key):
+    spec = spec_factory(name="bad", algorithm=FedSGA(**options), model=RESNET, train=TRAIN)
+    if key is None:  # digits' default budgets are far above this model's cost: accepted
+        return
+    with pytest.raises(ConfigError) as error:
+        run_fit(spec)
+    assert error.value.key == key
+    assert not (Path(spec.out_dir) / spec.name / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("algorithm, key", [
+    (lambda: FedSGA(rho=-1), "algorithm.rho"),
+    (lambda: FedSGA(split_strategy="deepest"), "algorithm.split_strategy"),
+    (lambda: FedSGA(num_prompts=0), "algorithm.num_prompts"),
+    (lambda: SplitFed(version="v3"), "algorithm.version"),
+])
+def test_bad_option_values(algorithm, key):
+    with pytest.raises(ConfigError) as error:
+        algorithm().check(TRAIN)
+    assert error.value.key == key
