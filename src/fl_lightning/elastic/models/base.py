@@ -11,6 +11,9 @@ learning are written against:
 - ``block_names``: named block boundaries in forward order. ``forward_until(x, name)`` runs the
   input through block ``name`` (inclusive) and ``forward_from(h, name)`` continues from there to
   the logits, so ``forward_from(forward_until(x, n), n) == forward(x)`` for every ``n``.
+- ``split(name) -> (front, back)``: the same two pieces as modules sharing the model's tensors,
+  for split learning; ``head_modules()`` names the modules ``forward_head`` uses, so that the
+  back half owns them (``fl_lightning.elastic.split``).
 - ``regions(spec, kind, offset)``: the RegionMap of a client holding that subnet: every
   state-dict key (parameters and buffers) -> (global key, region). ``kind`` is ``"leading"``
   (HeteroFL, FjORD, FEAST) or ``"rolling"`` (FedRolex, window start ``offset`` in every
@@ -52,6 +55,7 @@ from fl_lightning.elastic.layers.norm import ElasticBatchNorm2d
 from fl_lightning.elastic.regions import LeadingSlice, Region, RollingSlice
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
+from fl_lightning.elastic.split import SplitBack, SplitFront, split_keys  # noqa: F401 (split_keys re-exported)
 
 _instances = itertools.count()
 
@@ -133,6 +137,38 @@ class ElasticModel(nn.Module, abc.ABC):
         for block in itertools.islice(self.blocks().values(), start + 1, None):
             h = block(h)
         return self.forward_head(h)
+
+    # -- split learning ---------------------------------------------------------------------
+    def head_modules(self) -> "OrderedDict[str, nn.Module]":
+        """The modules :meth:`forward_head` uses, by the attribute name it reads them under.
+
+        The head is code, not a module, so the back half of a :meth:`split` cannot own its
+        parameters unless the model names them. ``forward_head`` must read only these
+        attributes of ``self``: the back half registers them under the same names and calls
+        the class's ``forward_head`` with itself as ``self``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not name its head modules (head_modules), "
+                                  f"so it cannot be split by ElasticModel.split")
+
+    def split(self, cut: str) -> "tuple[nn.Module, nn.Module]":
+        """``(front, back)`` halves of the model at block ``cut`` (a name in :attr:`block_names`),
+        sharing (not copying) its parameters and buffers.
+
+        ``front(x) == forward_until(x, cut)`` and ``back(h) == forward_from(h, cut)``. The front
+        holds the blocks up to and including ``cut``; the back the remaining blocks and the
+        :meth:`head_modules`, so the parameters of the two halves partition the model's (which
+        state-dict keys each half owns: :func:`fl_lightning.elastic.split.split_keys`). The
+        halves hold the blocks :meth:`blocks` names at the time of the call; widths set later by
+        :meth:`set_active` apply to them (the layers are shared). This default needs every block
+        to be an ``nn.Module``; models whose blocks are not override it.
+        """
+        stop = self._block_index(cut) + 1
+        blocks = list(self.blocks().items())
+        for name, block in blocks:
+            if not isinstance(block, nn.Module):
+                raise TypeError(f"{type(self).__name__} cannot be split by ElasticModel.split: block {name!r} "
+                                f"is not an nn.Module")
+        return SplitFront(blocks[:stop]), SplitBack(blocks[stop:], self.head_modules(), type(self).forward_head)
 
     # -- routing ----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -69,6 +69,9 @@ class CNN(WidthElasticModel):
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(F.adaptive_avg_pool2d(features, 1).flatten(1))
 
+    def head_modules(self) -> "OrderedDict[str, nn.Module]":
+        return OrderedDict(fc=self.fc)
+
     def build_local(self, spec: WidthSpec, elastic: bool) -> "CNN":
         return CNN(self.num_classes, self.input_shape, channels=self.channels, width=1.0,
                    min_width=self.min_width, elastic=elastic, max_widths=spec.widths)

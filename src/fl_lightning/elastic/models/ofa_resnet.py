@@ -237,6 +237,10 @@ class _ResNetBody(nn.Module):
     def forward_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.classifier(F.adaptive_avg_pool2d(features, 1).flatten(1))
 
+    def head_modules(self) -> "OrderedDict[str, nn.Module]":
+        """The classifier, which :meth:`forward_head` reads (the back half of a split owns it)."""
+        return OrderedDict(classifier=self.classifier)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 

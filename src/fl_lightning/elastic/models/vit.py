@@ -13,25 +13,38 @@ included, is then a cut of the same kind (an un-normalised token sequence), and
 The ViT is not width-elastic yet: its spec space holds the full model only
 (``WidthSpec((1.0,))``), so ``max_spec() == min_spec()`` and ``extract`` builds a copy
 (plain and elastic alike).
+
+FedSGA's prompt tokens (VPT-shallow) enter at the client: ``ViTClient(x, prompt_tokens)``
+inserts ``m`` learned tokens right after the class token, before the client's first block, and
+every later block and the server half run on ``1 + m + n`` tokens. The server's "token" pooling
+reads the class token at index 0, unaffected; "avg" pooling averages every token after the class
+token, the prompts included (timm's pooling knows only the class and register tokens as a
+prefix).
+
+``pretrained`` loads a timm ``VisionTransformer`` checkpoint from a local file
+(:meth:`ViT.load_timm`); nothing is downloaded.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import VisionTransformer, _load_weights, checkpoint_filter_fn
 
 from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import ElasticModel
+from fl_lightning.elastic.pretrained import KEY as PRETRAINED_KEY
+from fl_lightning.elastic.pretrained import copy_matching, read_state_dict, shape_text, warn_skipped
 from fl_lightning.elastic.routing import RegionMap, full_region_map
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.errors import ConfigError
 
 # timm's architectures by name (the suffix names the pretraining resolution; the image size
-# here comes from ``input_shape``). Weights are never loaded.
+# here comes from ``input_shape``). Weights are never downloaded (see ``pretrained``).
 VIT_VARIANTS = {
     "vit_tiny_patch16_224": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
     "vit_small_patch16_224": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
@@ -67,8 +80,29 @@ class ViTClient(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(self.embed(x))
+    def forward(self, x: torch.Tensor, prompt_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tokens after the client's blocks; ``prompt_tokens`` (``(B or 1, m, D)``) are inserted
+        after the class token first (:func:`insert_prompts`)."""
+        h = self.embed(x)
+        if prompt_tokens is not None:
+            h = insert_prompts(h, prompt_tokens, self.num_prefix_tokens)
+        return self.blocks(h)
+
+
+def insert_prompts(tokens: torch.Tensor, prompts: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """``tokens`` (B, 1 + n, D) with ``prompts`` (B or 1, m, D) inserted after the prefix tokens.
+
+    VPT-shallow (Jia et al., 2022), as FedSGA's prompt tokens: the prompts join the embedded
+    sequence (after position embedding, dropout and timm's pre-norm, none of which they get:
+    they are free vectors in the space block 0 reads) right after the class token (and timm's
+    register tokens, if any), so index 0 stays the class token the "token" head reads. One set
+    of prompts (batch 1) is shared by every sample.
+    """
+    if prompts.dim() != 3 or prompts.shape[0] not in (1, tokens.shape[0]) or prompts.shape[2] != tokens.shape[2]:
+        raise ValueError(f"prompt tokens need shape (B or 1, m, {tokens.shape[2]}) for tokens of shape "
+                         f"{tuple(tokens.shape)}, got {tuple(prompts.shape)}")
+    prompts = prompts.to(tokens.dtype).expand(tokens.shape[0], -1, -1)
+    return torch.cat([tokens[:, :num_prefix_tokens], prompts, tokens[:, num_prefix_tokens:]], dim=1)
 
 
 class ViTServer(nn.Module):
@@ -91,12 +125,13 @@ class ViTServer(nn.Module):
         self.pool_include_prefix = vit.pool_include_prefix
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from the tokens at the cut, of any length (prompt tokens included)."""
         return self.forward_head(self.norm(self.blocks(h)))
 
 
 @register_model("vit")
 class ViT(ElasticModel):
-    """A timm ``VisionTransformer`` (never pretrained) with named block boundaries.
+    """A timm ``VisionTransformer`` with named block boundaries.
 
     Args:
         num_classes: classifier outputs.
@@ -112,13 +147,20 @@ class ViT(ElasticModel):
         mlp_ratio: MLP hidden width over token width.
         drop_path_rate: stochastic depth rate of the last block (timm's linear schedule).
         global_pool: timm's pooling before the classifier ("token" = class token, "avg").
+        pretrained: path of a local timm ``VisionTransformer`` checkpoint of the same
+            architecture to start from (never downloaded): a ``torch.save``d state dict (or one
+            under "state_dict"/"model"), or a JAX ``.npz``. The position embedding is resized
+            to this model's patch grid and a classifier of another class count is skipped
+            (:meth:`load_timm`). A local copy (``build_local``) does not reload it: its weights
+            come from the global model by routing.
     """
 
     spec_type = WidthSpec
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], variant: Optional[str] = None,
                  patch_size: int = 4, embed_dim: int = 64, depth: int = 4, num_heads: int = 4,
-                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.0, global_pool: str = "token"):
+                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.0, global_pool: str = "token",
+                 pretrained: Optional[str] = None):
         if variant is not None:
             if variant not in VIT_VARIANTS:
                 raise ConfigError("model.kwargs.variant",
@@ -147,6 +189,51 @@ class ViT(ElasticModel):
             num_classes=num_classes, global_pool=global_pool, embed_dim=embed_dim, depth=depth,
             num_heads=num_heads, mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate,
         )
+        if pretrained is not None:
+            self.load_timm(pretrained)
+
+    def load_timm(self, path: str) -> None:
+        """Load the timm checkpoint at ``path`` into ``self.vit``.
+
+        A state dict goes through timm's own ``checkpoint_filter_fn``, which resamples the
+        position embedding to this model's patch grid (and the patch embedding to its patch
+        size); a ``.npz`` goes through timm's ``_load_weights``, which does the same. The
+        classifier (``head.*``) is skipped, with a warning, when its shape differs (another
+        class count); any other difference (width, depth, pooling) means another architecture
+        and is a ConfigError naming the tensors.
+        """
+        if str(path).endswith(".npz"):
+            self._load_npz(path)
+            return
+        state = read_state_dict(path)
+        try:
+            state = checkpoint_filter_fn(state, self.vit)
+        except (AttributeError, KeyError, RuntimeError, ValueError) as error:  # a layout timm cannot convert
+            raise ConfigError(PRETRAINED_KEY, f"{path} is not a timm ViT checkpoint ({type(error).__name__}: "
+                                              f"{' '.join(str(error).split())[:160]})") from None
+        own = self.vit.state_dict()
+        misfits = [k for k, v in state.items() if k in own and v.shape != own[k].shape]
+        head_misfits = [k for k in misfits if k.startswith("head.")]
+        problems = ([f"{k} only in the file" for k in state if k not in own]
+                    + [f"{k} not in the file" for k in own if k not in state and not k.startswith("head.")]
+                    + [f"{k} {shape_text(state[k])} in the file, {shape_text(own[k])} here"
+                       for k in misfits if k not in head_misfits])
+        if problems:  # checked before anything is copied
+            raise ConfigError(PRETRAINED_KEY, f"{path} is not a checkpoint of this ViT: {len(problems)} "
+                                              f"differences, e.g. {'; '.join(problems[:3])}")
+        outcome = copy_matching(own, {k: v for k, v in state.items() if k not in head_misfits})
+        outcome["mismatched"] = [f"{k} {shape_text(state[k])} vs {shape_text(own[k])}" for k in head_misfits]
+        outcome["missing"] = [k for k in outcome["missing"] if k not in head_misfits]  # a headless checkpoint
+        warn_skipped(path, outcome, kinds=("mismatched", "missing"))
+
+    def _load_npz(self, path: str) -> None:
+        if not Path(path).is_file():
+            raise ConfigError(PRETRAINED_KEY, f"no such file: {path}")
+        try:
+            _load_weights(self.vit, str(path))
+        except (KeyError, ValueError, OSError) as error:
+            raise ConfigError(PRETRAINED_KEY, f"{path} is not a timm ViT .npz checkpoint of this architecture "
+                                              f"({type(error).__name__}: {' '.join(str(error).split())[:160]})") from None
 
     # -- specs ------------------------------------------------------------------------------
     def max_spec(self) -> WidthSpec:
@@ -167,7 +254,8 @@ class ViT(ElasticModel):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Image -> token sequence entering block 0 (class + patch tokens, position-embedded).
 
-        Prompt tokens (FedSGA) can be concatenated to this output before :meth:`forward_blocks`.
+        Prompt tokens (FedSGA) join this output (:func:`insert_prompts`) before
+        :meth:`forward_blocks`, as :class:`ViTClient` does with its ``prompt_tokens``.
         """
         vit = self.vit
         return vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))
@@ -209,7 +297,9 @@ class ViT(ElasticModel):
         return self.forward_head(self.forward_blocks(h, self.num_client_blocks(cut), self.depth))
 
     def split(self, cut: Cut) -> Tuple[ViTClient, ViTServer]:
-        """Client and server modules for ``cut``, sharing (not copying) this model's parameters."""
+        """Client and server modules for ``cut`` (a block name, as :meth:`ElasticModel.split`, or a
+        count of client blocks), sharing (not copying) this model's parameters:
+        ``client(x) == forward_until(x, cut)`` and ``server(h) == forward_from(h, cut)``."""
         k = self.num_client_blocks(cut)
         return ViTClient(self.vit, k), ViTServer(self.vit, k)
 
