@@ -169,3 +169,18 @@ def test_default_candidates():
     vit = [f"block{i}" for i in range(12)]
     assert default_candidates(vit) == ["block2", "block5", "block8"]
     assert default_candidates([f"block{i}" for i in range(4)]) == ["block0", "block1", "block2"]
+
+
+def test_probe_loss_is_the_prototype_classifier_cross_entropy():
+    torch.manual_seed(0)
+    h = InterfaceHarmonizer([6, 6], num_classes=4, projection_dim=3, tau=0.5)
+    z, y = torch.randn(5, 6), torch.tensor([0, 1, 1, 3, 0])
+    assert h.probe_loss(z, y, 1) == pytest.approx(math.log(4))  # no prototypes yet
+    h.update_prototypes(F.normalize(torch.randn(3, 3), dim=1), torch.tensor([0, 1, 2]))
+    with torch.no_grad():
+        feats = h.project(z, 1)
+    sims = feats @ h.prototypes[:3].t() / 0.5
+    known = torch.tensor([0, 1, 2, 4])  # the example of class 3 has no prototype: not scored
+    expected = F.cross_entropy(sims[known], y[known])
+    assert h.probe_loss(z, y, 1) == pytest.approx(float(expected), rel=1e-5)
+    assert h.probe_loss(z, y, 0) != pytest.approx(float(expected), rel=1e-3)  # another depth, another probe

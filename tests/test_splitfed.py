@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fl_lightning.algorithms import FedAvg, FedSGA, SplitFed
-from fl_lightning.config import FederationConfig, LocalTrainConfig, ModelConfig
+from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, ModelConfig, PartitionConfig
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.checkpoint import load_checkpoint
@@ -48,28 +48,53 @@ def test_splitfed_v1_is_fedavg_with_a_cut(spec_factory, model):
     assert_same_model(saved(split)["model"], saved(plain)["model"])
 
 
-def test_splitfed_v2_trains_one_server_half_in_a_shuffled_order(spec_factory):
-    fed = FederationConfig(rounds=2, clients_per_round=1)
-    one = spec_factory(name="v2one", algorithm=SplitFed(cut="layer1.1", version="v2"), model=RESNET, train=TRAIN,
-                       federation=fed)
-    plain = spec_factory(name="plain", model=RESNET, train=TRAIN, federation=fed)
-    run_fit(one)
-    run_fit(plain)
-    # One client per round: the server half sees one client's activations, as in V1 / FedAvg,
-    # but its momentum persists across rounds, so only round 0 matches exactly.
-    assert saved(one)["algorithm"]  # the server optimizer's momentum is checkpointed
-    fed3 = FederationConfig(rounds=3, clients_per_round=4)
-    v2 = spec_factory(name="v2", algorithm=SplitFed(cut="layer1.1", version="v2"), model=RESNET, train=TRAIN,
-                      federation=fed3)
-    v1 = spec_factory(name="v1", algorithm=SplitFed(cut="layer1.1"), model=RESNET, train=TRAIN, federation=fed3)
-    run_fit(v2)
-    run_fit(v1)
-    orders = {}
-    for r in rows(v2, "clients.jsonl"):
-        orders.setdefault(r["round"], []).append(r["client"])
-    assert any(order != sorted(order) for order in orders.values())
-    assert any(not torch.allclose(v, saved(v1)["model"][k]) for k, v in saved(v2)["model"].items()
-               if v.is_floating_point())
+def test_splitfed_v2_steps_one_server_half_client_by_client(spec_factory):
+    """Round 0 of V2 recomputed by hand: the server half takes each client's step in the plan's
+    (shuffled) order, each client's front sees the server half as the previous client left
+    it, and only the fronts are averaged."""
+    import copy
+
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from fl_lightning.federation.loop import Federation
+    from fl_lightning.federation.run_dir import RunDir
+    from fl_lightning.runtime.seeding import client_generator
+
+    cut, lr = "layer2.0", 0.1
+    spec = spec_factory(name="v2", algorithm=SplitFed(cut=cut, version="v2"), model=RESNET,
+                        train=LocalTrainConfig(steps=1, batch_size=8, lr=lr),
+                        federation=FederationConfig(rounds=1, clients_per_round=4))
+    fed = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name))
+    fed._open_outputs()
+    ctx = fed.ctx
+    plan = fed.algorithm.plan(0)
+    assert plan.cohort != sorted(plan.cohort)  # this seed's order is shuffled
+    server = copy.deepcopy(ctx.model)
+    fronts, sizes = [], []
+    for client in plan.cohort:
+        local = copy.deepcopy(ctx.model)
+        front, _ = local.split(cut)
+        _, back = server.split(cut)
+        x, y = next(ctx.shards[client].steps(1, client_generator(ctx.seed, 0, client)))
+        F.cross_entropy(back(front(x)), y).backward()
+        with torch.no_grad():
+            for p in list(front.parameters()) + list(back.parameters()):
+                p -= lr * p.grad
+                p.grad = None
+        fronts.append(local.state_dict())
+        sizes.append(len(ctx.shards[client]))
+    fed.run_round(0)
+    from fl_lightning.elastic.split import split_keys
+    front_keys, back_keys = split_keys(ctx.model, cut)
+    total = sum(sizes)
+    for key in front_keys:
+        if fed.algorithm.global_state[key].is_floating_point():
+            expected = sum(n * f[key].double() for n, f in zip(sizes, fronts)) / total
+            assert torch.allclose(fed.algorithm.global_state[key].double(), expected, atol=1e-6), key
+    for key in back_keys:
+        if fed.algorithm.global_state[key].is_floating_point():
+            assert torch.allclose(fed.algorithm.global_state[key], server.state_dict()[key], atol=1e-6), key
 
 
 def test_v2_round_zero_with_one_client_matches_fedavg(spec_factory):
@@ -159,16 +184,32 @@ def test_fedsga_resumes_exactly(spec_factory):
     (dict(candidates=["layer1.1", "fc"]), "algorithm.candidates"),
     (dict(candidates=["layer1.1", "layer4.1"]), "algorithm.candidates"),
     (dict(static_cut="layer3.0"), "algorithm.static_cut"),
-    (dict(respect_budgets=True, candidates=["layer1.1", "layer2.1"]), None),
+    (dict(respect_budgets=True), "algorithm.respect_budgets"),
 ])
 def test_bad_fedsga_options_are_refused_before_training(spec_factory, options, key):
-    spec = spec_factory(name="bad", algorithm=FedSGA(**options), model=RESNET, train=TRAIN)
-    if key is None:  # digits' default budgets are far above this model's cost: accepted
-        return
+    # budgets of 0.1-0.15M MACs: below the 0.157M MACs of this model's shallowest front
+    partition = PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
+                                budgets=BudgetConfig(b_min=1e5, b_max=1.5e5, b_cap=1.5e5))
+    spec = spec_factory(name="bad", algorithm=FedSGA(**options), model=RESNET, train=TRAIN, partition=partition)
     with pytest.raises(ConfigError) as error:
         run_fit(spec)
     assert error.value.key == key
     assert not (Path(spec.out_dir) / spec.name / "checkpoints").exists()
+
+
+def test_budgets_cap_the_cut(spec_factory):
+    """Budgets between the first (0.157M MACs) and second (0.291M) fronts: whatever the
+    strategy draws, every client stays at p1."""
+    partition = PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
+                                budgets=BudgetConfig(b_min=2e5, b_max=2.5e5, b_cap=2.5e5))
+    spec = spec_factory(name="poor", algorithm=fedsga(split_strategy="random", respect_budgets=True), model=RESNET,
+                        train=TRAIN, partition=partition, federation=FederationConfig(rounds=2, clients_per_round=6))
+    run_fit(spec)
+    assert {r["cut"] for r in rows(spec, "clients.jsonl")} == {0}
+    rich = spec_factory(name="rich", algorithm=fedsga(split_strategy="random"), model=RESNET, train=TRAIN,
+                        partition=partition, federation=FederationConfig(rounds=2, clients_per_round=6))
+    run_fit(rich)
+    assert len({r["cut"] for r in rows(rich, "clients.jsonl")}) > 1
 
 
 @pytest.mark.parametrize("algorithm, key", [

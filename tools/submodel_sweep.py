@@ -1,5 +1,6 @@
-"""Run sub-model policies over several seeds; every policy of a seed shares its partition and
-caps (both are drawn from the run seed). Random-budget reads the same seed's HAS-FL run for
+"""Run every config of a folder over several seeds (the sub-model policies, the split-FL
+methods, ...); every config of a seed shares its partition and caps (both are drawn from the
+run seed). Random-budget reads the same seed's HAS-FL run for
 its matched budget trace, so HAS-FL runs first.
 
     python tools/submodel_sweep.py --configs configs/submodel/offline/digits --seeds 0 1 2 \\
@@ -29,7 +30,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
     available = {p.stem for p in Path(args.configs).glob("*.yaml")}
-    policies = [p for p in ORDER if p in available and (args.policies is None or p in args.policies)]
+    # known sub-model policies in dependency order, then any other config of the folder
+    known = [p for p in ORDER if p in available] + sorted(available - set(ORDER))
+    policies = [p for p in known if args.policies is None or p in args.policies]
     failed = 0
     for seed in args.seeds:
         for policy in policies:

@@ -264,18 +264,23 @@ class FedSGA(SplitFed):
 
     @torch.no_grad()
     def _probe_losses(self, client: int, prompt: torch.Tensor) -> tuple[float, float]:
-        """Cross-entropy of the received global model on the probe batch, cut at p1 and at p_ref."""
-        import torch.nn.functional as F
+        """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch.
 
+        The network computes the same prediction wherever it is cut, so the probe is not the
+        task loss: it is the harmonizer's prototype classifier read at each depth (the
+        cross-entropy of ``softmax(Z C^T / tau_a)``), i.e. how well the interface at that depth
+        already separates the classes in the shared semantic space (docs/fedsga.md).
+        """
         model = self.ctx.model
         x, y = self._probe(client)
         was_training = model.training
         model.eval()
         losses = []
-        for cut in (self.cuts[0], self.cuts[self.ref_index]):
-            front, back = model.split(cut)
+        for depth in (0, self.ref_index):
+            front, _ = model.split(self.cuts[depth])
             with self.ctx.fabric.autocast():
-                losses.append(float(F.cross_entropy(back(self._prompted(front, prompt)(x)).float(), y)))
+                interface = self._prompted(front, prompt)(x)
+            losses.append(self.harmonizer.probe_loss(interface, y, depth))
         model.train(was_training)
         return losses[0], losses[1]
 

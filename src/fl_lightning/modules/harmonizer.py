@@ -9,6 +9,7 @@ cross-entropy of the prototype similarities at temperature ``tau`` (docs/fedsga.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -90,6 +91,17 @@ class InterfaceHarmonizer(nn.Module):
         features = self.project(z, depth)
         counts = self.update_prototypes(features.detach(), labels)
         return self.alignment_loss(features, labels), counts
+
+    @torch.no_grad()
+    def probe_loss(self, z: torch.Tensor, labels: torch.Tensor, depth: int) -> float:
+        """Cross-entropy of the prototype classifier on the interface ``z`` from ``depth``
+        (FedSGA's probe loss); the classes without a prototype are left out of the softmax,
+        and examples of such a class are not scored."""
+        logits = self.logits(self.project(z, depth))
+        known = self.has_prototype[labels] > 0
+        if not known.any():
+            return math.log(self.prototypes.shape[0])  # no prototype yet: the uniform guess
+        return float(F.cross_entropy(logits[known], labels[known]))
 
     @torch.no_grad()
     def true_class_probability(self, z: torch.Tensor, labels: torch.Tensor, depth: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from timm.models.vision_transformer import VisionTransformer, _load_weights, checkpoint_filter_fn
 
@@ -63,8 +64,9 @@ class ViTClient(nn.Module):
     # timm's own token embedding, reading the attributes registered below
     _pos_embed = VisionTransformer._pos_embed
 
-    def __init__(self, vit: VisionTransformer, k: int):
+    def __init__(self, vit: VisionTransformer, k: int, image_size: Optional[int] = None):
         super().__init__()
+        self.image_size = image_size
         self.patch_embed = vit.patch_embed
         self.cls_token = vit.cls_token
         self.reg_token = vit.reg_token
@@ -78,6 +80,7 @@ class ViTClient(nn.Module):
         self.num_prefix_tokens = vit.num_prefix_tokens
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = resize_input(x, self.image_size)
         return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
 
     def forward(self, x: torch.Tensor, prompt_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -87,6 +90,14 @@ class ViTClient(nn.Module):
         if prompt_tokens is not None:
             h = insert_prompts(h, prompt_tokens, self.num_prefix_tokens)
         return self.blocks(h)
+
+
+def resize_input(x: torch.Tensor, size: Optional[int]) -> torch.Tensor:
+    """Images bilinearly resized to ``size`` squared (None: unchanged), as ViT-B/16 on 32x32
+    CIFAR images is usually run at its native 224."""
+    if size is None or tuple(x.shape[-2:]) == (size, size):
+        return x
+    return F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
 
 
 def insert_prompts(tokens: torch.Tensor, prompts: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
@@ -147,6 +158,8 @@ class ViT(ElasticModel):
         mlp_ratio: MLP hidden width over token width.
         drop_path_rate: stochastic depth rate of the last block (timm's linear schedule).
         global_pool: timm's pooling before the classifier ("token" = class token, "avg").
+        image_size: resize inputs to this side (bilinear) before the patch embedding, on the
+            client side of any cut (ViT-B/16 at 224 on 32x32 images); None keeps the input size.
         pretrained: path of a local timm ``VisionTransformer`` checkpoint of the same
             architecture to start from (never downloaded): a ``torch.save``d state dict (or one
             under "state_dict"/"model"), or a JAX ``.npz``. The position embedding is resized
@@ -160,7 +173,7 @@ class ViT(ElasticModel):
     def __init__(self, num_classes: int, input_shape: Sequence[int], variant: Optional[str] = None,
                  patch_size: int = 4, embed_dim: int = 64, depth: int = 4, num_heads: int = 4,
                  mlp_ratio: float = 4.0, drop_path_rate: float = 0.0, global_pool: str = "token",
-                 pretrained: Optional[str] = None):
+                 image_size: Optional[int] = None, pretrained: Optional[str] = None):
         if variant is not None:
             if variant not in VIT_VARIANTS:
                 raise ConfigError("model.kwargs.variant",
@@ -169,7 +182,11 @@ class ViT(ElasticModel):
             patch_size, embed_dim, depth, num_heads = (
                 arch["patch_size"], arch["embed_dim"], arch["depth"], arch["num_heads"])
         input_shape = tuple(input_shape)
-        if len(input_shape) != 3 or any(side % patch_size for side in input_shape[1:]):
+        if image_size is not None and not (isinstance(image_size, int) and image_size >= patch_size):
+            raise ConfigError("model.kwargs.image_size", f"must be an integer >= the patch size {patch_size}, "
+                                                          f"got {image_size!r}")
+        grid = tuple(input_shape[1:]) if image_size is None else (image_size, image_size)
+        if len(input_shape) != 3 or any(side % patch_size for side in grid):
             raise ConfigError("model.input_shape",
                               f"needs (channels, height, width) with sides divisible by patch size "
                               f"{patch_size}, got {input_shape}")
@@ -177,15 +194,17 @@ class ViT(ElasticModel):
             raise ConfigError("model.kwargs.depth", f"must be at least 1, got {depth}")
         config = dict(num_classes=num_classes, input_shape=input_shape, variant=variant,
                       patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-                      mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate, global_pool=global_pool)
+                      mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate, global_pool=global_pool,
+                      image_size=image_size)
         super().__init__(**config)
         self.config = config  # rebuilds the same architecture in ``build_local``
         self.num_classes = num_classes
         self.input_shape = input_shape
         self.embed_dim = embed_dim
         self.depth = depth
+        self.image_size = image_size
         self.vit = VisionTransformer(
-            img_size=input_shape[1:], patch_size=patch_size, in_chans=input_shape[0],
+            img_size=grid, patch_size=patch_size, in_chans=input_shape[0],
             num_classes=num_classes, global_pool=global_pool, embed_dim=embed_dim, depth=depth,
             num_heads=num_heads, mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate,
         )
@@ -258,6 +277,7 @@ class ViT(ElasticModel):
         :meth:`forward_blocks`, as :class:`ViTClient` does with its ``prompt_tokens``.
         """
         vit = self.vit
+        x = resize_input(x, self.image_size)
         return vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))
 
     def forward_blocks(self, h: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -301,7 +321,7 @@ class ViT(ElasticModel):
         count of client blocks), sharing (not copying) this model's parameters:
         ``client(x) == forward_until(x, cut)`` and ``server(h) == forward_from(h, cut)``."""
         k = self.num_client_blocks(cut)
-        return ViTClient(self.vit, k), ViTServer(self.vit, k)
+        return ViTClient(self.vit, k, self.image_size), ViTServer(self.vit, k)
 
     # -- routing ----------------------------------------------------------------------------
     def regions(self, spec: WidthSpec, kind: str = "leading", offset: int = 0) -> RegionMap:

@@ -1,0 +1,116 @@
+"""Write the split-FL configs: one YAML per dataset, backbone and method.
+
+    python tools/split_configs.py     # -> configs/split/{paper,offline}/<dataset>/<backbone>_<method>.yaml
+
+``paper/``: the protocol of the FedSGA paper (Sec. 4.1.3): N = 20 clients, all participating,
+5 local epochs, batch 64, SGD; CIFAR-10 at lr 0.1 for 100 rounds, the others at lr 0.01 for
+300 rounds; Dirichlet(0.1) (``--partition.method iid`` gives the IID rows); ResNet-18 and
+ViT-B/16 (inputs resized to 224; ``--model.kwargs.pretrained <file>`` starts from local
+weights). ``offline/``: CPU-sized versions on the real MNIST subset, with a narrow ResNet-18
+and a tiny ViT, including the ablation (Table 4) and split-strategy (Fig. 4) variants.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+METHODS = {
+    "splitfed": ("SplitFed", {}),
+    "splitfed_v2": ("SplitFed", {"version": "v2"}),
+    "fedsga": ("FedSGA", {}),
+}
+# Table 4's ablation and Fig. 4's split strategies
+VARIANTS = {
+    "fedsga_no_adapt": ("FedSGA", {"adaptation_channel": False}),
+    "fedsga_no_suff": ("FedSGA", {"sufficiency_estimator": False}),
+    "fedsga_no_harmon": ("FedSGA", {"harmonizer": False}),
+    "fedsga_static": ("FedSGA", {"split_strategy": "static"}),
+    "fedsga_random": ("FedSGA", {"split_strategy": "random"}),
+}
+# the middle boundary for SplitFed: FedSGA's p_ref
+SPLITFED_CUT = {"resnet18": "layer2.1", "vit_b16": "block5", "resnet18_narrow": "layer2.1", "vit_tiny": "block1"}
+
+BACKBONES = {
+    "resnet18": lambda stem: {"name": "resnet18", "kwargs": {"stem": stem}},
+    "vit_b16": lambda stem: {"name": "vit", "kwargs": {"variant": "vit_base_patch16_224", "image_size": 224}},
+}
+STEMS = {"cifar10": "cifar", "cifar100": "cifar", "tinyimagenet": "tiny", "domainnet": "imagenet"}
+PAPER_DATA = {
+    "cifar10": ({"name": "cifar10", "download": True}, 0.1, 100),
+    "cifar100": ({"name": "cifar100", "download": True}, 0.01, 300),
+    "tinyimagenet": ({"name": "tinyimagenet"}, 0.01, 300),
+    "domainnet": ({"name": "domainnet", "options": {"image_size": 224}}, 0.01, 300),
+}
+
+OFFLINE_BACKBONES = {
+    "resnet18_narrow": {"name": "resnet18", "kwargs": {"width": 0.125}},
+    "vit_tiny": {"name": "vit", "kwargs": {"patch_size": 4, "embed_dim": 48, "depth": 4, "num_heads": 3}},
+}
+
+
+def algorithm(method: str, backbone: str) -> dict:
+    cls, args = {**METHODS, **VARIANTS}[method]
+    args = dict(args)
+    if cls == "SplitFed":
+        args["cut"] = SPLITFED_CUT[backbone]
+    out = {"class_path": f"fl_lightning.algorithms.{cls}"}
+    if args:
+        out["init_args"] = args
+    return out
+
+
+def paper_config(dataset: str, backbone: str, method: str) -> dict:
+    data, lr, rounds = PAPER_DATA[dataset]
+    return {"name": f"{backbone}_{method}_{dataset}", "seed": 0, "data": copy.deepcopy(data),
+            "partition": {"method": "dirichlet", "num_clients": 20, "alpha": 0.1},
+            "model": BACKBONES[backbone](STEMS[dataset]), "algorithm": algorithm(method, backbone),
+            "train": {"epochs": 5, "batch_size": 64, "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
+            "federation": {"rounds": rounds, "clients_per_round": 20}, "eval": {"every": 10},
+            "fabric": {"accelerator": "auto"}}
+
+
+def offline_config(backbone: str, method: str) -> dict:
+    return {"name": f"{backbone}_{method}_mnist_subset", "seed": 0,
+            "data": {"name": "mnist_subset", "val_size": 500},
+            "partition": {"method": "dirichlet", "num_clients": 20, "alpha": 0.1},
+            "model": copy.deepcopy(OFFLINE_BACKBONES[backbone]), "algorithm": algorithm(method, backbone),
+            "train": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+            "federation": {"rounds": 20, "clients_per_round": 20}, "eval": {"every": 5},
+            "fabric": {"accelerator": "cpu"}}
+
+
+HEADER = ("# Split FL (papers/fedsga-adaptive-split-sufficiency.md), {where}: {method} with {backbone} on {dataset}.\n"
+          "# Written by tools/split_configs.py. {note}\n")
+PAPER_NOTE = "Dirichlet(0.1); add --partition.method iid for the IID columns."
+OFFLINE_NOTE = "CPU-sized; run seeds with tools/submodel_sweep.py (docs/fedsga_results.md)."
+
+
+def write(path: Path, header: str, cfg: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+
+
+def main(out: str = "configs/split") -> None:
+    written = 0
+    for dataset in PAPER_DATA:
+        for backbone in BACKBONES:
+            for method in METHODS:
+                header = HEADER.format(where="paper", method=method, backbone=backbone, dataset=dataset, note=PAPER_NOTE)
+                write(Path(out) / "paper" / dataset / f"{backbone}_{method}.yaml", header,
+                      paper_config(dataset, backbone, method))
+                written += 1
+    for backbone in OFFLINE_BACKBONES:
+        for method in {**METHODS, **VARIANTS}:
+            header = HEADER.format(where="offline", method=method, backbone=backbone, dataset="mnist_subset",
+                                   note=OFFLINE_NOTE)
+            write(Path(out) / "offline" / "mnist_subset" / backbone / f"{method}.yaml", header,
+                  offline_config(backbone, method))
+            written += 1
+    print(f"{written} configs under {out}")
+
+
+if __name__ == "__main__":
+    main()
