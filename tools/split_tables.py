@@ -7,7 +7,7 @@ as mean +- std over seeds (Tables 2-4, Fig. 4), paired per-seed differences agai
 reference, the split decisions (mean candidate index, share of client rounds at p1, share of
 calibration labels that found p1 sufficient), and the client cost per client and round
 (Table 5): activated client parameters, client forward+backward MACs, bytes across the cut
-(both ways) and client wall time.
+(both ways) and client wall time, and the run's totals of client MACs and cut traffic.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from submodel_tables import collect, pm, run_figures
+from submodel_tables import collect, pm, print_paired, run_figures
 
 
 def cost_figures(run) -> dict:
@@ -31,7 +31,9 @@ def cost_figures(run) -> dict:
             "seconds": mean("client_seconds"), "cut": mean("cut") if any("cut" in r for r in rows) else float("nan"),
             "p1": float(np.mean([r["cut"] == 0 for r in rows if "cut" in r])) if any("cut" in r for r in rows)
             else float("nan"),
-            "sufficient": float(np.mean(labels)) if labels else float("nan")}
+            "sufficient": float(np.mean(labels)) if labels else float("nan"),
+            "total_macs": float(sum(r.get("client_macs", 0) for r in rows)),
+            "total_bytes": float(sum(r["cut_bytes_up"] + r["cut_bytes_down"] for r in rows))}
 
 
 def main(argv=None) -> int:
@@ -50,24 +52,16 @@ def main(argv=None) -> int:
         print(f"| {method} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
               f"{pm([c['cut'] for c in costs], 1.0, 2)} | {pm([c['p1'] for c in costs], 1.0, 2)} | "
               f"{pm([c['sufficient'] for c in costs], 1.0, 2)} |")
-    ref = accuracy.get(args.reference)
-    if ref:
-        print(f"\nPaired per-seed differences against {args.reference} (method - {args.reference}, final acc, points):\n")
-        print("| method | per seed | mean ± std |")
-        print("| --- | --- | --- |")
-        for method, seeds in accuracy.items():
-            common = sorted(set(seeds) & set(ref))
-            if method == args.reference or not common:
-                continue
-            d = [100 * (seeds[s]["final"] - ref[s]["final"]) for s in common]
-            print(f"| {method} | {', '.join(f'{x:+.1f}' for x in d)} | {pm(d, 1.0)} |")
+    print_paired(accuracy, args.reference, "method")
     print("\nClient cost per client and round (Table 5):\n")
-    print("| method | client params (K) | client MACs (G) | cut traffic (MB) | client time (s) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| method | client params (K) | client MACs (G) | cut traffic (MB) | client time (s) "
+          "| run total client MACs (T) | run total cut traffic (GB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for method, seeds in cost.items():
         c = list(seeds.values())
         print(f"| {method} | {pm([x['params'] for x in c], 1e-3, 1)} | {pm([x['macs'] for x in c], 1e-9, 2)} | "
-              f"{pm([x['bytes'] for x in c], 1e-6, 2)} | {pm([x['seconds'] for x in c], 1.0, 3)} |")
+              f"{pm([x['bytes'] for x in c], 1e-6, 2)} | {pm([x['seconds'] for x in c], 1.0, 3)} | "
+              f"{pm([x['total_macs'] for x in c], 1e-12, 2)} | {pm([x['total_bytes'] for x in c], 1e-9, 2)} |")
     return 0
 
 

@@ -42,6 +42,22 @@ def pm(values, scale=100.0, digits=1) -> str:
     return f"{v.mean():.{digits}f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.{digits}f}"
 
 
+def print_paired(figures: dict, reference: str, label: str) -> None:
+    """Per-seed final-accuracy differences of every entry against ``reference``, in points."""
+    ref = figures.get(reference)
+    if not ref:
+        return
+    print(f"\nPaired per-seed differences against {reference} ({label} - {reference}, final acc, points):\n")
+    print(f"| {label} | per seed | mean ± std |")
+    print("| --- | --- | --- |")
+    for name, seeds in figures.items():
+        common = sorted(set(seeds) & set(ref))
+        if name == reference or not common:
+            continue
+        d = [100 * (seeds[s]["final"] - ref[s]["final"]) for s in common]
+        print(f"| {name} | {', '.join(f'{x:+.1f}' for x in d)} | {pm(d, 1.0)} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
@@ -57,17 +73,7 @@ def main(argv=None) -> int:
         vals = list(seeds.values())
         print(f"| {policy} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
               f"{pm([v['p'] for v in vals], 1.0, 2)} |")
-    ref = figures.get(args.reference)
-    if ref:
-        print(f"\nPaired per-seed differences against {args.reference} (policy - {args.reference}, points):\n")
-        print("| policy | final acc diff per seed | mean ± std |")
-        print("| --- | --- | --- |")
-        for policy, seeds in figures.items():
-            common = sorted(set(seeds) & set(ref))
-            if policy == args.reference or not common:
-                continue
-            d = [100 * (seeds[s]["final"] - ref[s]["final"]) for s in common]
-            print(f"| {policy} | {', '.join(f'{x:+.1f}' for x in d)} | {pm(d, 1.0)} |")
+    print_paired(figures, args.reference, "policy")
     if args.table4:
         for policy in [p for p in runs if p.startswith("hasfl")]:
             print(f"\nTable 4 ({policy}): correlations over the clients of each seed\n")
