@@ -1,0 +1,232 @@
+"""FedAS (Yang, Huang and Ye, CVPR 2024): federated parameter alignment before local training
+and Fisher-information-weighted aggregation (client synchronization)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.head_body import (class_prototypes, find_classifier, forward_features, head_keys,
+                                               mean_client_scores, state_bytes)
+from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.client_data import ClientData, eval_batches
+from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.local_training import train_locally
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.seeding import client_generator, derive_seed
+
+ALIGN_STREAM = 33  # seed stream of the alignment pass's batch order
+TRAINED = "fedas/trained"  # per-client flag in the store: 1 once the client holds a trained model
+
+
+@dataclass
+class FisherResult(ClientResult):
+    """A client's result with the trace of its empirical Fisher information (the aggregation
+    weight); a non-finite trace leaves the client out like a non-finite loss."""
+
+    fisher: float = 0.0
+
+    def non_finite(self) -> Optional[str]:
+        problem = super().non_finite()
+        if problem is None and not math.isfinite(self.fisher):
+            return f"non-finite Fisher information trace ({self.fisher})"
+        return problem
+
+
+def fisher_trace(model: nn.Module, dataset, indices: torch.Tensor, batch_size: int, device=None) -> float:
+    """``sum_batches sum_params ||grad_theta NLL(batch)||^2``: the original's estimate of the
+    trace of the empirical Fisher information, over every parameter, in evaluation mode, the
+    batch NLL being the mean over the batch (batches in shard order)."""
+    was_training = model.training
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = 0.0
+    for x, y in eval_batches(dataset, indices, batch_size, device):
+        nll = F.cross_entropy(model(x).float(), y)
+        grads = torch.autograd.grad(nll, params, allow_unused=True)
+        total += float(torch.stack([g.double().pow(2).sum() for g in grads if g is not None]).sum())
+    model.train(was_training)
+    return total
+
+
+def alignment_loss(features: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor,
+                   present: torch.Tensor) -> torch.Tensor:
+    """``sum_{c in batch, c known} mean_{i: y_i = c} mean_d (f_i,d - z_c,d)^2`` (the original's
+    per-class ``MSELoss`` summed over the batch's classes)."""
+    loss = features.new_zeros(())
+    for c in labels.unique().tolist():
+        if present[c]:
+            f = features[labels == c]
+            loss = loss + F.mse_loss(f, prototypes[c].to(f.dtype).expand_as(f))
+    return loss
+
+
+class FedAS(FedAvg):
+    """Federated parameter alignment and client synchronization (Yang et al., 2024).
+
+    The model is a shared body and a personalized head (the final linear classifier, as in the
+    original's ``BaseHeadSplit``); every client keeps its whole local model in the server's
+    per-client store (a client never seen holds the common initial model).
+
+    Parameter alignment, before a client trains: it computes the per-class mean representation
+    (prototype) of its shard with its previous local model, then takes ``align_epochs`` SGD
+    passes (learning rate ``align_lr``, batches of ``align_batch_size``) on the received global
+    body to minimize the summed per-class MSE between the global body's representations and
+    those prototypes. Its local model becomes the aligned global body with its own head.
+
+    Client synchronization: after local training (the whole model), the client computes the
+    trace of its empirical Fisher information, ``F_i = sum_batches ||grad NLL||^2`` over every
+    parameter; the server averages the returned models with weights ``F_i / sum_j F_j`` over
+    the round's clients (instead of FedAvg's sample counts).
+
+    Evaluation: ``acc``/``loss`` are the mean over clients that have trained of their stored
+    local model's figures on the server split; ``global_acc``/``global_loss`` those of the
+    aggregated global model (the figures before any client has trained, and in
+    ``fl_lightning evaluate``). Details and every choice: docs/fl_baselines.md.
+    """
+
+    def __init__(self, align_lr: float = 0.01, align_epochs: int = 1, align_batch_size: int = 16,
+                 align_unseen: bool = True):
+        """
+        Args:
+            align_lr: SGD step size of the parameter alignment (0.01 in the original code).
+            align_epochs: alignment passes over the client's shard (1 in the original code; 0
+                disables the alignment: clients start from the global body and their own head).
+            align_batch_size: mini-batch size of the prototype and alignment passes (16 in the
+                original code).
+            align_unseen: also align a client that has never trained, towards the prototypes of
+                the common initial model (the original code does; false: it starts from the
+                global body unchanged).
+        """
+        self.align_lr = align_lr
+        self.align_epochs = align_epochs
+        self.align_batch_size = align_batch_size
+        self.align_unseen = align_unseen
+
+    def check(self, train):
+        lr = self.align_lr
+        if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0):
+            raise ConfigError("algorithm.align_lr", f"must be a finite number >= 0, got {lr!r}")
+        for key, low in (("align_epochs", 0), ("align_batch_size", 1)):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                raise ConfigError(f"algorithm.{key}", f"must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.align_unseen, bool):
+            raise ConfigError("algorithm.align_unseen", f"must be true or false, got {self.align_unseen!r}")
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.head_keys = head_keys(self.worker)
+        _, self.classifier = find_classifier(self.worker)
+        head = set(self.head_keys)
+        self.body_params = [p for n, p in self.worker.named_parameters() if n not in head]
+        # setup runs before a checkpoint is loaded: this is the common initial model
+        self.init_state = {k: v.detach().clone() for k, v in self.global_state.items()}
+        self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in self.global_state.items()},
+                                               TRAINED: torch.zeros((), device=ctx.fabric.device)})
+
+    def trained(self, client: int) -> Optional[Dict[str, torch.Tensor]]:
+        """The client's stored local model, or None while it holds the initial one."""
+        state = self.store.states.get(client)
+        return state if state is not None and float(state[TRAINED]) > 0 else None
+
+    def _load(self, state: Dict[str, torch.Tensor], keys) -> None:
+        local = self.worker.state_dict()
+        with torch.no_grad():
+            for key in keys:
+                local[key].copy_(state[key])
+
+    # -- a round --------------------------------------------------------------------------------
+    def fit_client(self, task, plan):
+        ctx = self.ctx
+        shard = ctx.shards[task.client]
+        stored = self.trained(task.client)
+        previous = stored if stored is not None else self.init_state
+        align_loss = 0.0
+        if self.align_epochs > 0 and (stored is not None or self.align_unseen):
+            self._load(previous, self.global_state.keys())
+            prototypes, counts = class_prototypes(self.worker, self.classifier, shard.dataset, shard.indices,
+                                                  ctx.num_classes, self.align_batch_size, ctx.fabric.device)
+            load_routed_state(self.worker, self.global_state, self.worker_regions)
+            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ALIGN_STREAM, plan.round_idx, task.client))
+            align_loss = self.align(shard, prototypes, counts > 0, generator)
+        else:
+            load_routed_state(self.worker, self.global_state, self.worker_regions)
+        self._load(previous, self.head_keys)  # the personalized head
+        routed = Routed(self.worker, self.worker_regions)
+        module = self.client_module(routed, task, plan)
+        generator = client_generator(ctx.seed, plan.round_idx, task.client)
+        fit = train_locally(ctx.fabric, module, shard, ctx.train, generator)
+        fisher = fisher_trace(self.worker, shard.dataset, shard.indices, ctx.train.batch_size, ctx.fabric.device)
+        state = self.worker.state_dict()
+        body_bytes = state_bytes(state, [k for k in state if k not in self.head_keys])
+        return FisherResult(task.client, fit.num_samples, fit.loss, update=routed, module=module, fisher=fisher,
+                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": body_bytes,
+                                     "bytes_up": routed.payload_bytes(), "fisher_trace": fisher,
+                                     "align_loss": align_loss})
+
+    def align(self, shard: ClientData, prototypes: torch.Tensor, present: torch.Tensor,
+              generator: torch.Generator) -> float:
+        """SGD on the worker's body towards the prototypes (evaluation mode: the prototypes are
+        read in evaluation mode too, and BN statistics stay those of the global model); returns
+        the mean alignment loss."""
+        optimizer = torch.optim.SGD(self.body_params, lr=self.align_lr)
+        data = ClientData(shard.dataset, shard.indices, self.align_batch_size, self.ctx.fabric.device)
+        was_training = self.worker.training
+        self.worker.eval()
+        total, steps = 0.0, 0
+        for _ in range(self.align_epochs):
+            for x, y in data.epoch(generator):
+                features, _ = forward_features(self.worker, self.classifier, x)
+                loss = alignment_loss(features.reshape(-1, features.shape[-1]), y.reshape(-1), prototypes, present)
+                if not loss.requires_grad:  # no class of the batch has a prototype
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total, steps = total + float(loss.detach()), steps + 1
+        optimizer.zero_grad(set_to_none=True)
+        self.worker.train(was_training)
+        return total / max(steps, 1)
+
+    def commit(self, acc, task, result, plan):
+        """Fisher-weighted accumulation (the accumulator divides by the summed traces, so the
+        weights are ``F_i / sum_j F_j``) and the client's local model into the store."""
+        state = self.worker.state_dict()
+        acc.add(state, float(result.fisher), result.update.regions)
+        kept = {k: v.detach().clone() for k, v in state.items()}
+        kept[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
+        self.store.set(task.client, kept)
+
+    def finish_round(self, new_state, sums, plan, owned):
+        super().finish_round(new_state, sums, plan, owned)
+        self.store.sync(self.ctx.fabric, plan.cohort, owned)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split, batch_size):
+        overall = super().evaluate(split, batch_size)
+        clients = sorted(c for c in self.store.states if self.trained(c) is not None)
+        if not clients:
+            return {**overall, **{f"global_{k}": v for k, v in overall.items()}}
+        dataset, indices = self.ctx.data.split(split)
+
+        def personal(client: int):
+            self._load(self.trained(client), self.global_state.keys())
+            return self.worker
+
+        scores = mean_client_scores(self.ctx.fabric, clients, personal, dataset, indices, batch_size)
+        return {**scores, "clients": float(len(clients)), **{f"global_{k}": v for k, v in overall.items()}}
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        return {f"clients/{k}": v for k, v in self.store.state_dict().items()}
+
+    def load_state_dict(self, state):
+        self.store.load_state_dict({k[len("clients/"):]: v for k, v in state.items() if k.startswith("clients/")})

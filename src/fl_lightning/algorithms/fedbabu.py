@@ -1,0 +1,136 @@
+"""FedBABU (Oh et al., ICLR 2022): federated training of the body only; the head stays at its
+random initialization, and is fine-tuned (with the body) on each client for personalization."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Dict, Literal, Optional
+
+import torch
+
+from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.head_body import head_keys, mean_client_scores, state_bytes
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.local_training import train_locally
+from fl_lightning.runtime.seeding import derive_seed
+
+FINETUNE_STREAM = 32  # seed stream of the personalization fine-tuning (batch order, dropout)
+
+FinetunePart = Literal["full", "head"]
+
+
+class FedBABU(FedAvg):
+    """Body aggregation and body update (Oh et al., 2022).
+
+    During federated training the head (the final linear classifier, found from the model's
+    ``head_modules()``) is frozen at its random initialization: clients update only the body
+    (learning rate 0 for the head), and only the body is aggregated (sample-weighted, as FedAvg).
+    The global model is evaluated as it is (a random, fixed head on the learned body).
+
+    Personalization (the paper's evaluation): each client fine-tunes the global model on its own
+    shard for ``finetune_epochs`` epochs, the whole network by default as in the paper, and the
+    mean accuracy of the fine-tuned models on the server's split is reported as ``ft_acc`` (and
+    ``ft_loss``). It runs only where it is cheap enough: on the test split once the last round
+    is done (the final and best-checkpoint figures) and in ``fl_lightning evaluate``.
+    Details: docs/fl_baselines.md.
+    """
+
+    def __init__(self, finetune_epochs: int = 5, finetune_part: FinetunePart = "full",
+                 finetune_lr: Optional[float] = None):
+        """
+        Args:
+            finetune_epochs: personalization epochs tau_f of each client's fine-tuning before
+                the ``ft_acc`` figure (0: no personalization figures).
+            finetune_part: what fine-tuning updates: full (body and head, the paper's default)
+                or head (the head only).
+            finetune_lr: fine-tuning learning rate (None: train.lr), with train.momentum and
+                train.weight_decay.
+        """
+        self.finetune_epochs = finetune_epochs
+        self.finetune_part = finetune_part
+        self.finetune_lr = finetune_lr
+
+    def check(self, train):
+        epochs = self.finetune_epochs
+        if not (isinstance(epochs, int) and not isinstance(epochs, bool) and epochs >= 0):
+            raise ConfigError("algorithm.finetune_epochs", f"must be an integer >= 0, got {epochs!r}")
+        if self.finetune_part not in ("full", "head"):
+            raise ConfigError("algorithm.finetune_part", f"must be full or head, got {self.finetune_part!r}")
+        lr = self.finetune_lr
+        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ConfigError("algorithm.finetune_lr", f"must be a finite number > 0 (or null), got {lr!r}")
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.head_keys = head_keys(self.worker)
+        self.head_params = [p for n, p in self.worker.named_parameters() if n in self.head_keys]
+        self.body_keys = [k for k in self.global_state if k not in self.head_keys]
+        self._freeze_head()
+        self.rounds_done = 0
+        self._finetuned: Dict[tuple, Dict[str, float]] = {}
+
+    def _freeze_head(self) -> None:
+        for p in self.worker.parameters():
+            p.requires_grad_(True)
+        for p in self.head_params:
+            p.requires_grad_(False)  # no gradient: SGD (momentum, weight decay) leaves it bit-identical
+
+    # -- a round --------------------------------------------------------------------------------
+    def fit_client(self, task, plan):
+        result = super().fit_client(task, plan)
+        # the head is fixed and known to everyone: only the body goes back
+        result.metrics["bytes_up"] -= state_bytes(self.worker.state_dict(), self.head_keys)
+        return result
+
+    def finish_round(self, new_state, sums, plan, owned):
+        with torch.no_grad():
+            for key in self.body_keys:
+                if key in new_state:
+                    self.global_state[key].copy_(new_state[key])
+        self.rounds_done = plan.round_idx + 1
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split, batch_size):
+        metrics = super().evaluate(split, batch_size)
+        ctx = self.ctx
+        final = ctx.mode == "evaluate" or self.rounds_done >= ctx.rounds
+        if self.finetune_epochs > 0 and split == "test" and final:
+            metrics.update(self.personalized(split, batch_size))
+        return metrics
+
+    def personalized(self, split: str, batch_size: int) -> Dict[str, float]:
+        """Mean ``ft_acc``/``ft_loss`` over all clients of the fine-tuned global model (cached for
+        the same global tensors, so the last model is fine-tuned once however often it is scored)."""
+        from fl_lightning.modules.supervised import SupervisedClient
+
+        ctx = self.ctx
+        fingerprint = (split, tuple(float(v.double().sum()) for v in self.global_state.values()
+                                    if v.is_floating_point()))
+        if fingerprint in self._finetuned:
+            return self._finetuned[fingerprint]
+        t = ctx.train
+        cfg = replace(t, epochs=self.finetune_epochs, steps=None)
+        lr = self.finetune_lr if self.finetune_lr is not None else t.lr
+        dataset, indices = ctx.data.split(split)
+
+        def finetuned(client: int):
+            self.worker.load_state_dict(self.global_state)
+            for p in self.worker.parameters():
+                p.requires_grad_(self.finetune_part == "full")
+            for p in self.head_params:
+                p.requires_grad_(True)
+            torch.manual_seed(derive_seed(ctx.seed, FINETUNE_STREAM, client, 1))
+            module = SupervisedClient(self.worker, lr, t.momentum, t.weight_decay)
+            train_locally(ctx.fabric, module, ctx.shards[client], cfg,
+                          torch.Generator().manual_seed(derive_seed(ctx.seed, FINETUNE_STREAM, client)))
+            return self.worker
+
+        try:
+            scores = mean_client_scores(ctx.fabric, list(range(ctx.num_clients)), finetuned, dataset, indices,
+                                        batch_size)
+        finally:
+            self._freeze_head()
+        out = {"ft_acc": scores["acc"], "ft_loss": scores["loss"]}
+        self._finetuned = {fingerprint: out}
+        return out

@@ -1,0 +1,189 @@
+"""FedGH (Yi et al., ACM MM 2023): a generalized global header trained by the server on the
+clients' class-averaged representations; clients keep their own feature extractors."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.head_body import class_prototypes, find_classifier, head_keys, mean_client_scores
+from fl_lightning.elastic.aggregation import SparseAccumulator
+from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.local_training import train_locally
+from fl_lightning.runtime.plan import ClientTask
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.seeding import client_generator
+
+TRAINED = "fedgh/trained"  # per-client flag in the store: 1 once the client holds a trained body
+
+
+class FedGH(FedAvg):
+    """Generalized global header (Yi et al., 2023).
+
+    Each round the cohort receives the global header (the final linear classifier) and puts it
+    on its own feature extractor (the body, kept per client, never aggregated); it trains the
+    whole local model on its shard, then sends the per-class mean of the representations that
+    enter the header, computed with the trained body over its shard. The server trains the
+    global header on those (prototype, class) pairs with cross-entropy and SGD, one step per
+    prototype in cohort order and class order by default, and the clients adopt it.
+
+    Bodies live in the server's per-client store (a client never seen keeps the common initial
+    body). Evaluation: the mean over clients that have trained of the accuracy (and loss) of
+    their body with the current global header on the server split; before any client has
+    trained, or without the store (``fl_lightning evaluate``), the global model (initial body,
+    global header). Details: docs/fl_baselines.md.
+    """
+
+    def __init__(self, server_lr: Optional[float] = None, server_epochs: int = 1, server_batch_size: int = 1):
+        """
+        Args:
+            server_lr: the server's SGD step size for the global header (None: the round's
+                client learning rate, as the original code steps the header with the clients'
+                optimizer settings).
+            server_epochs: passes over the round's prototypes.
+            server_batch_size: prototypes per server step (1: one step per prototype, the
+                original's loop).
+        """
+        self.server_lr = server_lr
+        self.server_epochs = server_epochs
+        self.server_batch_size = server_batch_size
+
+    def check(self, train):
+        lr = self.server_lr
+        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ConfigError("algorithm.server_lr", f"must be a finite number > 0 (or null), got {lr!r}")
+        for key in ("server_epochs", "server_batch_size"):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"algorithm.{key}", f"must be an integer >= 1, got {value!r}")
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        self.head_keys = head_keys(ctx.model)
+        self.body_keys = [k for k in self.global_state if k not in self.head_keys]
+        _, self.header = find_classifier(ctx.model)  # shares the global tensors
+        _, self.worker_classifier = find_classifier(self.worker)
+        self.feature_dim = self.header.in_features
+        body = {k: self.global_state[k] for k in self.body_keys}
+        self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in body.items()},
+                                               TRAINED: torch.zeros((), device=ctx.fabric.device)})
+        self._cohort: List[int] = []
+        self._protos: Dict[int, tuple] = {}
+
+    def trained(self, client: int) -> Optional[Dict[str, torch.Tensor]]:
+        """The client's stored body, or None while it holds the initial one."""
+        state = self.store.states.get(client)
+        return state if state is not None and float(state[TRAINED]) > 0 else None
+
+    def new_accumulator(self):
+        return SparseAccumulator({}, dense=True)  # nothing is averaged
+
+    # -- a round --------------------------------------------------------------------------------
+    def plan(self, round_idx):
+        plan = super().plan(round_idx)
+        self._cohort = plan.cohort
+        return plan
+
+    def route(self, task, plan):
+        """The client's model: its own body (the initial one until it has trained) with the
+        current global header."""
+        load_routed_state(self.worker, self.global_state, self.worker_regions)
+        body = self.trained(task.client)
+        if body is not None:
+            local = self.worker.state_dict()
+            with torch.no_grad():
+                for key in self.body_keys:
+                    local[key].copy_(body[key])
+        return Routed(self.worker, self.worker_regions)
+
+    def fit_client(self, task, plan):
+        ctx = self.ctx
+        routed = self.route(task, plan)
+        module = self.client_module(routed, task, plan)
+        shard = ctx.shards[task.client]
+        generator = client_generator(ctx.seed, plan.round_idx, task.client)
+        fit = train_locally(ctx.fabric, module, shard, ctx.train, generator)
+        protos, counts = class_prototypes(self.worker, self.worker_classifier, shard.dataset, shard.indices,
+                                          ctx.num_classes, ctx.train.batch_size, ctx.fabric.device)
+        self._pending = (task.client, protos, (counts > 0).float())  # kept if committed
+        present = int((counts > 0).sum())
+        header = sum(self.global_state[k].numel() * self.global_state[k].element_size() for k in self.head_keys)
+        return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
+                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": header,
+                                     "bytes_up": present * (protos.shape[1] * protos.element_size() + 8)})
+
+    def commit(self, acc, task, result, plan):
+        local = self.worker.state_dict()
+        state = {k: local[k].detach().clone() for k in self.body_keys}
+        state[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
+        self.store.set(task.client, state)
+        client, protos, mask = self._pending
+        self._protos[client] = (protos, mask)
+
+    def round_tensors(self):
+        """Every committed client's prototypes and class mask, summed across ranks (clients a
+        rank did not commit contribute zeros), so every rank trains the same header."""
+        out = {}
+        zeros = None
+        for client in self._cohort:
+            if client in self._protos:
+                protos, mask = self._protos[client]
+            else:
+                if zeros is None:
+                    zeros = (torch.zeros(self.ctx.num_classes, self.feature_dim, device=self.ctx.fabric.device),
+                             torch.zeros(self.ctx.num_classes, device=self.ctx.fabric.device))
+                protos, mask = zeros
+            out[f"proto/{client}"], out[f"has/{client}"] = protos, mask
+        return out
+
+    def finish_round(self, new_state, sums, plan, owned):
+        features, labels = [], []
+        for client in plan.cohort:
+            mask = sums[f"has/{client}"] > 0
+            features.append(sums[f"proto/{client}"][mask])
+            labels.append(torch.nonzero(mask).flatten())
+        if features:
+            self.train_header(torch.cat(features), torch.cat(labels), plan.lr)
+        self.store.sync(self.ctx.fabric, plan.cohort, owned)
+        self._protos = {}
+
+    def train_header(self, prototypes: torch.Tensor, labels: torch.Tensor, round_lr: float) -> None:
+        """SGD on ``cross_entropy(header(prototype), class)`` over the prototypes in order."""
+        lr = self.server_lr if self.server_lr is not None else round_lr
+        params = list(self.header.parameters())
+        with torch.enable_grad():
+            for _ in range(self.server_epochs):
+                for start in range(0, len(labels), self.server_batch_size):
+                    p = prototypes[start:start + self.server_batch_size].to(params[0].dtype)
+                    loss = F.cross_entropy(self.header(p), labels[start:start + self.server_batch_size])
+                    grads = torch.autograd.grad(loss, params)
+                    with torch.no_grad():
+                        for param, grad in zip(params, grads):
+                            param.sub_(grad, alpha=lr)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split, batch_size):
+        clients = sorted(c for c in self.store.states if self.trained(c) is not None)
+        if not clients:
+            return super().evaluate(split, batch_size)
+        dataset, indices = self.ctx.data.split(split)
+
+        def personal(client: int):
+            self.route(ClientTask(client), None)
+            return self.worker
+
+        scores = mean_client_scores(self.ctx.fabric, clients, personal, dataset, indices, batch_size)
+        return {**scores, "clients": float(len(clients))}
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        return {f"clients/{k}": v for k, v in self.store.state_dict().items()}
+
+    def load_state_dict(self, state):
+        self.store.load_state_dict({k[len("clients/"):]: v for k, v in state.items() if k.startswith("clients/")})

@@ -1,0 +1,143 @@
+"""FedMut (Hu et al., AAAI 2024): each client starts its round from a stochastic mutation of
+the global model along the last global update; aggregation as FedAvg."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Literal
+
+import torch
+
+from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.seeding import derive_seed
+
+MUTATION_STREAM = 31  # seed stream of the mutation signs (one draw per round)
+
+Weighting = Literal["samples", "uniform"]
+
+
+def balanced_signs(generator: torch.Generator, cohort_size: int, num_layers: int,
+                   negative: float = -1.0) -> torch.Tensor:
+    """``[cohort_size, num_layers]`` mutation weights v: in every layer (column), half of the
+    mutated clients get +1 and the other half ``negative`` (-1 for the balanced mutation), in
+    a random order drawn per layer; with an odd cohort one client, drawn once per round, is
+    not mutated (0 in every layer), as the original leaves the odd client out."""
+    signs = torch.zeros(cohort_size, num_layers, dtype=torch.float64)
+    clients = list(range(cohort_size))
+    if cohort_size % 2:
+        clients.pop(int(torch.randint(cohort_size, (1,), generator=generator)))
+    half = len(clients) // 2
+    values = torch.tensor([1.0] * half + [negative] * half, dtype=torch.float64)
+    rows = torch.tensor(clients, dtype=torch.long)
+    for layer in range(num_layers):
+        signs[rows, layer] = values[torch.randperm(len(clients), generator=generator)]
+    return signs
+
+
+class FedMut(FedAvg):
+    """Generalized FL via stochastic mutation (Hu et al., 2024).
+
+    The server keeps the global model ``w_g`` and the previous round's ``w_prev``. In round
+    ``t`` client ``i`` of the cohort receives ``w_i = w_g + alpha * v_i (.) (w_g - w_prev)``,
+    where ``v_i`` holds one weight per layer (per state-dict tensor): +1 or -1, balanced so that
+    in every layer half of the cohort moves each way and the mutations cancel over the cohort
+    (an odd cohort leaves one client unmutated). Round 0 has ``w_prev = w_g``: no mutation.
+    The returned models are averaged as FedAvg does (sample-weighted by default).
+
+    ``acc_rate`` > 0 reproduces the official code's "mutation acceleration": the negative
+    weight is ``-(1 - acc_rate (1 - min((t - 1) / acc_rounds, 1)))``, so early rounds lean
+    along the last update. Signs come from a generator keyed by (seed, round), so they do not
+    depend on ranks. Details: docs/fl_baselines.md.
+    """
+
+    def __init__(self, alpha: float = 4.0, acc_rate: float = 0.0, acc_rounds: int = 50,
+                 mutate_buffers: bool = True, weighting: Weighting = "samples"):
+        """
+        Args:
+            alpha: mutation radius (the official code's ``--radius``, default 4.0).
+            acc_rate: mutation acceleration of the official code (``--mut_acc_rate``, 0.3
+                there); 0 gives the balanced mutation of the paper, whose mutations sum to zero.
+            acc_rounds: rounds over which the acceleration decays to 0 (``--mut_bound``, 50).
+            mutate_buffers: also mutate floating-point buffers (batch-norm statistics), as the
+                original mutates every state-dict entry; false: parameters only.
+            weighting: aggregation weights of the returned models: samples (FedAvg's n_i) or
+                uniform (the official code's plain mean).
+        """
+        self.alpha = alpha
+        self.acc_rate = acc_rate
+        self.acc_rounds = acc_rounds
+        self.mutate_buffers = mutate_buffers
+        self.weighting = weighting
+
+    def check(self, train):
+        alpha = self.alpha
+        number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+        if not (number and math.isfinite(alpha) and alpha >= 0):
+            raise ConfigError("algorithm.alpha", f"must be a finite number >= 0, got {alpha!r}")
+        rate = self.acc_rate
+        if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < 1):
+            raise ConfigError("algorithm.acc_rate", f"must be in [0, 1), got {rate!r}")
+        rounds = self.acc_rounds
+        if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
+            raise ConfigError("algorithm.acc_rounds", f"must be an integer >= 1, got {rounds!r}")
+        if not isinstance(self.mutate_buffers, bool):
+            raise ConfigError("algorithm.mutate_buffers", f"must be true or false, got {self.mutate_buffers!r}")
+        if self.weighting not in ("samples", "uniform"):
+            raise ConfigError("algorithm.weighting", f"must be samples or uniform, got {self.weighting!r}")
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        params = {name for name, _ in ctx.model.named_parameters()}
+        self.mutated_keys = [k for k, v in self.global_state.items()
+                             if v.is_floating_point() and (self.mutate_buffers or k in params)]
+        self.previous = {k: v.detach().clone() for k, v in self.global_state.items() if v.is_floating_point()}
+        self._signs: Dict[int, torch.Tensor] = {}
+        self._delta: Dict[str, torch.Tensor] = {}
+
+    def negative_weight(self, round_idx: int) -> float:
+        """The weight opposite to +1 for the models sent in ``round_idx`` (-1 without acceleration)."""
+        if self.acc_rate == 0:
+            return -1.0
+        done = max(round_idx - 1, 0)  # the original mutates after round t - 1 for round t
+        return -(1.0 - self.acc_rate * (1.0 - min(done / self.acc_rounds, 1.0)))
+
+    # -- a round --------------------------------------------------------------------------------
+    def plan(self, round_idx):
+        plan = super().plan(round_idx)
+        generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MUTATION_STREAM, round_idx))
+        signs = balanced_signs(generator, len(plan.tasks), len(self.mutated_keys), self.negative_weight(round_idx))
+        self._signs = {task.client: signs[i] for i, task in enumerate(plan.tasks)}
+        with torch.no_grad():
+            self._delta = {k: self.global_state[k] - self.previous[k] for k in self.mutated_keys}
+        return plan
+
+    def route(self, task, plan):
+        """The client's mutated copy ``w_g + alpha v_i (.) (w_g - w_prev)``."""
+        load_routed_state(self.worker, self.global_state, self.worker_regions)
+        signs = self._signs[task.client].tolist()
+        local = self.worker.state_dict()
+        with torch.no_grad():
+            for key, sign in zip(self.mutated_keys, signs):
+                if sign != 0:
+                    local[key].add_(self._delta[key], alpha=self.alpha * sign)
+        return Routed(self.worker, self.worker_regions)
+
+    def commit(self, acc, task, result, plan):
+        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
+        acc.add(result.update.module.state_dict(), weight, result.update.regions)
+
+    def finish_round(self, new_state, sums, plan, owned):
+        with torch.no_grad():
+            for key, value in self.previous.items():
+                value.copy_(self.global_state[key])
+        super().finish_round(new_state, sums, plan, owned)
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        return {f"previous/{k}": v for k, v in self.previous.items()}
+
+    def load_state_dict(self, state):
+        for key, value in self.previous.items():
+            value.copy_(state[f"previous/{key}"])

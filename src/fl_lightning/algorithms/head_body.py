@@ -1,0 +1,143 @@
+"""The body/head split and per-client scoring shared by FedBABU, FedGH and FedAS.
+
+- :func:`find_classifier`: the model's final classifier (the "head" of FedBABU, the "header" of
+  FedGH, the personalized part of FedAS), found generically: the last ``nn.Linear`` among the
+  modules the model names in ``head_modules()``; a model that names none (the ViT, the LSTM)
+  falls back to its last ``nn.Linear`` with ``num_classes`` outputs.
+- :func:`forward_features`: the representation entering that classifier, read by a forward
+  pre-hook, so it is pooled (and normalized) exactly as the model's own ``forward_head`` does.
+- :func:`class_prototypes`: per-class mean representations of a client's shard.
+- :func:`score` and :func:`mean_client_scores`: accuracy and loss of per-client models on a
+  server split, each rank scoring a share of the clients (no torchmetrics collectives, since
+  ranks score different models), then one all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.client_data import eval_batches
+from fl_lightning.runtime.collectives import all_reduce_sum
+from fl_lightning.runtime.seeding import shard_for_rank
+
+
+def find_classifier(model: nn.Module) -> Tuple[str, nn.Linear]:
+    """``(module name, module)`` of the model's final linear classifier."""
+    try:
+        heads = model.head_modules()
+    except (NotImplementedError, AttributeError):
+        heads = None
+    if heads is not None:
+        linears = [m for head in heads.values() for m in head.modules() if isinstance(m, nn.Linear)]
+    else:
+        classes = getattr(model, "num_classes", None)
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == classes]
+    if not linears:
+        raise ConfigError("model.name", f"{type(model).__name__} has no linear classifier to treat as the head")
+    classifier = linears[-1]
+    name = next(n for n, m in model.named_modules() if m is classifier)
+    return name, classifier
+
+
+def head_keys(model: nn.Module) -> List[str]:
+    """State-dict keys of the classifier (its weight and bias)."""
+    name, classifier = find_classifier(model)
+    return [f"{name}.{key}" for key in classifier.state_dict()]
+
+
+def state_bytes(state: Dict[str, torch.Tensor], keys: Iterable[str]) -> int:
+    return sum(state[k].numel() * state[k].element_size() for k in keys)
+
+
+class FeatureTap:
+    """Records the input of ``classifier`` during a forward pass (a context manager)."""
+
+    def __init__(self, classifier: nn.Module):
+        self.classifier = classifier
+        self.value = None
+
+    def __enter__(self) -> "FeatureTap":
+        self.handle = self.classifier.register_forward_pre_hook(self._hook)
+        return self
+
+    def _hook(self, module, args) -> None:
+        self.value = args[0]
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def forward_features(model: nn.Module, classifier: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(representation entering the classifier, logits)`` of one batch."""
+    with FeatureTap(classifier) as tap:
+        logits = model(x)
+    return tap.value, logits
+
+
+@torch.no_grad()
+def class_prototypes(model: nn.Module, classifier: nn.Module, dataset, indices: torch.Tensor, num_classes: int,
+                     batch_size: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(means [C, D], counts [C])``: the exact per-class mean representation over the
+    examples ``indices`` of ``dataset`` (float32, evaluation mode, fixed order); classes absent
+    from the shard have count 0 and a zero mean."""
+    was_training = model.training
+    model.eval()
+    sums, counts = None, torch.zeros(num_classes, dtype=torch.float64, device=device)
+    for x, y in eval_batches(dataset, indices, batch_size, device):
+        features, _ = forward_features(model, classifier, x)
+        features = features.reshape(-1, features.shape[-1]).double()
+        y = y.reshape(-1)
+        if sums is None:
+            sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64, device=features.device)
+        sums.index_add_(0, y, features)
+        counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+    model.train(was_training)
+    if sums is None:
+        dim = classifier.in_features
+        return torch.zeros(num_classes, dim, device=device), counts.float()
+    means = sums / counts.clamp(min=1).unsqueeze(1)
+    return means.float(), counts.float()
+
+
+@torch.no_grad()
+def score(fabric, model: nn.Module, dataset, indices: torch.Tensor, batch_size: int) -> Tuple[float, float, int]:
+    """``(correct, summed cross-entropy, examples)`` of ``model`` on ``indices`` of ``dataset``,
+    on this rank alone."""
+    was_training = model.training
+    model.eval()
+    correct, loss, n = 0.0, 0.0, 0
+    with fabric.strategy.precision.forward_context():
+        for x, y in eval_batches(dataset, indices, batch_size, fabric.device):
+            logits = model(x).float()
+            correct += float((logits.argmax(1) == y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            n += len(y)
+    model.train(was_training)
+    return correct, loss, n
+
+
+def mean_client_scores(fabric, clients: List[int], load: Callable[[int], nn.Module], dataset,
+                       indices: torch.Tensor, batch_size: int) -> Dict[str, float]:
+    """Mean over ``clients`` of each client model's accuracy and mean loss on the split.
+
+    ``load(client)`` returns the module holding that client's model. Each rank scores a
+    contiguous share of the clients; the sums cross ranks in one all-reduce (float64), so
+    the figures do not depend on the rank count.
+    """
+    if indices is None:
+        indices = torch.arange(len(dataset))
+    mine = shard_for_rank(list(clients), fabric.global_rank, fabric.world_size)
+    acc_sum, loss_sum = 0.0, 0.0
+    for client in mine:
+        correct, loss, n = score(fabric, load(client), dataset, indices, batch_size)
+        acc_sum += correct / max(n, 1)
+        loss_sum += loss / max(n, 1)
+    sums = all_reduce_sum(fabric, {"acc": torch.tensor(acc_sum, dtype=torch.float64, device=fabric.device),
+                                   "loss": torch.tensor(loss_sum, dtype=torch.float64, device=fabric.device)})
+    count = max(len(clients), 1)
+    return {"acc": float(sums["acc"]) / count, "loss": float(sums["loss"]) / count}

@@ -1,0 +1,312 @@
+"""FedBABU, FedGH, FedAS and FedMut: each method's defining step against an independent
+computation, exact resume of the stateful ones, one-line errors for bad options."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+
+from fl_lightning.algorithms.fedas import FedAS, alignment_loss
+from fl_lightning.algorithms.fedbabu import FedBABU
+from fl_lightning.algorithms.fedgh import FedGH
+from fl_lightning.algorithms.fedmut import FedMut, balanced_signs
+from fl_lightning.config import FederationConfig, LocalTrainConfig
+from fl_lightning.data.federated import build_federated_data
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.builder import build_global_model
+from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.federation.loop import Federation, run_fit
+from fl_lightning.federation.run_dir import RunDir
+from fl_lightning.runtime.plan import ClientTask
+
+TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-3)
+HEAD = ("fc.weight", "fc.bias")  # the tiny CNN's classifier
+
+
+def saved(spec, name="last.ckpt"):
+    return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / name)
+
+
+def rows(spec, name):
+    return [json.loads(line) for line in (Path(spec.out_dir) / spec.name / name).read_text().splitlines()]
+
+
+def federation(spec):
+    """The run's loop on one CPU rank, for stepping rounds by hand."""
+    fed = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name))
+    fed._open_outputs()
+    return fed
+
+
+def shard_tensors(ctx, client):
+    shard = ctx.shards[client]
+    return shard.dataset.data[shard.indices], shard.dataset.targets[shard.indices]
+
+
+def cnn_features(model, x):
+    """The CNN's representation entering ``fc``, written out (not through the algorithms' hook)."""
+    return F.adaptive_avg_pool2d(model.forward_features(x), 1).flatten(1)
+
+
+# -- FedBABU -------------------------------------------------------------------------------------
+def test_fedbabu_trains_the_body_and_never_the_head(spec_factory):
+    """With momentum and weight decay the head is still bit-identical to its initialization;
+    every body tensor moved. ``ft_acc`` (fine-tuned personalization) appears only once the last
+    round is done."""
+    spec = spec_factory(name="babu", algorithm=FedBABU(finetune_epochs=1), train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=3))
+    summary = run_fit(spec)
+    final = saved(spec)["model"]
+    initial = build_global_model(spec, build_federated_data(spec.data, spec.partition, spec.seed)).state_dict()
+    for key in HEAD:
+        assert torch.equal(final[key], initial[key]), key
+    moved = [k for k, v in initial.items() if v.is_floating_point() and k not in HEAD]
+    assert moved and all(not torch.equal(final[k], initial[k]) for k in moved)
+    metrics = rows(spec, "metrics.jsonl")
+    assert "test_ft_acc" not in metrics[0] and 0.0 <= metrics[-1]["test_ft_acc"] <= 1.0
+    assert 0.0 <= summary["final"]["test_ft_acc"] <= 1.0
+    clients = rows(spec, "clients.jsonl")
+    head_bytes = sum(initial[k].numel() * 4 for k in HEAD)
+    assert all(r["bytes_up"] == r["bytes_down"] - head_bytes for r in clients)
+
+
+# -- FedGH ---------------------------------------------------------------------------------------
+def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
+    """The global header after round 0 equals SGD by hand, one cross-entropy step per
+    (client, class) prototype in cohort and class order, the prototypes being the per-class
+    mean representations of each client's trained body; bodies are not aggregated, and every
+    client's model carries the global header."""
+    spec = spec_factory(name="gh", algorithm=FedGH(), train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=3))
+    fed = federation(spec)
+    alg, ctx = fed.algorithm, fed.ctx
+    initial = {k: v.clone() for k, v in alg.global_state.items()}
+    cohort = alg.plan(0).cohort
+    lr = alg.round_lr(0)
+    fed.run_round(0)
+
+    weight, bias = initial["fc.weight"].clone(), initial["fc.bias"].clone()
+    for client in cohort:
+        body = copy.deepcopy(ctx.model)
+        body.load_state_dict({**initial, **{k: v for k, v in alg.store.states[client].items() if k in initial}})
+        body.eval()
+        x, y = shard_tensors(ctx, client)
+        with torch.no_grad():
+            features = cnn_features(body, x)
+        for c in sorted(set(y.tolist())):
+            prototype = features[y == c].mean(0, keepdim=True)
+            w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+            loss = F.cross_entropy(prototype @ w.T + b, torch.tensor([c]))
+            gw, gb = torch.autograd.grad(loss, (w, b))
+            weight, bias = weight - lr * gw, bias - lr * gb
+    assert torch.allclose(alg.global_state["fc.weight"], weight, atol=1e-5)
+    assert torch.allclose(alg.global_state["fc.bias"], bias, atol=1e-5)
+
+    body_keys = [k for k in initial if k not in HEAD]
+    for key in body_keys:  # the server never aggregates bodies
+        assert torch.equal(alg.global_state[key], initial[key]), key
+    a, b = cohort[:2]
+    assert not torch.equal(alg.store.states[a]["features.block0.conv.weight"],
+                           alg.store.states[b]["features.block0.conv.weight"])
+    for client in cohort:  # a client's model: its own body with the global header
+        local = alg.route(ClientTask(client), None).module.state_dict()
+        for key in HEAD:
+            assert torch.equal(local[key], alg.global_state[key]), key
+        for key in body_keys:
+            assert torch.equal(local[key], alg.store.states[client][key]), key
+    unseen = next(c for c in range(ctx.num_clients) if c not in cohort)
+    local = alg.route(ClientTask(unseen), None).module.state_dict()
+    assert all(torch.equal(local[k], alg.global_state[k]) for k in initial)
+
+
+# -- FedAS ---------------------------------------------------------------------------------------
+def hand_fisher(model, ctx, client, batch_size):
+    """sum over the shard's batches (in order) of the squared norm of the batch-mean NLL's
+    gradient with respect to every parameter, in evaluation mode."""
+    x, y = shard_tensors(ctx, client)
+    model.eval()
+    total = 0.0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        nll = -torch.log_softmax(model(xb), dim=1)[torch.arange(len(yb)), yb].mean()
+        grads = torch.autograd.grad(nll, list(model.parameters()))
+        total += sum(float((g.double() ** 2).sum()) for g in grads)
+    return total
+
+
+def test_fedas_fisher_weights_and_aggregate(spec_factory):
+    """Two clients: each one's Fisher trace recomputed on its trained model, and the aggregate
+    ``sum_i F_i theta_i / sum_j F_j`` by hand."""
+    spec = spec_factory(name="as", algorithm=FedAS(), train=TRAIN,
+                        federation=FederationConfig(rounds=3, clients_per_round=2))
+    fed = federation(spec)
+    alg, ctx = fed.algorithm, fed.ctx
+    cohort = alg.plan(0).cohort
+    _, clients = fed.run_round(0)
+    assert len(cohort) == 2
+    fishers, states = [], []
+    for client in cohort:
+        model = copy.deepcopy(ctx.model)
+        state = {k: v for k, v in alg.store.states[client].items() if k in alg.global_state}
+        model.load_state_dict(state)
+        fishers.append(hand_fisher(model, ctx, client, TRAIN.batch_size))
+        states.append(state)
+    logged = {r["client"]: r for r in clients}
+    for client, fisher in zip(cohort, fishers):
+        assert logged[client]["fisher_trace"] == pytest.approx(fisher, rel=1e-6)
+        assert logged[client]["align_loss"] > 0.0  # the within-class scatter around the prototypes
+    weights = [f / sum(fishers) for f in fishers]
+    assert 0.0 < weights[0] < 1.0 and weights[0] != pytest.approx(0.5, abs=1e-3)
+    for key, value in alg.global_state.items():
+        if value.is_floating_point():
+            expected = sum(w * s[key].double() for w, s in zip(weights, states))
+            assert torch.allclose(value.double(), expected, atol=1e-6), key
+
+
+def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec_factory):
+    """The alignment pass updates the received global body only (head and BN statistics
+    untouched), and lowers the alignment loss to the client's previous-model prototypes."""
+    from fl_lightning.algorithms.head_body import class_prototypes
+
+    spec = spec_factory(name="align", algorithm=FedAS(align_epochs=3), train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=2))
+    fed = federation(spec)
+    alg, ctx = fed.algorithm, fed.ctx
+    client = alg.plan(0).cohort[0]
+    fed.run_round(0)
+    shard = ctx.shards[client]
+    alg._load(alg.trained(client), alg.global_state.keys())
+    prototypes, counts = class_prototypes(alg.worker, alg.classifier, shard.dataset, shard.indices,
+                                          ctx.num_classes, 16)
+    alg._load(alg.global_state, alg.global_state.keys())
+    x, y = shard_tensors(ctx, client)
+
+    def loss_now():
+        alg.worker.eval()
+        with torch.no_grad():
+            return float(alignment_loss(cnn_features(alg.worker, x), y, prototypes, counts > 0))
+
+    before = loss_now()
+    alg.align(shard, prototypes, counts > 0, torch.Generator().manual_seed(0))
+    after = loss_now()
+    assert after < before
+    aligned = alg.worker.state_dict()
+    params = {n for n, _ in alg.worker.named_parameters()}
+    for key, value in alg.global_state.items():
+        same = torch.equal(aligned[key], value)
+        assert same == (key in HEAD or key not in params), key
+
+
+def test_fedas_alignment_loss_is_the_summed_per_class_mse():
+    torch.manual_seed(0)
+    features, labels = torch.randn(7, 4), torch.tensor([0, 2, 2, 1, 0, 2, 3])
+    prototypes, present = torch.randn(4, 4), torch.tensor([True, True, True, False])
+    expected = sum(((features[labels == c] - prototypes[c]) ** 2).mean() for c in (0, 1, 2))
+    assert torch.allclose(alignment_loss(features, labels, prototypes, present), expected)
+
+
+# -- FedMut --------------------------------------------------------------------------------------
+def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
+    """Round 0 sends the global model itself; round 1 sends w_g + alpha v_i (w_g - w_prev) with
+    one sign per layer, each layer's signs summing to zero over the cohort."""
+    alpha = 4.0
+    spec = spec_factory(name="mut", algorithm=FedMut(alpha=alpha), train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=4))
+    fed = federation(spec)
+    alg = fed.algorithm
+    previous = {k: v.clone() for k, v in alg.global_state.items()}
+    plan = alg.plan(0)
+    for task in plan.tasks:
+        local = alg.route(task, plan).module.state_dict()
+        assert all(torch.equal(local[k], previous[k]) for k in previous)
+    fed.run_round(0)
+    current = {k: v.clone() for k, v in alg.global_state.items()}
+    plan = alg.plan(1)
+    copies = [{k: v.clone() for k, v in alg.route(task, plan).module.state_dict().items()} for task in plan.tasks]
+    floating = [k for k, v in current.items() if v.is_floating_point()]
+    assert len(floating) > 10 and "features.block0.bn.running_var" in floating
+    signs = torch.zeros(len(copies), len(floating))
+    for j, key in enumerate(floating):
+        delta = current[key] - previous[key]
+        big = delta.abs() > 1e-3
+        assert big.any(), key
+        for i, local in enumerate(copies):
+            s = float(((local[key] - current[key])[big] / (alpha * delta[big])).mean().round())
+            assert s in (-1.0, 1.0)
+            assert torch.allclose(local[key], current[key] + alpha * s * delta, rtol=0, atol=1e-6), key
+            signs[i, j] = s
+        mutation = sum(local[key] - current[key] for local in copies)
+        assert torch.allclose(mutation, torch.zeros_like(mutation), atol=1e-5), key
+    assert (signs.sum(0) == 0).all()  # balanced in every layer
+    assert len({tuple(col.tolist()) for col in signs.T}) > 1  # drawn per layer
+    for key, value in current.items():
+        if not value.is_floating_point():
+            assert all(torch.equal(local[key], value) for local in copies)
+    drawn = dict(alg._signs)
+    alg.plan(1)  # the same draw again: signs depend on (seed, round) only
+    assert drawn.keys() == alg._signs.keys()
+    assert all(torch.equal(drawn[c], alg._signs[c]) for c in drawn)
+
+
+def test_balanced_signs_odd_cohorts_and_acceleration():
+    signs = balanced_signs(torch.Generator().manual_seed(1), 5, 40)
+    idle = [i for i in range(5) if (signs[i] == 0).all()]
+    assert len(idle) == 1 and (signs.sum(0) == 0).all() and ((signs != 0).sum(0) == 4).all()
+    fast = balanced_signs(torch.Generator().manual_seed(1), 4, 3, negative=-0.7)
+    assert ((fast == 1).sum(0) == 2).all() and ((fast == -0.7).sum(0) == 2).all()
+    mut = FedMut(acc_rate=0.3, acc_rounds=50)
+    assert mut.negative_weight(1) == pytest.approx(-0.7) and mut.negative_weight(26) == pytest.approx(-0.85)
+    assert mut.negative_weight(51) == -1.0 and FedMut().negative_weight(1) == -1.0
+
+
+# -- resume --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", [FedGH, FedAS, FedMut], ids=["fedgh", "fedas", "fedmut"])
+def test_resume_is_bit_exact(spec_factory, algorithm):
+    """Per-client bodies (FedGH), local models (FedAS) and the previous global model (FedMut)
+    survive a stop and resume: the resumed run ends with the uninterrupted run's tensors."""
+    train = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, lr_schedule="cosine")
+    fed = FederationConfig(rounds=4, clients_per_round=3)
+    whole = spec_factory(name="whole", algorithm=algorithm(), train=train, federation=fed)
+    run_fit(whole)
+    part = spec_factory(name="part", algorithm=algorithm(), train=train, federation=fed)
+    part.stop_after = 2
+    run_fit(part)
+    assert saved(part)["round"] == 2
+    resumed = copy.copy(part)
+    resumed.stop_after = None
+    resumed.algorithm = algorithm()
+    resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
+    run_fit(resumed)
+    a, b = saved(whole), saved(resumed)
+    for section in ("model", "algorithm"):
+        assert a[section].keys() == b[section].keys()
+        for key, value in a[section].items():
+            assert torch.equal(value, b[section][key]), (section, key)
+    assert [r["round"] for r in rows(part, "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+# -- bad options ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm, key", [
+    (lambda: FedBABU(finetune_epochs=-1), "algorithm.finetune_epochs"),
+    (lambda: FedBABU(finetune_part="body"), "algorithm.finetune_part"),
+    (lambda: FedBABU(finetune_lr=0.0), "algorithm.finetune_lr"),
+    (lambda: FedGH(server_lr=-0.1), "algorithm.server_lr"),
+    (lambda: FedGH(server_epochs=0), "algorithm.server_epochs"),
+    (lambda: FedGH(server_batch_size=0), "algorithm.server_batch_size"),
+    (lambda: FedAS(align_lr=float("nan")), "algorithm.align_lr"),
+    (lambda: FedAS(align_epochs=-1), "algorithm.align_epochs"),
+    (lambda: FedAS(align_batch_size=0), "algorithm.align_batch_size"),
+    (lambda: FedMut(alpha=-1.0), "algorithm.alpha"),
+    (lambda: FedMut(acc_rate=1.0), "algorithm.acc_rate"),
+    (lambda: FedMut(acc_rounds=0), "algorithm.acc_rounds"),
+    (lambda: FedMut(weighting="median"), "algorithm.weighting"),
+])
+def test_bad_options_are_one_line_config_errors(algorithm, key):
+    with pytest.raises(ConfigError) as error:
+        algorithm().check(TRAIN)
+    assert error.value.key == key
+    assert "\n" not in str(error.value) and str(error.value).startswith(f"{key}: ")
