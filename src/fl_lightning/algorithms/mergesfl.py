@@ -1,0 +1,260 @@
+"""MergeSFL (Liao et al., ICDE 2024): split FL with feature merging and batch size regulation.
+
+A round is ``K`` lock-stepped iterations of the whole cohort. In each, every client runs its
+front on a batch of its own size ``b_i``; the server concatenates the activations into one
+mixed batch, takes one step of its single server half on it and sends every client its slice
+of the gradient; the clients step. Batch sizes follow the clients' speeds (so that every client
+finishes an iteration at the same time) and the cohort is the candidate whose merged label
+distribution is closest to the global one (feature merging's IID approximation). The fronts are
+averaged weighted by the examples each processed, i.e. by ``b_i``.
+
+The cohort trains in lock-step, so it runs on one rank (``sequential_clients``): the first
+``fit_client`` call of a round trains the whole cohort and the others hand out its results.
+docs/sfl_baselines.md has the rules, options and departures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Literal, Optional, Sequence
+
+import torch
+
+from fl_lightning.algorithms.split_common import key_regions, label_counts, split_metrics, state_bytes
+from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
+
+SELECT_STREAM = 41  # seed stream of MergeSFL's candidate cohorts
+SPEEDS = ("budget", "shard", "uniform")
+SELECTIONS = ("kl", "uniform")
+
+
+def regulate_batch_sizes(speeds: Sequence[float], caps: Sequence[int], total: int, low: int = 1) -> List[int]:
+    """Integer batch sizes proportional to ``speeds`` with ``low <= b_i <= caps[i]`` that sum to
+    ``min(total, sum(caps))``.
+
+    Water-filling: the shares ``total * s_i / sum s`` of the clients not yet pinned are computed;
+    clients above their cap are pinned at it (else those below ``low`` at ``low``) and the rest
+    is shared again. Integers by largest remainder (ties to the earlier client).
+    """
+    n = len(speeds)
+    caps = [int(c) for c in caps]
+    lows = [min(low, c) for c in caps]
+    total = min(int(total), sum(caps))
+    weights = [max(float(s), 0.0) for s in speeds]
+    if sum(weights) <= 0:
+        weights = [1.0] * n
+    sizes: List[Optional[float]] = [None] * n
+    while True:
+        free = [i for i in range(n) if sizes[i] is None]
+        if not free:
+            break
+        remaining = total - sum(s for s in sizes if s is not None)
+        mass = sum(weights[i] for i in free)
+        share = {i: remaining * weights[i] / mass if mass > 0 else remaining / len(free) for i in free}
+        over = [i for i in free if share[i] > caps[i]]
+        under = [i for i in free if share[i] < lows[i]]
+        if over:
+            for i in over:
+                sizes[i] = float(caps[i])
+        elif under:
+            for i in under:
+                sizes[i] = float(lows[i])
+        else:
+            for i in free:
+                sizes[i] = share[i]
+    floors = [max(lows[i], min(caps[i], math.floor(sizes[i]))) for i in range(n)]
+    left = total - sum(floors)
+    order = sorted(range(n), key=lambda i: (-(sizes[i] - math.floor(sizes[i])), i))
+    for i in order:
+        if left <= 0:
+            break
+        if floors[i] < caps[i]:
+            floors[i] += 1
+            left -= 1
+    return floors
+
+
+def merged_kl(counts: torch.Tensor, sizes: Sequence[int], reference: torch.Tensor) -> float:
+    """``KL(P_mix || P_ref)`` of the merged batch's label distribution
+    ``P_mix = sum_i b_i p_i / sum_i b_i`` (``p_i`` the client's label distribution)."""
+    p = counts / counts.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    b = torch.as_tensor(list(sizes), dtype=p.dtype)
+    mix = (b[:, None] * p).sum(0) / b.sum()
+    seen = mix > 0
+    return float((mix[seen] * (mix[seen] / reference[seen].clamp_min(1e-12)).log()).sum())
+
+
+class MergeSFL(SplitFed):
+    """Feature merging and batch size regulation on a single server half (SplitFed V2's)."""
+
+    def __init__(self, cut: Optional[str] = None, speeds: Literal["budget", "shard", "uniform"] = "budget",
+                 total_batch: Optional[int] = None, min_batch: int = 2,
+                 selection: Literal["kl", "uniform"] = "kl", selection_trials: int = 64,
+                 rescale_gradients: bool = True, server_lr: Optional[float] = None):
+        """
+        Args:
+            cut: block name after which the model is split (None: the middle block boundary).
+            speeds: what batch sizes are proportional to: budget (the clients' MAC budgets,
+                partition.budgets, as their computing speed; shard sizes when the run has
+                none), shard (shard sizes: every client covers its shard in the same number of
+                iterations) or uniform (train.batch_size for everyone).
+            total_batch: rows of the merged batch, sum of the cohort's batch sizes (None:
+                train.batch_size times clients_per_round).
+            min_batch: smallest batch size a client gets (batch norm needs two rows).
+            selection: kl (of candidate cohorts, the one whose merged label distribution is
+                closest to the global one in KL divergence) or uniform (the run's uniform cohort).
+            selection_trials: candidate cohorts drawn per round for the kl selection.
+            rescale_gradients: send each client its gradient slice times B / b_i, the gradient
+                of the mean loss over its own rows (false: the raw slice of the merged mean).
+            server_lr: learning rate of the server half (None: the clients' round rate).
+        """
+        super().__init__(cut=cut, version="v2", server_lr=server_lr)
+        self.speeds = speeds
+        self.total_batch = total_batch
+        self.min_batch = min_batch
+        self.selection = selection
+        self.selection_trials = selection_trials
+        self.rescale_gradients = rescale_gradients
+
+    def check(self, train) -> None:
+        super().check(train)
+        if self.speeds not in SPEEDS:
+            raise ConfigError("algorithm.speeds", f"must be one of {', '.join(SPEEDS)}, got {self.speeds!r}")
+        if self.selection not in SELECTIONS:
+            raise ConfigError("algorithm.selection", f"must be kl or uniform, got {self.selection!r}")
+        for key in ("min_batch", "selection_trials") + (("total_batch",) if self.total_batch is not None else ()):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"algorithm.{key}", f"must be an integer >= 1, got {value!r}")
+        if not isinstance(self.rescale_gradients, bool):
+            raise ConfigError("algorithm.rescale_gradients", f"must be true or false, got {self.rescale_gradients!r}")
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        m = ctx.clients_per_round
+        self.merged_rows = self.total_batch if self.total_batch is not None else ctx.train.batch_size * m
+        if self.merged_rows < m * self.min_batch:
+            raise ConfigError("algorithm.total_batch", f"{self.merged_rows} rows cannot give {m} clients "
+                                                       f"min_batch={self.min_batch} each")
+        sizes = torch.tensor(ctx.client_sizes, dtype=torch.float64)
+        if self.speeds == "budget" and ctx.budgets is not None:
+            self.client_speeds = torch.as_tensor(ctx.budgets, dtype=torch.float64).cpu()
+        elif self.speeds in ("budget", "shard"):
+            self.client_speeds = sizes
+        else:
+            self.client_speeds = torch.ones_like(sizes)
+        data = ctx.data
+        self.counts = label_counts(data.bundle.train_targets, data.clients, ctx.num_classes)
+        total = self.counts.sum(0)
+        self.reference = total / total.sum()
+        self.slots: List[torch.nn.Module] = []
+        self._results: Dict[int, ClientResult] = {}
+        self._kl = float("nan")
+
+    # -- the plan -------------------------------------------------------------------------------
+    def batch_sizes(self, cohort: Sequence[int]) -> List[int]:
+        """The cohort's batch sizes (``regulate_batch_sizes`` on its speeds, capped by shard sizes)."""
+        sizes = self.ctx.client_sizes
+        return regulate_batch_sizes([float(self.client_speeds[c]) for c in cohort], [sizes[c] for c in cohort],
+                                    self.merged_rows, self.min_batch)
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        best, best_kl = cohort, merged_kl(self.counts[cohort], self.batch_sizes(cohort), self.reference)
+        if self.selection == "kl":
+            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, SELECT_STREAM, round_idx))
+            for _ in range(self.selection_trials - 1):
+                draw = torch.randperm(ctx.num_clients, generator=generator)[:ctx.clients_per_round]
+                candidate = sorted(draw.tolist())
+                kl = merged_kl(self.counts[candidate], self.batch_sizes(candidate), self.reference)
+                if kl < best_kl:
+                    best, best_kl = candidate, kl
+        self._kl = best_kl
+        tasks = [ClientTask(c, cut=self.cut, options={"batch_size": b})
+                 for c, b in zip(best, self.batch_sizes(best))]
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def iterations(self, plan: RoundPlan) -> int:
+        """Lock-stepped iterations of the round: ``train.steps``, else ``epochs`` times the merged
+        batches that cover the cohort's examples once, ``ceil(sum n_i / sum b_i)``."""
+        t = self.ctx.train
+        if t.steps:
+            return t.steps
+        examples = sum(self.ctx.client_sizes[task.client] for task in plan.tasks)
+        rows = sum(task.options["batch_size"] for task in plan.tasks)
+        return t.epochs * math.ceil(examples / rows)
+
+    def round_metrics(self, sums) -> Dict[str, float]:
+        return {"merge/kl": self._kl}
+
+    # -- the lock-stepped cohort ----------------------------------------------------------------
+    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
+        if task is plan.tasks[0]:
+            self._results = self._fit_cohort(plan)
+        return self._results.pop(task.client)
+
+    def _fit_cohort(self, plan: RoundPlan) -> Dict[int, ClientResult]:
+        from fl_lightning.modules.split import sgd
+        from fl_lightning.modules.split_variants import merged_step
+        from fl_lightning.runtime.client_data import ClientData
+
+        ctx, cut, tasks = self.ctx, self.cut, plan.tasks
+        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
+        load_routed_state(self.server_worker, self.global_state, key_regions(self.global_state, back_keys))
+        self.server_worker.train()
+        _, back = self.server_worker.split(cut)
+        while len(self.slots) < len(tasks):  # one client model per cohort member: they train at once
+            self.slots.append(ctx.make_model().to(ctx.fabric.device))
+        forwards, optimizers, params, streams = [], [], [], []
+        steps = self.iterations(plan)
+        for slot, task in zip(self.slots, tasks):
+            load_routed_state(slot, self.global_state, key_regions(self.global_state, front_keys))
+            slot.train()
+            front, _ = slot.split(cut)
+            trained = list(front.parameters()) + self.client_trainables(task)
+            params.append(trained)
+            optimizers.append(sgd(trained, plan.lr, ctx.train))
+            forwards.append(self.client_forward(front, task))
+            shard = ctx.shards[task.client]
+            data = ClientData(shard.dataset, shard.indices, task.options["batch_size"], shard.device,
+                              shard.num_workers)
+            streams.append(data.steps(steps, client_generator(ctx.seed, plan.round_idx, task.client)))
+        server_params = list(back.parameters()) + self.server_trainables(tasks[0])
+        server_lr = self.server_lr if self.server_lr is not None else plan.lr
+        server_opt = self._server_optimizer(server_params, server_lr)
+        objective = self.server_objective(tasks[0], plan)
+        n = len(tasks)
+        up, down, examples, client_s, server_s = [0] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n
+        losses = []
+        for _ in range(steps):
+            step = merged_step(ctx.fabric, forwards, lambda zs, y: objective(back, zs, y), optimizers, server_opt,
+                               [next(s) for s in streams], ctx.train, params, server_params,
+                               rescale=self.rescale_gradients)
+            losses.append(step.loss)
+            rows = sum(step.sizes)
+            for i in range(n):
+                up[i] += step.bytes_up[i]
+                down[i] += step.bytes_down[i]
+                examples[i] += step.sizes[i]
+                client_s[i] += step.client_seconds[i]
+                server_s[i] += step.server_seconds * step.sizes[i] / rows  # the shared step, by rows
+        self._stash_momentum(server_opt)
+        loss = sum(losses) / len(losses) if losses else 0.0
+        model_bytes = state_bytes(self.global_state, front_keys)
+        results = {}
+        for i, (slot, task) in enumerate(zip(self.slots, tasks)):
+            metrics = split_metrics(self.halves, cut, model_bytes, steps=steps, seconds=client_s[i] + server_s[i],
+                                    client_seconds=client_s[i], server_seconds=server_s[i], cut_bytes_up=up[i],
+                                    cut_bytes_down=down[i], examples=examples[i])
+            metrics["batch_size"] = task.options["batch_size"]
+            results[task.client] = ClientResult(task.client, examples[i], loss,
+                                                update=Routed(slot, key_regions(self.global_state, front_keys)),
+                                                module=slot, metrics=metrics)
+        return results

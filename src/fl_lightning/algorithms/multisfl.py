@@ -1,0 +1,306 @@
+"""MultiSFL (Xia et al., AAAI 2025): multi-model aggregation and knowledge replay.
+
+The server keeps ``N = clients_per_round`` branch models (each a whole model: a client portion
+and a server portion) besides the master model (the global model, which is what is evaluated).
+Each round every branch is trained by one client of the cohort (a seeded random one-to-one
+assignment), continuing from the branch's own state: split training as SplitFed V1, with the
+server portion also seeing replayed activations of assistant devices that hold the classes the
+branch has seen least (knowledge replay). Then
+
+- the master becomes the plain mean of the branches (multi-model aggregation), and
+- every branch is pulled toward the master, ``theta_b <- theta_b + pull (theta_master - theta_b)``
+  (weak aggregation; ``pull = 1/11``, the authors' code's weights 1 and 10).
+
+The branch models, the branches' label statistics and the assignment are all server state,
+checkpointed. docs/sfl_baselines.md has the rules, every coefficient and the departures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from fl_lightning.algorithms.split_common import key_regions, label_counts, split_metrics, state_bytes
+from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
+
+# seed streams: branch assignment, assistant selection and sampling, replay chunk order
+ASSIGN_STREAM, REPLAY_STREAM, CHUNK_STREAM = 43, 44, 45
+WEAK_PULL = 1.0 / 11.0  # the authors' code: branch <- (1 * master + 10 * branch) / 11
+
+
+def weak_aggregate(branch: Dict[str, torch.Tensor], master: Dict[str, torch.Tensor], pull: float) -> None:
+    """``branch <- branch + pull (master - branch)`` in place, floating tensors only (integer
+    buffers, batch norm's step counters, stay the branch's)."""
+    with torch.no_grad():
+        for key, value in branch.items():
+            if value.is_floating_point():
+                value.add_(master[key].to(value.dtype) - value, alpha=pull)
+
+
+def decayed_distribution(distribution: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                         decay: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A branch's label statistic after one more client, as the authors' code updates it:
+    ``W <- decay W + 1``, ``D <- (decay D + n_c) / W`` (``n_c`` the client's label counts)."""
+    weight = decay * weight + 1.0
+    return (decay * distribution + counts) / weight, weight
+
+
+def replay_requirement(distribution: torch.Tensor, client_examples: int, budget: float) -> torch.Tensor:
+    """Examples of each class to replay for a branch: ``R = max(C, floor(budget n_c))`` shared
+    over the classes below the mean of ``D`` in proportion to their deficit
+    ``max(mean(D) - D_k, 0)``, rounded down."""
+    classes = distribution.numel()
+    total = max(classes, int(client_examples * budget))
+    deficit = (distribution.mean() - distribution).clamp_min(0)
+    if deficit.sum() <= 0:
+        return torch.zeros(classes, dtype=torch.long)
+    return torch.floor(total * deficit / deficit.sum()).to(torch.long)
+
+
+def choose_assistants(requirement: torch.Tensor, counts: torch.Tensor, client: int,
+                      generator: torch.Generator) -> List[Tuple[int, torch.Tensor]]:
+    """Assistant devices in a random order of the other clients, each giving
+    ``min(its class count, what is still required)`` of every class until nothing is."""
+    need = requirement.clone()
+    order = [c for c in torch.randperm(counts.shape[0], generator=generator).tolist() if c != client]
+    chosen = []
+    for helper in order:
+        if need.sum() <= 0:
+            break
+        give = torch.minimum(counts[helper].to(torch.long), need)
+        if give.sum() > 0:
+            chosen.append((helper, give))
+            need -= give
+    return chosen
+
+
+class MultiSFL(SplitFed):
+    """Branch models trained by one client each, averaged into a master, weakly pulled back."""
+
+    def __init__(self, cut: Optional[str] = None, pull: float = WEAK_PULL, replay: bool = True,
+                 replay_budget: float = 0.01, replay_decay: float = 0.5, adaptive_split: bool = False,
+                 candidates: Optional[List[str]] = None, server_lr: Optional[float] = None):
+        """
+        Args:
+            cut: block name after which the model is split (None: the middle block boundary).
+            pull: weak aggregation coefficient: each branch moves this fraction of the way to
+                the master after every round (1/11: the authors' weights 1 for the master and 10
+                for the branch).
+            replay: knowledge replay (assistant devices' activations join the server's batches).
+            replay_budget: replayed examples per round as a fraction of the client's shard (at
+                least one per class).
+            replay_decay: decay of a branch's cumulative label distribution per round.
+            adaptive_split: cut each client at the deepest of ``candidates`` whose client forward
+                MACs fit its budget (partition.budgets; the shallowest when none does): the
+                FedSGA paper's reading of MultiSFL; the original has one cut.
+            candidates: the cuts adaptive_split chooses from, shallowest first (None: the stage
+                ends as for FedSGA).
+            server_lr: learning rate of the server portion (None: the clients' round rate).
+        """
+        super().__init__(cut=cut, version="v1", server_lr=server_lr)
+        self.pull = pull
+        self.replay = replay
+        self.replay_budget = replay_budget
+        self.replay_decay = replay_decay
+        self.adaptive_split = adaptive_split
+        self.candidates = candidates
+
+    def check(self, train) -> None:
+        super().check(train)
+        for key in ("pull", "replay_budget", "replay_decay"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
+                raise ConfigError(f"algorithm.{key}", f"must be a number in [0, 1], got {value!r}")
+        for key in ("replay", "adaptive_split"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"algorithm.{key}", f"must be true or false, got {getattr(self, key)!r}")
+        if self.candidates is not None and not self.adaptive_split:
+            raise ConfigError("algorithm.candidates", "is used only with adaptive_split: true")
+        if self.cut is not None and self.adaptive_split:
+            raise ConfigError("algorithm.cut", "is not used with adaptive_split: true (the cuts are the candidates)")
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def candidate_cuts(self, model) -> List[str]:
+        if not self.adaptive_split:
+            return super().candidate_cuts(model)
+        from fl_lightning.algorithms.fedsga import default_candidates
+
+        names = list(model.block_names)
+        cuts = list(self.candidates) if self.candidates is not None else default_candidates(names)
+        for cut in cuts:
+            self._check_cut("algorithm.candidates", cut, names)
+        if len(set(cuts)) != len(cuts) or [names.index(c) for c in cuts] != sorted(names.index(c) for c in cuts):
+            raise ConfigError("algorithm.candidates", f"must be distinct and listed shallowest first, got {cuts}")
+        return cuts
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        device = ctx.fabric.device
+        self.num_branches = ctx.clients_per_round
+        self.branches = [{k: v.detach().clone() for k, v in self.global_state.items()}
+                         for _ in range(self.num_branches)]
+        self.counts = label_counts(ctx.data.bundle.train_targets, ctx.data.clients, ctx.num_classes)
+        self.distribution = torch.zeros(self.num_branches, ctx.num_classes, dtype=torch.float64)
+        self.distribution_weight = torch.zeros(self.num_branches, dtype=torch.float64)
+        self.helper_worker = ctx.make_model().to(device)
+        self._by_class: Dict[int, List[torch.Tensor]] = {}
+        self._trained: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._stats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.client_cut = None
+        if self.adaptive_split:
+            macs = [self.halves.front_macs[c] for c in self.cuts]
+            budgets = ctx.budgets.tolist() if ctx.budgets is not None else [math.inf] * ctx.num_clients
+            self.client_cut = [self.cuts[max([k for k, m in enumerate(macs) if m <= b], default=0)] for b in budgets]
+
+    # -- the plan -------------------------------------------------------------------------------
+    def plan(self, round_idx: int) -> RoundPlan:
+        """The uniform cohort, the k-th client of a seeded random order training branch k, and
+        each branch's label statistic updated with its client (pending until the round ends)."""
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        order = torch.randperm(len(cohort), generator=torch.Generator().manual_seed(
+            derive_seed(ctx.seed, ASSIGN_STREAM, round_idx))).tolist()
+        tasks, self._stats = [], {}
+        for branch, position in enumerate(order):
+            client = cohort[position]
+            self._stats[branch] = decayed_distribution(self.distribution[branch], self.distribution_weight[branch],
+                                                       self.counts[client], self.replay_decay)
+            cut = self.client_cut[client] if self.client_cut is not None else self.cut
+            tasks.append(ClientTask(client, cut=cut, options={"branch": branch}))
+        tasks.sort(key=lambda t: t.client)
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    # -- knowledge replay -----------------------------------------------------------------------
+    def _class_indices(self, client: int) -> List[torch.Tensor]:
+        if client not in self._by_class:
+            indices = self.ctx.data.clients[client]
+            targets = torch.as_tensor(self.ctx.data.bundle.train_targets, dtype=torch.long)[indices]
+            self._by_class[client] = [indices[targets == k] for k in range(self.ctx.num_classes)]
+        return self._by_class[client]
+
+    def replay_set(self, task: ClientTask, round_idx: int) -> Tuple[torch.Tensor, int]:
+        """Dataset indices the assistants replay for this client's branch, and how many assistants."""
+        distribution, _ = self._stats[task.options["branch"]]
+        need = replay_requirement(distribution, len(self.ctx.data.clients[task.client]), self.replay_budget)
+        generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, REPLAY_STREAM, round_idx, task.client))
+        chosen = choose_assistants(need, self.counts, task.client, generator)
+        picked = []
+        for helper, give in chosen:
+            for k, indices in enumerate(self._class_indices(helper)):
+                if give[k] > 0:
+                    picked.append(indices[torch.randperm(len(indices), generator=generator)[:int(give[k])]])
+        if not picked:
+            return torch.zeros(0, dtype=torch.long), 0
+        return torch.cat(picked), len(chosen)
+
+    # -- a client's round -----------------------------------------------------------------------
+    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
+        from fl_lightning.modules.split import sgd
+        from fl_lightning.modules.split_variants import train_split_replay
+        from fl_lightning.runtime.client_data import ClientData
+
+        ctx, cut, branch = self.ctx, task.cut, task.options["branch"]
+        state = self.branches[branch]
+        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
+        front_regions = key_regions(state, front_keys)
+        load_routed_state(self.client_worker, state, front_regions)
+        load_routed_state(self.server_worker, state, key_regions(state, back_keys))
+        for worker in (self.client_worker, self.server_worker, self.helper_worker):
+            worker.train()
+        front, _ = self.client_worker.split(cut)
+        _, back = self.server_worker.split(cut)
+        helper_front, _ = self.helper_worker.split(cut)
+        server_lr = self.server_lr if self.server_lr is not None else plan.lr
+        client_params = list(front.parameters()) + self.client_trainables(task)
+        server_params = list(back.parameters()) + self.server_trainables(task)
+        client_opt = sgd(client_params, plan.lr, ctx.train)
+        server_opt = self._server_optimizer(server_params, server_lr)
+        objective = self.server_objective(task, plan)
+        shard = ctx.shards[task.client]
+        helper_data, assistants = None, 0
+        if self.replay:
+            indices, assistants = self.replay_set(task, plan.round_idx)
+            if len(indices) >= 2:  # batch norm needs two rows per part
+                chunk = max(2, math.ceil(len(indices) / shard.batches_per_epoch()))
+                helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
+
+        def refresh_helper():  # the assistants receive the client portion as it is now
+            load_routed_state(self.helper_worker, self.client_worker.state_dict(), front_regions)
+
+        fit = train_split_replay(ctx.fabric, self.client_forward(front, task), self.client_forward(helper_front, task),
+                                 refresh_helper, lambda zs, y: objective(back, zs, y), client_opt, server_opt,
+                                 shard, helper_data, ctx.train, client_generator(ctx.seed, plan.round_idx, task.client),
+                                 torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx,
+                                                                           task.client)),
+                                 client_params=client_params, server_params=server_params)
+        model_bytes = state_bytes(state, front_keys)
+        metrics = split_metrics(self.halves, cut, model_bytes, steps=fit.steps, seconds=fit.seconds,
+                                client_seconds=fit.client_seconds, server_seconds=fit.server_seconds,
+                                cut_bytes_up=fit.cut_bytes_up, cut_bytes_down=fit.cut_bytes_down,
+                                examples=fit.examples)
+        metrics.update({"branch": branch, "cut": self.cuts.index(cut), "assistants": assistants,
+                        "replay_examples": fit.replay_examples, "replay_bytes_up": fit.replay_bytes_up,
+                        "replay_model_bytes": assistants * fit.snapshots * model_bytes})
+        regions = key_regions(state, front_keys, "front.")
+        regions.update(key_regions(state, back_keys, "back."))
+        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(self.pair, regions),
+                            module=self.pair, metrics=metrics)
+
+    def commit(self, acc, task, result, plan) -> None:
+        """Every branch weighs the same in the master (the authors' plain mean); the trained
+        branch is kept for the round's end."""
+        acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
+        local = result.update.module.state_dict()
+        regions = result.update.regions
+        self._trained[task.options["branch"]] = {
+            global_key: local[local_key].detach().clone() for local_key, (global_key, _) in regions.items()}
+
+    # -- the round's end ------------------------------------------------------------------------
+    def round_tensors(self) -> Dict[str, torch.Tensor]:
+        """The trained branches, for every rank (owners send values, the others zeros)."""
+        out = {}
+        for branch in range(self.num_branches):
+            trained = self._trained.get(branch)
+            for key, value in self.branches[branch].items():
+                out[f"branch/{branch}/{key}"] = trained[key] if trained is not None else torch.zeros_like(value)
+            out[f"branch/{branch}/trained"] = torch.tensor(float(trained is not None), dtype=torch.float64,
+                                                           device=self.ctx.fabric.device)
+        return out
+
+    def finish_round(self, new_state, sums, plan, owned) -> None:
+        super().finish_round(new_state, sums, plan, owned)  # the master: the mean of the branches
+        with torch.no_grad():
+            for branch in range(self.num_branches):
+                if sums[f"branch/{branch}/trained"] > 0:
+                    for key, value in self.branches[branch].items():
+                        value.copy_(sums[f"branch/{branch}/{key}"].to(value.dtype))
+                weak_aggregate(self.branches[branch], self.global_state, self.pull)
+        for branch, (distribution, weight) in self._stats.items():
+            self.distribution[branch] = distribution
+            self.distribution_weight[branch] = weight
+        self._trained, self._stats = {}, {}
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        out = super().state_dict()
+        for branch, state in enumerate(self.branches):
+            out.update({f"branch/{branch}/{k}": v for k, v in state.items()})
+        out["replay/distribution"] = self.distribution
+        out["replay/weight"] = self.distribution_weight
+        return out
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for branch, values in enumerate(self.branches):
+                for key, value in values.items():
+                    value.copy_(state[f"branch/{branch}/{key}"])
+        self.distribution = state["replay/distribution"].detach().cpu().to(torch.float64).clone()
+        self.distribution_weight = state["replay/weight"].detach().cpu().to(torch.float64).clone()

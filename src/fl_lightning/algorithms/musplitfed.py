@@ -1,0 +1,110 @@
+"""MU-SplitFed (Liang et al., NeurIPS 2025): SplitFed with unbalanced server updates.
+
+For every batch a client sends, the server half takes ``tau`` steps on the same activations
+while the client half takes one, so the server's progress per client round is ``tau`` times
+SplitFed's (the straggler-resilience mechanism). The rest is SplitFed (V1 by default: a server
+copy per client, averaged with the fronts; V2 available). ``modules/split_variants.py`` holds
+the training pass; docs/sfl_baselines.md the rules, options and departures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+
+from fl_lightning.algorithms.split_common import key_regions, split_metrics, state_bytes
+from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.seeding import client_generator, derive_seed
+
+ZO_STREAM = 42  # seed stream of MU-SplitFed's zeroth-order directions
+FEEDBACK = ("start", "last_step", "end")
+ESTIMATORS = ("fo", "zo")
+
+
+class MUSplitFed(SplitFed):
+    """SplitFed whose server half takes ``tau`` steps per client step."""
+
+    def __init__(self, cut: Optional[str] = None, tau: int = 2,
+                 feedback_at: Literal["start", "last_step", "end"] = "end",
+                 estimator: Literal["fo", "zo"] = "fo", zo_smoothing: float = 1e-3,
+                 version: Literal["v1", "v2"] = "v1", server_lr: Optional[float] = None):
+        """
+        Args:
+            cut: block name after which the model is split (None: the middle block boundary).
+            tau: server steps per received activation batch (the client takes one); 1 with
+                feedback_at=start is SplitFed.
+            feedback_at: the server state the client's feedback comes from: start (before the
+                server's tau steps), last_step (the tau-th step's gradient) or end (after the tau
+                steps, one extra server forward and backward).
+            estimator: fo (first order: the gradient at the cut goes down) or zo (the original's
+                two-point zeroth-order estimator on both halves; lower train.lr accordingly).
+            zo_smoothing: the zeroth-order perturbation scale lambda.
+            version: v1 (a server copy per client, averaged) or v2 (one server half trained
+                client by client).
+            server_lr: learning rate of the server half (None: the clients' round rate).
+        """
+        super().__init__(cut=cut, version=version, server_lr=server_lr)
+        self.tau = tau
+        self.feedback_at = feedback_at
+        self.estimator = estimator
+        self.zo_smoothing = zo_smoothing
+
+    def check(self, train) -> None:
+        super().check(train)
+        if not (isinstance(self.tau, int) and not isinstance(self.tau, bool) and self.tau >= 1):
+            raise ConfigError("algorithm.tau", f"must be an integer >= 1, got {self.tau!r}")
+        if self.feedback_at not in FEEDBACK:
+            raise ConfigError("algorithm.feedback_at",
+                              f"must be one of {', '.join(FEEDBACK)}, got {self.feedback_at!r}")
+        if self.estimator not in ESTIMATORS:
+            raise ConfigError("algorithm.estimator", f"must be fo or zo, got {self.estimator!r}")
+        s = self.zo_smoothing
+        if not (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
+            raise ConfigError("algorithm.zo_smoothing", f"must be a finite number > 0, got {s!r}")
+
+    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
+        from fl_lightning.modules.split import sgd
+        from fl_lightning.modules.split_variants import train_unbalanced
+
+        ctx, cut = self.ctx, task.cut
+        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
+        load_routed_state(self.client_worker, self.global_state, key_regions(self.global_state, front_keys))
+        if self.version == "v1" or task is plan.tasks[0]:
+            load_routed_state(self.server_worker, self.global_state, key_regions(self.global_state, back_keys))
+        self.client_worker.train()
+        self.server_worker.train()
+        front, _ = self.client_worker.split(cut)
+        _, back = self.server_worker.split(cut)
+        server_lr = self.server_lr if self.server_lr is not None else plan.lr
+        client_params = list(front.parameters()) + self.client_trainables(task)
+        server_params = list(back.parameters()) + self.server_trainables(task)
+        client_opt = sgd(client_params, plan.lr, ctx.train)
+        server_opt = self._server_optimizer(server_params, server_lr)
+        objective = self.server_objective(task, plan)
+        zo_generator = None
+        if self.estimator == "zo":
+            zo_generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ZO_STREAM, plan.round_idx, task.client))
+        fit = train_unbalanced(ctx.fabric, self.client_forward(front, task), lambda zs, y: objective(back, zs, y),
+                               client_opt, server_opt, ctx.shards[task.client], ctx.train,
+                               client_generator(ctx.seed, plan.round_idx, task.client), self.tau,
+                               feedback_at=self.feedback_at, client_params=client_params,
+                               server_params=server_params, estimator=self.estimator,
+                               smoothing=self.zo_smoothing, zo_generator=zo_generator)
+        if self.version == "v2":
+            self._stash_momentum(server_opt)
+        regions = key_regions(self.global_state, front_keys, "front.")
+        if self.version == "v1":
+            regions.update(key_regions(self.global_state, back_keys, "back."))
+        metrics = split_metrics(self.halves, cut, state_bytes(self.global_state, front_keys), steps=fit.steps,
+                                seconds=fit.seconds, client_seconds=fit.client_seconds,
+                                server_seconds=fit.server_seconds, cut_bytes_up=fit.cut_bytes_up,
+                                cut_bytes_down=fit.cut_bytes_down, examples=fit.examples)
+        metrics.update(fit.extras)
+        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(self.pair, regions),
+                            module=self.pair, metrics=metrics)

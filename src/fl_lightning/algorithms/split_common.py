@@ -1,0 +1,36 @@
+"""Pieces the split-FL baselines (MergeSFL, MU-SplitFed, MultiSFL) share with SplitFed: the
+regions of one half's keys and the per-client figures of docs/fedsga.md ("The cut")."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence
+
+import torch
+
+from fl_lightning.elastic.routing import RegionMap, full_region_map
+
+
+def key_regions(state: Mapping[str, torch.Tensor], keys: Sequence[str], prefix: str = "") -> RegionMap:
+    """Whole-tensor regions of ``keys`` of ``state``, local keys prefixed by ``prefix``."""
+    return {prefix + k: v for k, v in full_region_map({k: state[k] for k in keys}).items()}
+
+
+def state_bytes(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> int:
+    return sum(state[k].numel() * state[k].element_size() for k in keys)
+
+
+def split_metrics(halves, cut: str, model_bytes: int, *, steps: int, seconds: float, client_seconds: float,
+                  server_seconds: float, cut_bytes_up: int, cut_bytes_down: int, examples: int) -> Dict[str, float]:
+    """A client's row as SplitFed writes it: traffic at the cut, the front's exchange both
+    ways, activated client parameters and client MACs (fvcore's forward count times three)."""
+    return {"steps": steps, "seconds": seconds, "client_seconds": client_seconds, "server_seconds": server_seconds,
+            "cut_bytes_up": cut_bytes_up, "cut_bytes_down": cut_bytes_down, "model_bytes": model_bytes,
+            "bytes_up": cut_bytes_up + model_bytes, "bytes_down": cut_bytes_down + model_bytes,
+            "client_params": halves.front_params[cut], "client_macs": 3 * halves.front_macs[cut] * examples}
+
+
+def label_counts(targets: torch.Tensor, clients: List[torch.Tensor], num_classes: int) -> torch.Tensor:
+    """``(num_clients, num_classes)`` float64 label histograms of the clients' shards."""
+    targets = torch.as_tensor(targets, dtype=torch.long)
+    return torch.stack([torch.bincount(targets[idx], minlength=num_classes)[:num_classes].to(torch.float64)
+                        for idx in clients])
