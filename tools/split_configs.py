@@ -7,7 +7,10 @@
 300 rounds; Dirichlet(0.1) (``--partition.method iid`` gives the IID rows); ResNet-18 and
 ViT-B/16 (inputs resized to 224; ``--model.kwargs.pretrained <file>`` starts from local
 weights). ``offline/``: CPU-sized versions on the real MNIST subset, with a narrow ResNet-18
-and a tiny ViT, including the ablation (Table 4) and split-strategy (Fig. 4) variants.
+and a tiny ViT, including the ablation (Table 4) and split-strategy (Fig. 4) variants. Every
+method of the comparison (FedAvg, FedProx, FedBABU, FedGH, FedAS, FedMut, SplitFed,
+MergeSFL, MU-SplitFed, MultiSFL, FedSGA) gets one YAML per dataset and backbone; the split
+methods other than FedSGA cut at FedSGA's p_ref.
 """
 
 from __future__ import annotations
@@ -21,7 +24,18 @@ METHODS = {
     "splitfed": ("SplitFed", {}),
     "splitfed_v2": ("SplitFed", {"version": "v2"}),
     "fedsga": ("FedSGA", {}),
+    # the comparison of Tables 2-3 and 5 (docs/fl_baselines.md, docs/sfl_baselines.md)
+    "fedavg": ("FedAvg", {}),
+    "fedprox": ("FedProx", {"mu": 0.01}),
+    "fedbabu": ("FedBABU", {}),
+    "fedgh": ("FedGH", {}),
+    "fedas": ("FedAS", {}),
+    "fedmut": ("FedMut", {}),
+    "mergesfl": ("MergeSFL", {}),
+    "musplitfed": ("MUSplitFed", {}),
+    "multisfl": ("MultiSFL", {}),
 }
+SPLIT_METHODS = {"SplitFed", "MergeSFL", "MUSplitFed", "MultiSFL"}
 # Table 4's ablation and Fig. 4's split strategies
 VARIANTS = {
     "fedsga_no_adapt": ("FedSGA", {"adaptation_channel": False}),
@@ -54,7 +68,7 @@ OFFLINE_BACKBONES = {
 def algorithm(method: str, backbone: str) -> dict:
     cls, args = {**METHODS, **VARIANTS}[method]
     args = dict(args)
-    if cls == "SplitFed":
+    if cls in SPLIT_METHODS:
         args["cut"] = SPLITFED_CUT[backbone]
     out = {"class_path": f"fl_lightning.algorithms.{cls}"}
     if args:

@@ -1,13 +1,20 @@
 """Server-side algorithms. Configs name them by class, e.g. ``algorithm: {class_path: FedProx, init_args: {mu: 0.01}}``."""
 
 from fl_lightning.algorithms.base import Algorithm, FedAvg, RunContext
+from fl_lightning.algorithms.fedas import FedAS
+from fl_lightning.algorithms.fedbabu import FedBABU
+from fl_lightning.algorithms.fedgh import FedGH
+from fl_lightning.algorithms.fedmut import FedMut
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.feast import CacheSearch, Feast
 from fl_lightning.algorithms.fedsga import FedSGA
+from fl_lightning.algorithms.mergesfl import MergeSFL
+from fl_lightning.algorithms.multisfl import MultiSFL
+from fl_lightning.algorithms.musplitfed import MUSplitFed
 from fl_lightning.algorithms.scaffold import Scaffold
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.algorithms.submodel import HASFL, FjORD, HeteroFL, RandomBudget, SubmodelAlgorithm, Uniform
 
 __all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
            "SubmodelAlgorithm", "HeteroFL", "FjORD", "Uniform", "RandomBudget", "HASFL",
-           "SplitFed", "FedSGA"]
+           "SplitFed", "FedSGA", "FedBABU", "FedGH", "FedAS", "FedMut", "MergeSFL", "MUSplitFed", "MultiSFL"]
