@@ -1,13 +1,14 @@
 """Tables of the split-FL comparison from saved multi-seed runs (``<root>/<method>_s<seed>``).
 
-    python tools/split_tables.py runs/split/resnet18_narrow [--reference fedsga]
+    python tools/split_tables.py runs/split/resnet18_narrow [more roots ...] [--reference fedsga]
 
-Prints, per method, best (peak test accuracy over the evaluations) and final test accuracy
+Each root holds one setting (dataset, partition, backbone). Prints, per method, best (peak test accuracy over the evaluations) and final test accuracy
 as mean +- std over seeds (Tables 2-4, Fig. 4), paired per-seed differences against the
 reference, the split decisions (mean candidate index, share of client rounds at p1, share of
 calibration labels that found p1 sufficient), and the client cost per client and round
-(Table 5): activated client parameters, client forward+backward MACs, bytes across the cut
-(both ways) and client wall time, and the run's totals of client MACs and cut traffic.
+(Table 5): activated client parameters, client forward+backward MACs, traffic both ways
+(what crosses the cut plus the model exchange) and client wall time, and the run's totals;
+with several roots, a final-accuracy table with a column per setting (Tables 2/3).
 """
 
 from __future__ import annotations
@@ -16,35 +17,63 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from submodel_tables import collect, pm, print_paired, run_figures
+from submodel_tables import collect, print_paired, run_figures
+from submodel_tables import pm as _pm
 
 
-def cost_figures(run) -> dict:
+def pm(values, scale=100.0, digits=1) -> str:
+    """mean +- std, or a dash for a figure the method does not have (a fixed cut, no labels)."""
+    if all(np.isnan(v) for v in values):
+        return "–"
+    return _pm(values, scale, digits)
+
+
+def whole_model_cost(config: dict) -> tuple[int, int]:
+    """Parameters and forward MACs (fvcore, one example) of a run's whole model: what an FL
+    client trains, where a split method logs its front's."""
+    from fl_lightning.data.datasets import load_dataset
+    from fl_lightning.elastic.macs import count_macs
+    from fl_lightning.elastic.models import build_model
+
+    data, model = config["data"], config["model"]
+    bundle = load_dataset(data["name"], data.get("root", "data"), False, False, **(data.get("options") or {}))
+    net = build_model(model["name"], bundle.num_classes, bundle.input_shape, **(model.get("kwargs") or {}))
+    return sum(p.numel() for p in net.parameters()), count_macs(net, bundle.input_shape)
+
+
+def cost_figures(run, whole=None) -> dict:
+    """Per client and round: client parameters and forward+backward MACs (split methods log
+    their front's; FL clients train ``whole``), traffic both ways (cut and model exchange),
+    client wall time; the run's totals; and the split decisions."""
     rows = run["clients"]
 
-    def mean(key):
-        values = [r[key] for r in rows if key in r]
+    def mean(values):
+        values = list(values)
         return float(np.mean(values)) if values else float("nan")
+    if all("client_macs" in r for r in rows):
+        params = [r["client_params"] for r in rows]
+        macs = [r["client_macs"] for r in rows]
+    else:  # an FL method: the whole model, forward and backward (3x) over every example of every epoch
+        epochs = run["config"]["train"].get("epochs", 1)
+        params = [whole[0]] * len(rows)
+        macs = [3 * whole[1] * r["samples"] * epochs for r in rows]
+    traffic = [r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in rows]
+    cuts = [r["cut"] for r in rows if "cut" in r]
     labels = [r["sufficient"] for r in rows if "sufficient" in r]
-    return {"params": mean("client_params"), "macs": mean("client_macs"),
-            "bytes": float(np.mean([r["cut_bytes_up"] + r["cut_bytes_down"] for r in rows])),
-            "seconds": mean("client_seconds"), "cut": mean("cut") if any("cut" in r for r in rows) else float("nan"),
-            "p1": float(np.mean([r["cut"] == 0 for r in rows if "cut" in r])) if any("cut" in r for r in rows)
-            else float("nan"),
-            "sufficient": float(np.mean(labels)) if labels else float("nan"),
-            "total_macs": float(sum(r.get("client_macs", 0) for r in rows)),
-            "total_bytes": float(sum(r["cut_bytes_up"] + r["cut_bytes_down"] for r in rows))}
+    return {"params": mean(params), "macs": mean(macs), "bytes": mean(traffic),
+            "seconds": mean(r.get("client_seconds", r.get("seconds", 0.0)) for r in rows),
+            "total_macs": float(sum(macs)), "total_bytes": float(sum(traffic)),
+            "cut": mean(cuts), "p1": mean(c == 0 for c in cuts), "sufficient": mean(labels)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path)
-    parser.add_argument("--reference", default="fedsga")
-    args = parser.parse_args(argv)
-    runs = collect(args.root)
+def root_tables(root: Path, reference: str) -> dict:
+    runs = collect(root)
     accuracy = {m: {s: run_figures(r) for s, r in seeds.items()} for m, seeds in runs.items()}
-    cost = {m: {s: cost_figures(r) for s, r in seeds.items()} for m, seeds in runs.items()}
-    print(f"### {args.root}\n")
+    whole = None
+    if any(not all("client_macs" in row for row in r["clients"]) for seeds in runs.values() for r in seeds.values()):
+        whole = whole_model_cost(next(iter(next(iter(runs.values())).values()))["config"])
+    cost = {m: {s: cost_figures(r, whole) for s, r in seeds.items()} for m, seeds in runs.items()}
+    print(f"### {root}\n")
     print("| method | seeds | best acc (%) | final acc (%) | mean cut index | at p1 | p1 sufficient |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for method, seeds in accuracy.items():
@@ -52,16 +81,34 @@ def main(argv=None) -> int:
         print(f"| {method} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
               f"{pm([c['cut'] for c in costs], 1.0, 2)} | {pm([c['p1'] for c in costs], 1.0, 2)} | "
               f"{pm([c['sufficient'] for c in costs], 1.0, 2)} |")
-    print_paired(accuracy, args.reference, "method")
+    print_paired(accuracy, reference, "method")
     print("\nClient cost per client and round (Table 5):\n")
-    print("| method | client params (K) | client MACs (G) | cut traffic (MB) | client time (s) "
-          "| run total client MACs (T) | run total cut traffic (GB) |")
+    print("| method | client params (K) | client MACs (G) | traffic (MB) | client time (s) "
+          "| run total client MACs (T) | run total traffic (GB) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for method, seeds in cost.items():
         c = list(seeds.values())
         print(f"| {method} | {pm([x['params'] for x in c], 1e-3, 1)} | {pm([x['macs'] for x in c], 1e-9, 2)} | "
               f"{pm([x['bytes'] for x in c], 1e-6, 2)} | {pm([x['seconds'] for x in c], 1.0, 3)} | "
               f"{pm([x['total_macs'] for x in c], 1e-12, 2)} | {pm([x['total_bytes'] for x in c], 1e-9, 2)} |")
+    print()
+    return accuracy
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("roots", type=Path, nargs="+", help="one folder of <method>_s<seed> runs per setting")
+    parser.add_argument("--reference", default="fedsga")
+    args = parser.parse_args(argv)
+    tables = {root: root_tables(root, args.reference) for root in args.roots}
+    if len(tables) > 1:  # Tables 2/3: a column per setting (dataset, partition, backbone)
+        methods = list(dict.fromkeys(m for t in tables.values() for m in t))
+        print("### Final test accuracy (%) per setting\n")
+        print("| method | " + " | ".join(r.name for r in tables) + " |")
+        print("| --- |" + " --- |" * len(tables))
+        for m in methods:
+            cells = [pm([v["final"] for v in t[m].values()]) if m in t else "–" for t in tables.values()]
+            print(f"| {m} | " + " | ".join(cells) + " |")
     return 0
 
 
