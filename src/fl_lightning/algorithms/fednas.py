@@ -1,0 +1,397 @@
+"""SuperFedNAS and DeepFedNAS transferred to FEAST's shared model space (FEAST Table 3, Supp. E.2).
+
+Both keep their originals' round structure (SuperFedNAS's ``TS_all_random`` and DeepFedNAS's
+``TS_optimal_path`` samplers with MaxNet's ``maxnet_cos_all_subnet`` aggregation):
+
+- roles, MaxNet's tracking sandwich: the cohort client that has trained the largest
+  architecture fewest times trains the largest one (the "max role"), the remaining client that
+  has trained the smallest fewest times trains the smallest one, every other client draws one
+  architecture from the method's sampler;
+- sampler of the other clients: SuperFedNAS draws uniformly from the whole architecture space
+  (constrained: uniformly from the architectures within the client's budget, by rejection);
+  DeepFedNAS draws uniformly from the variant cache, its Pareto path (constrained: from the
+  cached variants the client affords);
+- each client trains its one extracted subnet (``modules/single_architecture.py``) and returns
+  it; the server aggregates with MaxNet's overlap-aware weights, the max role weighing
+  ``c(t)`` (cosine from 0.9 to 0.125) and the others ``(1 - c(t)) / (K - 1)``
+  (``elastic/maxnet.py``).
+
+Evaluation is FEAST's (inherited from :class:`~fl_lightning.algorithms.feast.Feast`): every
+cached variant extracted, BN-recalibrated on the server's calibration split and scored, and
+the population accuracy under largest-affordable serving, so the numbers sit next to FEAST's.
+docs/fednas_transfers.md gives the originals' rules, how each is realized, and the doubts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Literal, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.algorithms.feast import CacheSearch, Feast
+from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
+from fl_lightning.elastic.routing import Routed
+from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE, KAPPA_FB
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.seeding import derive_seed, sample_clients
+
+# seed streams of the architecture draws and of Mixup/CutMix, keyed by (seed, stream, round, client)
+ARCH_STREAM, MIX_STREAM = 51, 52
+MAX_DRAWS = 1 << 20
+"""Rejection-sampling draws per client and round before SuperFedNAS falls back to the cache."""
+REJECTION_BATCH = 1024
+
+Role = Literal["max", "min", "random"]
+MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
+
+
+def sandwich_roles(cohort: Sequence[int], largest: Sequence[int],
+                   smallest: Sequence[int]) -> Tuple[Optional[int], Optional[int]]:
+    """MaxNet's tracking sandwich (the originals' ``update_sample`` with one max and one min
+    client): ``(max client, min client)``.
+
+    The max client is the cohort member that has trained the largest architecture fewest times
+    (``largest[c]``), the min client the member of the rest that has trained the smallest
+    fewest times; ties go to the earlier client in cohort order (here: the lower id). A cohort
+    of one has no min client.
+    """
+    if not cohort:
+        return None, None
+    max_client = min(range(len(cohort)), key=lambda i: (largest[cohort[i]], i))
+    rest = [i for i in range(len(cohort)) if i != max_client]
+    min_client = min(rest, key=lambda i: (smallest[cohort[i]], i)) if rest else None
+    return cohort[max_client], (cohort[min_client] if min_client is not None else None)
+
+
+def uniform_genomes(cost, generator: torch.Generator, n: int) -> np.ndarray:
+    """``n`` genomes drawn independently and uniformly, every gene uniform over its choices
+    (the originals' ``random_subnet_arch``: depth, expansion and width drawn independently)."""
+    upper = torch.as_tensor(np.asarray(cost.upper), dtype=torch.float64)
+    draws = torch.rand(n, len(upper), generator=generator, dtype=torch.float64)
+    genes = torch.minimum((draws * (upper + 1)).floor(), upper)
+    return genes.long().numpy()
+
+
+def uniform_architecture(cost, generator: torch.Generator, budget: Optional[float] = None,
+                         max_draws: int = MAX_DRAWS, batch: int = REJECTION_BATCH):
+    """A uniformly random architecture of the space, or (``budget``) a uniformly random one
+    among those with ``MACs <= budget``: the first affordable one of a stream of uniform draws
+    (rejection sampling, exact). None if ``max_draws`` draws found none."""
+    if budget is None:
+        return cost.decode(uniform_genomes(cost, generator, 1)[0])
+    drawn = 0
+    while drawn < max_draws:
+        n = min(batch, max_draws - drawn)
+        genes = uniform_genomes(cost, generator, n)
+        ok = np.flatnonzero(cost.macs(genes) <= budget)
+        if ok.size:
+            return cost.decode(genes[ok[0]])
+        drawn += n
+    return None
+
+
+def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
+
+
+class _FedNASTransfer(Feast):
+    """The shared round of the SuperFedNAS / DeepFedNAS transfers; subclasses choose the
+    architectures (:meth:`architecture`, :meth:`global_extremes`)."""
+
+    method = ""
+    dense = False
+
+    def __init__(self, constrained: bool = False, cache: Optional[str] = None, retarget: bool = False,
+                 search: CacheSearch = CacheSearch(), maxnet_init: float = MAXNET_INIT,
+                 maxnet_final: float = MAXNET_FINAL, maxnet_steps: Optional[int] = None,
+                 mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate",
+                 calib_batch_size: int = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 kappa: float = KAPPA_FB):
+        """
+        Args:
+            constrained: the budget-constrained variant of Table 3: every client trains only
+                architectures within its MAC budget (the max role its largest affordable cached
+                variant); false samples from the whole supernet (SuperFedNAS) or the whole
+                cache (DeepFedNAS) whatever the budgets.
+            cache: JSON file of cached variants: the evaluated operating points (FEAST's, so
+                the numbers compare) and DeepFedNAS's Pareto path; built by the genetic search
+                below and saved to the run directory when not given.
+            retarget: reuse the cache file's architectures with MACs recomputed for this model
+                and input (as FEAST does on TinyImageNet).
+            search: genetic-search settings used when no cache file is given.
+            maxnet_init: MaxNet coefficient c(0), the max-role client's aggregation weight in
+                round 0 (0.9: FEAST Supp. E.2, DeepFedNAS's scripts).
+            maxnet_final: MaxNet coefficient once annealed (0.125: same sources).
+            maxnet_steps: rounds of the cosine anneal, after which c stays at maxnet_final;
+                null: rounds - 1, so c reaches maxnet_final at the last round (DeepFedNAS's
+                scripts use 0.8 x rounds: 1600 of 2000, 1200 of 1500).
+            mixup_alpha: Mixup's Beta parameter (FEAST's canonical augmentation; 0 disables).
+            cutmix_alpha: CutMix's Beta parameter (0 disables).
+            mix_schedule: how Mixup and CutMix alternate: alternate (even / odd batches),
+                random (a fair coin per batch, DeepFedNAS's code), mixup, cutmix, or none.
+            calib_batch_size: batch size of BN recalibration on the server's calibration split.
+            calib_transform: image-level transform of the calibration images: train (drawn
+                once with a fixed seed, as FEAST) or eval (none).
+            kappa: forward-plus-backward factor of the reported training MACs (FEAST Eq. 26).
+        """
+        super().__init__(cache=cache, retarget=retarget, search=search, routing=False, rule="max_only",
+                         mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, mix_schedule=mix_schedule,
+                         calib_batch_size=calib_batch_size, calib_transform=calib_transform, kappa=kappa)
+        self.constrained = constrained
+        self.maxnet_init, self.maxnet_final, self.maxnet_steps = maxnet_init, maxnet_final, maxnet_steps
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def check(self, train) -> None:
+        super().check(train)  # cache, search, mixing, calibration and kappa options (FEAST's checks)
+        checks = [
+            ("constrained", isinstance(self.constrained, bool), "must be true or false"),
+            ("maxnet_init", _finite(self.maxnet_init) and 0 < self.maxnet_init <= 1, "must be in (0, 1]"),
+            ("maxnet_final", _finite(self.maxnet_final) and 0 < self.maxnet_final <= 1, "must be in (0, 1]"),
+            ("maxnet_steps", self.maxnet_steps is None or (isinstance(self.maxnet_steps, int)
+                                                           and self.maxnet_steps >= 1), "must be null or >= 1"),
+        ]
+        for key, ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
+
+    def setup(self, ctx) -> None:
+        from fl_lightning.analysis import feast_accounting as accounting
+        from fl_lightning.elastic.models.ofa_resnet import OFAResNet
+        from fl_lightning.elastic.search.cost import cost_model
+
+        if not isinstance(ctx.model, OFAResNet):
+            raise ConfigError("model.name", f"{self.method} trains an ofa_resnet supernet")
+        Algorithm.setup(self, ctx)
+        if len(ctx.data.calib) == 0:
+            raise ConfigError("data.calib_size", f"{self.method} is evaluated as FEAST, recalibrating BN on "
+                                                 f"server-held data; set it > 0")
+        self.input_shape = tuple(ctx.data.bundle.input_shape)
+        self.cache = self._load_or_build_cache(ctx)
+        self.cost = cost_model(ctx.model, self.input_shape)  # the cache's (and budgets') MAC convention
+        self.budgets = [float(b) for b in ctx.budgets.tolist()]
+        self.sets = accounting.affordable_sets(self.cache, self.budgets)
+        for client, s in enumerate(self.sets):
+            if not s:  # the population accuracy serves every client a cached variant (as FEAST)
+                raise ConfigError("partition.budgets.b_min",
+                                  f"client {client}'s budget {self.budgets[client] / 1e6:.1f}M MACs affords no "
+                                  f"cached variant (smallest: {self.cache.macs[0] / 1e6:.1f}M)")
+        self.served = sorted({s[-1] for s in self.sets})
+        self.check_population()
+        self.steps = self.maxnet_steps if self.maxnet_steps is not None else max(ctx.rounds - 1, 1)
+        self.largest = torch.zeros(ctx.num_clients, dtype=torch.int64)
+        self.smallest = torch.zeros(ctx.num_clients, dtype=torch.int64)
+        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
+        self._round_c = float("nan")
+        description = self.describe_population()
+        if ctx.fabric.is_global_zero and ctx.mode == "fit":
+            print(description)
+
+    def check_population(self) -> None:
+        """Refuse a population the sampler cannot serve (subclasses)."""
+
+    def describe_population(self) -> str:
+        counts = [len(s) for s in self.sets]
+        sizes = self.ctx.client_sizes
+        self.accounting = {
+            "method": self.method,
+            "constrained": self.constrained,
+            "population": {"clients": len(self.sets), "afford_1": sum(c == 1 for c in counts),
+                           "afford_2": sum(c == 2 for c in counts), "afford_3_or_more": sum(c >= 3 for c in counts),
+                           "budget_min": min(self.budgets), "budget_max": max(self.budgets),
+                           "shard_sizes": {"min": int(min(sizes)), "median": float(np.median(sizes)),
+                                           "max": int(max(sizes))}},
+            "maxnet": {"init": self.maxnet_init, "final": self.maxnet_final, "steps": self.steps},
+            "sampler": self.sampler_description(),
+        }
+        a = self.accounting["population"]
+        return (f"{self.method} ({'budget-constrained' if self.constrained else 'unconstrained'}): "
+                f"{self.sampler_description()}; MaxNet coefficient {self.maxnet_init:g} -> {self.maxnet_final:g} "
+                f"(cosine over {self.steps} rounds)\nevaluation: {len(self.cache.specs)} cached variants, "
+                f"{self.cache.macs[0] / 1e6:.1f}M-{self.cache.macs[-1] / 1e6:.1f}M MACs; clients affording 1 / 2 / 3+ "
+                f"cached variants: {a['afford_1']} / {a['afford_2']} / {a['afford_3_or_more']}")
+
+    def sampler_description(self) -> str:
+        raise NotImplementedError
+
+    # -- architectures --------------------------------------------------------------------------
+    def global_extremes(self) -> Tuple[object, object]:
+        """The sampler's largest and smallest architectures (what the tracking counts)."""
+        raise NotImplementedError
+
+    def architecture(self, role: Role, client: int, round_idx: int) -> Tuple[object, bool]:
+        """``(spec, fell_back)`` for one client of one round."""
+        raise NotImplementedError
+
+    def coefficient(self, round_idx: int) -> float:
+        """MaxNet's ``c(t)``."""
+        return maxnet_coefficient(round_idx, self.steps, self.maxnet_init, self.maxnet_final)
+
+    # -- a round --------------------------------------------------------------------------------
+    def plan(self, round_idx: int) -> RoundPlan:
+        """The cohort (FEAST's uniform sample), the sandwich roles from the tracking counts, one
+        architecture and one MaxNet weight per client. Pure: the counts change in
+        :meth:`finish_round`, so every rank plans the same round."""
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        max_client, min_client = sandwich_roles(cohort, self.largest.tolist(), self.smallest.tolist())
+        c = self.coefficient(round_idx)
+        weights = maxnet_weights(len(cohort), cohort.index(max_client) if max_client is not None else None, c)
+        top, bottom = self.global_extremes()
+        tasks = []
+        for client, weight in zip(cohort, weights):
+            role: Role = "max" if client == max_client else "min" if client == min_client else "random"
+            spec, fell_back = self.architecture(role, client, round_idx)
+            track = "largest" if role == "max" or (role == "random" and spec == top) else \
+                "smallest" if role == "min" or (role == "random" and spec == bottom) else None
+            tasks.append(ClientTask(client, spec=spec, options={
+                "role": role, "maxnet_weight": weight, "macs": self.cost.spec_macs(spec), "track": track,
+                "fell_back": fell_back}))
+        self._round_c = c
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
+        """The client's subnet only (the originals' ``get_active_subnet``): a plain module with
+        copies of its leading slices, and the map back."""
+        return self.ctx.model.extract(task.spec)
+
+    def client_module(self, routed: Routed, task: ClientTask, plan: RoundPlan):
+        from fl_lightning.modules.mixing import AlternatingMixer
+        from fl_lightning.modules.single_architecture import SingleArchitectureClient
+
+        t = self.ctx.train
+        mixer = None
+        if self.mix_schedule != "none":
+            mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
+                                     schedule=self.mix_schedule,
+                                     generator=_generator(MIX_STREAM, self.ctx.seed, plan.round_idx, task.client))
+        return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
+                                        macs=task.options["macs"], mixer=mixer)
+
+    def fit_client(self, task: ClientTask, plan: RoundPlan):
+        result = Algorithm.fit_client(self, task, plan)
+        o = task.options
+        result.metrics.update({"role": o["role"], "arch": str(task.spec), "arch_macs": o["macs"],
+                               "maxnet_weight": o["maxnet_weight"], "arch_fallback": int(o["fell_back"])})
+        return result
+
+    def commit(self, acc, task: ClientTask, result, plan: RoundPlan) -> None:
+        """MaxNet weighting: the client's slices enter the position-wise mean with its MaxNet
+        weight (not its sample count)."""
+        self._forward_macs += result.module.forward_macs()
+        if result.update is not None:
+            acc.add(result.update.module.state_dict(), float(task.options["maxnet_weight"]), result.update.regions)
+
+    def finish_round(self, new_state, sums, plan: RoundPlan, owned: List[int]) -> None:
+        super().finish_round(new_state, sums, plan, owned)
+        self.track(plan)
+
+    def track(self, plan: RoundPlan) -> None:
+        """Count who trained the largest / smallest architecture this round (the originals'
+        ``cli_subnet_track``). Every rank holds the whole plan, so the counts agree."""
+        for task in plan.tasks:
+            if task.options["track"] == "largest":
+                self.largest[task.client] += 1
+            elif task.options["track"] == "smallest":
+                self.smallest[task.client] += 1
+
+    def round_metrics(self, sums) -> Dict[str, float]:
+        return {**super().round_metrics(sums), "maxnet_coefficient": self._round_c}
+
+    # -- evaluation and state -------------------------------------------------------------------
+    def report(self, summary: dict) -> str:
+        text = super().report(summary)
+        return text.replace("FEAST test accuracy", f"{self.method} test accuracy", 1) if text else text
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The tracking counts (how often each client trained the largest / smallest
+        architecture), which decide the next rounds' roles."""
+        return {"tracking/largest": self.largest.clone(), "tracking/smallest": self.smallest.clone()}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        self.largest = state["tracking/largest"].to(torch.int64).cpu().clone()
+        self.smallest = state["tracking/smallest"].to(torch.int64).cpu().clone()
+
+
+class SuperFedNAS(_FedNASTransfer):
+    """SuperFedNAS (Khare et al., ECCV 2024) transferred to FEAST's supernet: MaxNet's tracking
+    sandwich with uniformly random architectures of the whole space for the other clients
+    (``TS_all_random``), MaxNet aggregation.
+
+    Constrained: the other clients' architectures are uniform among those within the client's
+    budget (rejection sampling; a client for which ``MAX_DRAWS`` draws find none falls back to
+    a uniform draw from its affordable cached variants, logged as ``arch_fallback``); the max role
+    trains the client's largest affordable cached variant; the min role the space's smallest
+    architecture (every client must afford it).
+    """
+
+    method = "SuperFedNAS"
+
+    def sampler_description(self) -> str:
+        where = "within each client's budget (rejection sampling)" if self.constrained else "of the whole supernet"
+        return f"uniformly random architectures {where}, tracking sandwich (max / min roles)"
+
+    def check_population(self) -> None:
+        smallest = self.cost.spec_macs(self.ctx.model.min_spec())
+        if self.constrained and min(self.budgets) < smallest:
+            poorest = int(np.argmin(self.budgets))
+            raise ConfigError("partition.budgets.b_min",
+                              f"client {poorest}'s budget {self.budgets[poorest] / 1e6:.2f}M MACs is below the "
+                              f"supernet's smallest architecture ({smallest / 1e6:.2f}M), the min role's")
+
+    def global_extremes(self):
+        model = self.ctx.model
+        return model.max_spec(), model.min_spec()
+
+    def architecture(self, role: Role, client: int, round_idx: int):
+        model = self.ctx.model
+        if role == "max":
+            return (self.cache.specs[self.sets[client][-1]] if self.constrained else model.max_spec()), False
+        if role == "min":
+            return model.min_spec(), False
+        generator = _generator(ARCH_STREAM, self.ctx.seed, round_idx, client)
+        spec = uniform_architecture(self.cost, generator, self.budgets[client] if self.constrained else None)
+        if spec is not None:
+            return model.check_spec(spec), False
+        pool = self.sets[client]
+        return self.cache.specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]], True
+
+
+class DeepFedNAS(_FedNASTransfer):
+    """DeepFedNAS (Khan and Daneshtalab, 2026) transferred to FEAST's supernet: MaxNet's tracking
+    sandwich on the variant cache, its Pareto path (``TS_optimal_path``): the max role trains
+    the largest cached variant, the min role the smallest, every other client one cached
+    variant drawn uniformly; MaxNet aggregation.
+
+    Constrained: the max role trains the client's largest affordable cached variant and the
+    others draw uniformly from the cached variants the client affords (the min role's smallest
+    cached variant is affordable by every client).
+    """
+
+    method = "DeepFedNAS"
+
+    def sampler_description(self) -> str:
+        where = "each client's affordable cached variants" if self.constrained else "the whole variant cache"
+        return f"uniform draws from {where} (the Pareto path), tracking sandwich (max / min roles)"
+
+    def pool(self, client: int) -> Sequence[int]:
+        return self.sets[client] if self.constrained else range(len(self.cache.specs))
+
+    def global_extremes(self):
+        return self.cache.specs[-1], self.cache.specs[0]
+
+    def architecture(self, role: Role, client: int, round_idx: int):
+        pool = self.pool(client)
+        if role == "max":
+            return self.cache.specs[pool[-1]], False
+        if role == "min":
+            return self.cache.specs[self.cache.global_min()], False
+        generator = _generator(ARCH_STREAM, self.ctx.seed, round_idx, client)
+        return self.cache.specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]], False
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
