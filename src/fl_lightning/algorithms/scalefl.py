@@ -1,0 +1,301 @@
+"""ScaleFL (Ilhan, Su and Liu, CVPR 2023): depth-width levels with early exits and self-distillation.
+
+As the FEAST paper adapts it to its common ResNet-18 substrate (Supp. E.1):
+
+- Levels: four operating points ``(blocks, width)`` = (3, 0.40), (4, 0.50), (5, 0.60),
+  (8, 1.00) of a ``scalefl_resnet18`` (``elastic/models/scalefl_resnet.py``), each ending in an
+  exit classifier; a level-k client model holds the blocks and exits of levels 1..k.
+- Assignment: each client trains and is served the largest level whose served MACs (fvcore, the
+  extracted model with its single final exit) fit its budget; a client that affords no level
+  trains and is served level 1 (the minimum-tier fallback, counted in the report).
+- Client training (``modules/scalefl_client.py``): cross-entropy at every exit of the client's
+  model plus early-exit self-distillation from its deepest exit to the shallower ones, with the
+  weights, temperature and schedule of ScaleFL's code.
+- Aggregation: each client returns only its level's slices; every position is the
+  sample-weighted mean over the clients that trained it (as ``submodel.py``).
+- Evaluation: every level on its own, with BN recalibrated per level on the server's calibration
+  split exactly as FEAST's evaluation does, and the population accuracy under largest-affordable
+  serving with the fallback.
+
+``docs/scalefl.md`` lists every default with its source and what departs from the original.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, List, Literal, Sequence, get_args
+
+import torch
+
+from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.feast import Feast
+from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.seeding import sample_clients
+
+LEVELS = ((3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))
+"""ScaleFL's four (blocks, width) levels on ResNet-18 (FEAST Supp. E.1)."""
+
+ExitWeights = Literal["depth", "sum"]
+KLReduction = Literal["elementwise", "batchmean"]
+
+
+def assign_levels(budgets: Sequence[float], level_macs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest-affordable assignment with the minimum-tier fallback.
+
+    Returns (0-based level per client, int64 [N]; fallback flag per client, bool [N]): the
+    highest level whose MACs are at most the client's budget, or level 0 with the flag set when
+    even level 0 costs more than the budget.
+    """
+    macs = torch.as_tensor([float(m) for m in level_macs], dtype=torch.float64)
+    b = torch.as_tensor([float(x) for x in budgets], dtype=torch.float64)
+    affordable = macs.unsqueeze(0) <= b.unsqueeze(1)  # [N, L]
+    count = affordable.sum(dim=1)
+    # Levels cost more level by level, so the affordable ones are a prefix: the last is count - 1.
+    levels = (count - 1).clamp_min(0).to(torch.int64)
+    return levels, count == 0
+
+
+class ScaleFL(FedAvg):
+    """ScaleFL: largest-affordable depth-width levels, multi-exit training with early-exit
+    self-distillation, position-wise sample-weighted aggregation."""
+
+    dense = False
+
+    def __init__(self, levels: List[List[float]] = [list(level) for level in LEVELS], kd_gamma: float = 0.05,
+                 kd_temperature: float = 3.0, kd_start: float = 0.25, exit_weights: ExitWeights = "depth",
+                 kl_reduction: KLReduction = "elementwise", detach_teacher: bool = False,
+                 recalibrate: bool = True, calib_batch_size: int = CALIB_BATCH_SIZE,
+                 calib_transform: Literal["train", "eval"] = "train"):
+        """
+        Args:
+            levels: the levels as [blocks, width] pairs, smallest first: the first ``blocks``
+                BasicBlocks at width ratio ``width`` and the exit after them (the model must have
+                a classifier there: ``model.kwargs.exit_blocks``). Default ScaleFL's four,
+                (3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00) (FEAST Supp. E.1).
+            kd_gamma: weight gamma of the self-distillation term (ScaleFL's ``--KD_gamma``; its
+                code's default 0 disables it, 0.05 is the value its published commands use).
+            kd_temperature: distillation temperature T; the term is scaled by T^2 (ScaleFL's
+                ``--KD_T`` default 3).
+            kd_start: fraction of the rounds before self-distillation starts: it is on in round
+                t (0-based) when t >= kd_start * rounds (ScaleFL: after the first quarter).
+            exit_weights: depth (exit j of k weighs j / (k(k+1)/2), ScaleFL's code) or sum
+                (every exit weighs 1).
+            kl_reduction: elementwise (the KL averaged over batch and classes, PyTorch's
+                ``nn.KLDivLoss()`` default that ScaleFL uses) or batchmean (averaged over the batch).
+            detach_teacher: stop the distillation gradient at the deepest exit (ScaleFL does not).
+            recalibrate: re-estimate each level's BN statistics on the server's calibration split
+                before evaluating it (FEAST's protocol); false uses the aggregated statistics.
+            calib_batch_size: batch size of BN recalibration.
+            calib_transform: image transform of the calibration images: train (the training
+                augmentation, drawn once with FEAST's calibration seed) or eval (none).
+        """
+        self.levels = [list(level) for level in levels]
+        self.kd_gamma, self.kd_temperature, self.kd_start = kd_gamma, kd_temperature, kd_start
+        self.exit_weights, self.kl_reduction, self.detach_teacher = exit_weights, kl_reduction, detach_teacher
+        self.recalibrate, self.calib_batch_size, self.calib_transform = recalibrate, calib_batch_size, calib_transform
+
+    # BN recalibration exactly as FEAST's evaluation: the same calibration images, order and
+    # augmentation draw, and the same reset-and-average estimate per extracted operating point.
+    calibration_batches = Feast.calibration_batches
+    calibrated_subnet = Feast.calibrated_subnet
+
+    # -- options --------------------------------------------------------------------------------
+    def check(self, train) -> None:
+        for i, level in enumerate(self.levels):
+            ok = (isinstance(level, (list, tuple)) and len(level) == 2 and _is_number(level[0])
+                  and float(level[0]) == int(level[0]) and int(level[0]) >= 1 and _is_number(level[1])
+                  and 0 < float(level[1]) <= 1)
+            if not ok:
+                raise ConfigError(f"algorithm.levels[{i}]",
+                                  f"must be [blocks >= 1 (an integer), width in (0, 1]], got {level!r}")
+        if not self.levels:
+            raise ConfigError("algorithm.levels", "needs at least one level")
+        pairs = [(int(b), float(w)) for b, w in self.levels]
+        if any(not (b1 <= b2 and w1 <= w2 and (b1, w1) != (b2, w2)) for (b1, w1), (b2, w2) in zip(pairs, pairs[1:])):
+            raise ConfigError("algorithm.levels", f"must be nested and distinct, smallest first (blocks and width "
+                                                  f"non-decreasing), got {self.levels}")
+        checks = [
+            ("kd_gamma", _is_number(self.kd_gamma) and self.kd_gamma >= 0, "must be a finite number >= 0"),
+            ("kd_temperature", _is_number(self.kd_temperature) and self.kd_temperature > 0,
+             "must be a finite number > 0"),
+            ("kd_start", _is_number(self.kd_start) and 0 <= self.kd_start <= 1, "must be in [0, 1]"),
+            ("exit_weights", self.exit_weights in get_args(ExitWeights),
+             f"must be one of {', '.join(get_args(ExitWeights))}"),
+            ("kl_reduction", self.kl_reduction in get_args(KLReduction),
+             f"must be one of {', '.join(get_args(KLReduction))}"),
+            ("detach_teacher", isinstance(self.detach_teacher, bool), "must be true or false"),
+            ("recalibrate", isinstance(self.recalibrate, bool), "must be true or false"),
+            ("calib_batch_size", isinstance(self.calib_batch_size, int) and self.calib_batch_size >= 1,
+             "must be an integer >= 1"),
+            ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
+        ]
+        for key, ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self, ctx) -> None:
+        from fl_lightning.elastic.macs import spec_macs
+        from fl_lightning.elastic.models.scalefl_resnet import DepthWidthSpec, exit_costs
+
+        self.check(ctx.train)
+        model = ctx.model
+        if getattr(model, "spec_type", None) is not DepthWidthSpec or not hasattr(model, "forward_exits"):
+            raise ConfigError("model.name", "ScaleFL trains a scalefl_resnet18 (a depth-width model with exits)")
+        if ctx.budgets is None:
+            raise ConfigError("partition.budgets", "ScaleFL assigns levels by client MAC budgets")
+        if self.recalibrate and len(ctx.data.calib) == 0:
+            raise ConfigError("data.calib_size", "ScaleFL recalibrates BN per level on server-held data; set it > 0 "
+                                                 "(or algorithm.recalibrate: false)")
+        self.ctx = ctx
+        self.global_state = model.state_dict()
+        self.specs = [DepthWidthSpec(int(b), float(w)) for b, w in self.levels]
+        for i, spec in enumerate(self.specs):
+            if spec.depth not in model.classifier_depths():
+                raise ConfigError(f"algorithm.levels[{i}]",
+                                  f"level {i + 1} ends after block {spec.depth}, where the model has no exit "
+                                  f"(classifiers follow blocks {model.classifier_depths()}; "
+                                  f"see model.kwargs.exit_blocks)")
+        self.input_shape = tuple(ctx.data.bundle.input_shape)
+        self.costs = [exit_costs(model, spec, self.input_shape) for spec in self.specs]
+        self.level_macs = [spec_macs(model, spec, self.input_shape) for spec in self.specs]  # served, memoized
+        for i in range(1, len(self.level_macs)):
+            if self.level_macs[i] <= self.level_macs[i - 1]:
+                raise ConfigError(f"algorithm.levels[{i}]", f"costs {self.level_macs[i] / 1e6:.2f}M MACs, not more "
+                                                            f"than level {i} ({self.level_macs[i - 1] / 1e6:.2f}M)")
+        self.assigned, self.fallback = assign_levels(ctx.budgets.tolist(), self.level_macs)
+        if ctx.fabric.is_global_zero and ctx.mode == "fit":
+            print(self.describe_population())
+
+    def describe_population(self) -> str:
+        counts = torch.bincount(self.assigned, minlength=len(self.specs)).tolist()
+        lines = [f"ScaleFL: {len(self.specs)} levels, {int(self.fallback.sum())} of {len(self.assigned)} clients "
+                 f"afford no level and fall back to level 1"]
+        for k, (spec, cost, n) in enumerate(zip(self.specs, self.costs, counts)):
+            lines.append(f"  level {k + 1} ({spec}): {self.level_macs[k] / 1e6:.2f}M MACs served, "
+                         f"{cost['train_macs'] / 1e6:.2f}M with all exits, {cost['params'] / 1e6:.3f}M params routed, "
+                         f"{n} clients")
+        return "\n".join(lines)
+
+    def population(self) -> List[dict]:
+        """One row per client: its budget, the level it trains and is served, the fallback flag."""
+        budgets = self.ctx.budgets.tolist()
+        return [{"client": c, "budget": float(budgets[c]), "level": int(self.assigned[c]) + 1,
+                 "fallback": bool(self.fallback[c]), "macs": int(self.level_macs[int(self.assigned[c])])}
+                for c in range(len(budgets))]
+
+    def artifacts(self) -> Dict[str, str]:
+        levels = [{"level": k + 1, "blocks": s.depth, "width": s.width, "served_macs": int(self.level_macs[k]),
+                   **{key: int(v) for key, v in self.costs[k].items()}} for k, s in enumerate(self.specs)]
+        return {"levels.json": json.dumps({"levels": levels, "clients": self.population()}, indent=2)}
+
+    # -- a round --------------------------------------------------------------------------------
+    def kd_active(self, round_idx: int) -> bool:
+        return round_idx >= self.kd_start * self.ctx.rounds
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        tasks = []
+        for c in cohort:
+            k = int(self.assigned[c])
+            options = {"level": k + 1, "fallback": bool(self.fallback[c])}
+            tasks.append(ClientTask(c, spec=self.specs[k], options=options))
+        return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def route(self, task, plan):
+        """The client's level as a plain model holding only that level's slices (blocks and exits)."""
+        return self.ctx.model.extract(task.spec)
+
+    def client_module(self, routed, task, plan):
+        from fl_lightning.modules.scalefl_client import ScaleFLClient
+
+        t = self.ctx.train
+        return ScaleFLClient(routed.module, plan.lr, t.momentum, t.weight_decay, gamma=self.kd_gamma,
+                             temperature=self.kd_temperature, kd_active=self.kd_active(plan.round_idx),
+                             weights=self.exit_weights, reduction=self.kl_reduction,
+                             detach_teacher=self.detach_teacher)
+
+    def fit_client(self, task, plan):
+        result = super().fit_client(task, plan)
+        k = task.options["level"] - 1
+        cost = self.costs[k]
+        result.metrics.update({"level": task.options["level"], "fallback": int(task.options["fallback"]),
+                               "macs": self.level_macs[k], "train_macs": cost["train_macs"], "params": cost["params"],
+                               "kd_active": int(self.kd_active(plan.round_idx))})
+        return result
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def level_model(self, k: int) -> torch.nn.Module:
+        """Level ``k`` (0-based) as served: the plain extracted model, BN recalibrated per level."""
+        if self.recalibrate:
+            return self.calibrated_subnet(self.specs[k])
+        return self.ctx.model.extract(self.specs[k]).module.to(self.ctx.fabric.device)
+
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        """Every level on its own and the population accuracy: each client scored by the level
+        it is served (largest affordable, or level 1 as the fallback); ``acc`` is the latter."""
+        data = self.ctx.data
+        dataset, indices = data.split(split)
+        per_level = [evaluate(self.ctx.fabric, self.level_model(k), dataset, indices, data.bundle.num_classes,
+                              batch_size) for k in range(len(self.specs))]
+        if not per_level[0]:
+            return {}
+        population = sum(per_level[int(k)]["acc"] for k in self.assigned) / len(self.assigned)
+        out = {"acc": population, "mean_level_acc": sum(m["acc"] for m in per_level) / len(per_level),
+               "fallback_clients": float(self.fallback.sum())}
+        out.update({f"level{k + 1}_acc": m["acc"] for k, m in enumerate(per_level)})
+        return out
+
+    def report(self, summary: dict) -> str:
+        """Accuracy of every level, the population accuracy, and every client once, by the level
+        it is served."""
+        block = summary.get("best") or summary.get("final")
+        if not block:
+            return ""
+        which = "best-validation checkpoint" if "best" in summary else "final model"
+        counts = torch.bincount(self.assigned, minlength=len(self.specs)).tolist()
+        lines = [f"ScaleFL test accuracy ({which}):",
+                 f"{'level':>5}  {'blocks':>6}  {'width':>5}  {'MACs':>9}  {'params':>8}  {'clients':>7}  {'acc %':>6}"]
+        for k, spec in enumerate(self.specs):
+            acc = block.get(f"test_level{k + 1}_acc")
+            shown = "" if acc is None else f"{100 * acc:6.2f}"
+            lines.append(f"{k + 1:5d}  {spec.depth:6d}  {spec.width:5.2f}  {self.level_macs[k] / 1e6:8.2f}M  "
+                         f"{self.costs[k]['served_params'] / 1e6:7.3f}M  {counts[k]:7d}  {shown}")
+        fallback = int(self.fallback.sum())
+        if "test_acc" in block:
+            lines.append(f"population accuracy under largest-affordable serving with the minimum-tier fallback: "
+                         f"{100 * block['test_acc']:.2f}% ({len(self.assigned)} clients, {fallback} served level 1 "
+                         f"as the fallback)")
+        lines.append("clients by served level (* = fallback: budget below level 1):")
+        rows = self.population()
+        for k in range(len(self.specs)):
+            ids = [f"{r['client']}{'*' if r['fallback'] else ''}" for r in rows if r["level"] == k + 1]
+            lines.append(f"  level {k + 1}: {', '.join(ids) if ids else '-'}")
+        return "\n".join(lines)
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The assignment (a pure function of the budgets and levels, kept so that a resumed or
+        re-scored run serves the clients it trained)."""
+        return {"assigned": self.assigned.clone(), "fallback": self.fallback.to(torch.uint8),
+                "level_macs": torch.tensor([float(m) for m in self.level_macs], dtype=torch.float64)}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        assigned = state["assigned"].to(torch.int64).cpu()
+        if assigned.numel() != self.assigned.numel() or int(assigned.max()) >= len(self.specs):
+            raise ConfigError("algorithm.levels",
+                              "the checkpoint's level assignment does not fit these clients and levels")
+        self.assigned = assigned
+        self.fallback = state["fallback"].bool().cpu()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+__all__ = ["ScaleFL", "assign_levels", "LEVELS"]
