@@ -13,10 +13,11 @@ from fl_lightning.algorithms.mergesfl import MergeSFL
 from fl_lightning.algorithms.multisfl import MultiSFL
 from fl_lightning.algorithms.musplitfed import MUSplitFed
 from fl_lightning.algorithms.scaffold import Scaffold
+from fl_lightning.algorithms.scalefl import ScaleFL
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.algorithms.submodel import HASFL, FjORD, HeteroFL, RandomBudget, SubmodelAlgorithm, Uniform
 
 __all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
            "SubmodelAlgorithm", "HeteroFL", "FjORD", "Uniform", "RandomBudget", "HASFL",
            "SplitFed", "FedSGA", "FedBABU", "FedGH", "FedAS", "FedMut", "MergeSFL", "MUSplitFed", "MultiSFL",
-           "SuperFedNAS", "DeepFedNAS"]
+           "SuperFedNAS", "DeepFedNAS", "ScaleFL"]

@@ -81,4 +81,4 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], **kwarg
 
 
 # Model modules register themselves on import.
-from fl_lightning.elastic.models import cnn, lstm, ofa_resnet, resnet, vit  # noqa: E402,F401
+from fl_lightning.elastic.models import cnn, lstm, ofa_resnet, resnet, scalefl_resnet, vit  # noqa: E402,F401
