@@ -14,12 +14,8 @@ from typing import Literal, Optional
 
 import torch
 
-from fl_lightning.algorithms.split_common import key_regions, split_metrics, state_bytes
 from fl_lightning.algorithms.splitfed import SplitFed
-from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
-from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed
 
 ZO_STREAM = 42  # seed stream of MU-SplitFed's zeroth-order directions
@@ -68,43 +64,18 @@ class MUSplitFed(SplitFed):
         if not (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
             raise ConfigError("algorithm.zo_smoothing", f"must be a finite number > 0, got {s!r}")
 
-    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        from fl_lightning.modules.split import sgd
+    def train_pass(self, task, plan, client_forward, server_loss, client_opt, server_opt, client_params,
+                   server_params):
+        """``tau`` server steps per client batch (``modules/split_variants.train_unbalanced``)."""
         from fl_lightning.modules.split_variants import train_unbalanced
 
-        ctx, cut = self.ctx, task.cut
-        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
-        load_routed_state(self.client_worker, self.global_state, key_regions(self.global_state, front_keys))
-        if self.version == "v1" or task is plan.tasks[0]:
-            load_routed_state(self.server_worker, self.global_state, key_regions(self.global_state, back_keys))
-        self.client_worker.train()
-        self.server_worker.train()
-        front, _ = self.client_worker.split(cut)
-        _, back = self.server_worker.split(cut)
-        server_lr = self.server_lr if self.server_lr is not None else plan.lr
-        client_params = list(front.parameters()) + self.client_trainables(task)
-        server_params = list(back.parameters()) + self.server_trainables(task)
-        client_opt = sgd(client_params, plan.lr, ctx.train)
-        server_opt = self._server_optimizer(server_params, server_lr)
-        objective = self.server_objective(task, plan)
+        ctx = self.ctx
         zo_generator = None
         if self.estimator == "zo":
             zo_generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ZO_STREAM, plan.round_idx, task.client))
-        fit = train_unbalanced(ctx.fabric, self.client_forward(front, task), lambda zs, y: objective(back, zs, y),
-                               client_opt, server_opt, ctx.shards[task.client], ctx.train,
-                               client_generator(ctx.seed, plan.round_idx, task.client), self.tau,
-                               feedback_at=self.feedback_at, client_params=client_params,
-                               server_params=server_params, estimator=self.estimator,
-                               smoothing=self.zo_smoothing, zo_generator=zo_generator)
-        if self.version == "v2":
-            self._stash_momentum(server_opt)
-        regions = key_regions(self.global_state, front_keys, "front.")
-        if self.version == "v1":
-            regions.update(key_regions(self.global_state, back_keys, "back."))
-        metrics = split_metrics(self.halves, cut, state_bytes(self.global_state, front_keys), steps=fit.steps,
-                                seconds=fit.seconds, client_seconds=fit.client_seconds,
-                                server_seconds=fit.server_seconds, cut_bytes_up=fit.cut_bytes_up,
-                                cut_bytes_down=fit.cut_bytes_down, examples=fit.examples)
-        metrics.update(fit.extras)
-        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(self.pair, regions),
-                            module=self.pair, metrics=metrics)
+        return train_unbalanced(ctx.fabric, client_forward, server_loss, client_opt, server_opt,
+                                ctx.shards[task.client], ctx.train,
+                                client_generator(ctx.seed, plan.round_idx, task.client), self.tau,
+                                feedback_at=self.feedback_at, client_params=client_params,
+                                server_params=server_params, estimator=self.estimator,
+                                smoothing=self.zo_smoothing, zo_generator=zo_generator)

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
+from fl_lightning.algorithms.split_common import key_regions, split_metrics, state_bytes
+from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -50,10 +51,6 @@ class SplitHalves:
 
     def back(self, cut: str) -> List[str]:
         return self.keys[cut][1]
-
-
-def _regions(state: Dict[str, torch.Tensor], keys: List[str], prefix: str = ""):
-    return {prefix + k: v for k, v in full_region_map({k: state[k] for k in keys}).items()}
 
 
 class SplitFed(FedAvg):
@@ -152,14 +149,13 @@ class SplitFed(FedAvg):
         return []
 
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        from fl_lightning.modules.split import sgd, train_split
+        from fl_lightning.modules.split import sgd
 
         ctx, cut = self.ctx, task.cut
         front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
-        load_routed_state(self.client_worker, self.global_state, _regions(self.global_state, front_keys))
-        first_of_round = task is plan.tasks[0]
-        if self.version == "v1" or first_of_round:
-            load_routed_state(self.server_worker, self.global_state, _regions(self.global_state, back_keys))
+        load_routed_state(self.client_worker, self.global_state, key_regions(self.global_state, front_keys))
+        if self.version == "v1" or task is plan.tasks[0]:  # V2: the server half carries over within the round
+            load_routed_state(self.server_worker, self.global_state, key_regions(self.global_state, back_keys))
         self.client_worker.train()
         self.server_worker.train()
         front, _ = self.client_worker.split(cut)
@@ -170,27 +166,32 @@ class SplitFed(FedAvg):
         client_opt = sgd(client_params, plan.lr, ctx.train)
         server_opt = self._server_optimizer(server_params, server_lr)
         objective = self.server_objective(task, plan)
-        fit = train_split(ctx.fabric, self.client_forward(front, task), lambda zs, y: objective(back, zs, y),
-                          client_opt, server_opt, ctx.shards[task.client], ctx.train,
-                          client_generator(ctx.seed, plan.round_idx, task.client),
-                          client_params=client_params, server_params=server_params,
-                          after_client_backward=self.after_client_backward(task))
+        fit = self.train_pass(task, plan, self.client_forward(front, task), lambda zs, y: objective(back, zs, y),
+                              client_opt, server_opt, client_params, server_params)
         if self.version == "v2":
             self._stash_momentum(server_opt)
-        regions = _regions(self.global_state, front_keys, "front.")
+        regions = key_regions(self.global_state, front_keys, "front.")
         if self.version == "v1":
-            regions.update(_regions(self.global_state, back_keys, "back."))
-        model_bytes = sum(self.global_state[k].numel() * self.global_state[k].element_size() for k in front_keys)
-        metrics = {"steps": fit.steps, "seconds": fit.seconds, "client_seconds": fit.client_seconds,
-                   "server_seconds": fit.server_seconds, "cut_bytes_up": fit.cut_bytes_up,
-                   "cut_bytes_down": fit.cut_bytes_down, "model_bytes": model_bytes,
-                   "bytes_up": fit.cut_bytes_up + model_bytes, "bytes_down": fit.cut_bytes_down + model_bytes,
-                   "client_params": self.halves.front_params[cut],
-                   # fvcore's forward count of the front, times three for forward and backward
-                   "client_macs": 3 * self.halves.front_macs[cut] * fit.examples,
-                   **fit.extras}
+            regions.update(key_regions(self.global_state, back_keys, "back."))
+        metrics = split_metrics(self.halves, cut, state_bytes(self.global_state, front_keys), steps=fit.steps,
+                                seconds=fit.seconds, client_seconds=fit.client_seconds,
+                                server_seconds=fit.server_seconds, cut_bytes_up=fit.cut_bytes_up,
+                                cut_bytes_down=fit.cut_bytes_down, examples=fit.examples)
+        metrics.update(fit.extras)
         return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(self.pair, regions),
                             module=self.pair, metrics=metrics)
+
+    def train_pass(self, task: ClientTask, plan: RoundPlan, client_forward, server_loss, client_opt, server_opt,
+                   client_params, server_params):
+        """One client's split training over its shard (``modules/split.py``); MU-SplitFed
+        replaces it with its unbalanced server updates."""
+        from fl_lightning.modules.split import train_split
+
+        ctx = self.ctx
+        return train_split(ctx.fabric, client_forward, server_loss, client_opt, server_opt, ctx.shards[task.client],
+                           ctx.train, client_generator(ctx.seed, plan.round_idx, task.client),
+                           client_params=client_params, server_params=server_params,
+                           after_client_backward=self.after_client_backward(task))
 
     def after_client_backward(self, task: ClientTask):
         return None

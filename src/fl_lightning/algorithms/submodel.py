@@ -24,7 +24,6 @@ its width, cap, parameters and MACs trained.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
