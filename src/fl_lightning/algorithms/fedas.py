@@ -190,6 +190,8 @@ class FedAS(FedAvg):
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                if self.ctx.train.grad_clip is not None:  # the run's clipping bounds the alignment steps too
+                    torch.nn.utils.clip_grad_norm_(self.body_params, self.ctx.train.grad_clip)
                 optimizer.step()
                 total, steps = total + float(loss.detach()), steps + 1
         optimizer.zero_grad(set_to_none=True)
