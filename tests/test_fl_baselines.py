@@ -310,3 +310,26 @@ def test_bad_options_are_one_line_config_errors(algorithm, key):
         algorithm().check(TRAIN)
     assert error.value.key == key
     assert "\n" not in str(error.value) and str(error.value).startswith(f"{key}: ")
+
+
+def test_evaluate_rescores_a_personalized_method_with_its_client_state(tmp_path, capsys):
+    """FedGH's test figure averages each client's own body with the global header: best.ckpt
+    carries the per-client state, so ``evaluate`` reproduces the summary's best figure and the
+    final evaluation does not mix the best round's header with the last round's bodies."""
+    from fl_lightning.cli import main
+
+    config = tmp_path / "fedgh.yaml"
+    config.write_text(
+        "name: gh\nseed: 0\ndata: {name: digits, val_size: 100}\n"
+        "partition: {method: dirichlet, num_clients: 6, alpha: 0.5}\nmodel: {name: cnn}\n"
+        "algorithm: {class_path: fl_lightning.algorithms.FedGH}\n"
+        "train: {epochs: 1, batch_size: 16, lr: 0.05}\nfederation: {rounds: 4, clients_per_round: 6}\n"
+        "eval: {every: 1}\nfabric: {accelerator: cpu}\n")
+    assert main(["fit", "--config", str(config), "--out_dir", str(tmp_path / "runs")]) == 0
+    summary = json.loads((tmp_path / "runs" / "gh" / "summary.json").read_text())
+    capsys.readouterr()
+    assert main(["evaluate", "--run", str(tmp_path / "runs" / "gh"), "--fabric.accelerator", "cpu"]) == 0
+    out = capsys.readouterr().out
+    evaluated = json.loads(out[out.rindex("{\n"):])
+    assert evaluated["test_acc"] == pytest.approx(summary["best"]["test_acc"])
+    assert "algorithm" in load_checkpoint(tmp_path / "runs" / "gh" / "checkpoints" / "best.ckpt")

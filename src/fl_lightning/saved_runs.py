@@ -53,4 +53,6 @@ def open_saved_run(run: Path, checkpoint: str, fabric_cfg: FabricConfig) -> Save
     state = load_checkpoint(path, map_location=fabric.device, key="checkpoint", required=("model", "round"))
     ctx = build_context(spec, fabric, mode="evaluate")
     load_model_state(ctx.model, state["model"], path, key="checkpoint")
+    if "algorithm" in state:  # per-client state (personalized methods) and server-side extras
+        spec.algorithm.load_state_dict(state["algorithm"])
     return SavedRun(spec, ctx, path, int(state.get("round", 0)))

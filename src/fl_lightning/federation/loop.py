@@ -157,8 +157,9 @@ class Federation:
             if out["val_acc"] > self.best["val_acc"] and model_is_finite(self.model):
                 self.best = {"val_acc": out["val_acc"], "round": round_idx}
                 if self.is_zero:
-                    save_checkpoint({"model": self.model.state_dict(), "round": round_idx + 1, "best": self.best},
-                                    self.run_dir.best)
+                    # the algorithm's state too: personalized methods score per-client models
+                    save_checkpoint({"model": self.model.state_dict(), "algorithm": self.algorithm.state_dict(),
+                                     "round": round_idx + 1, "best": self.best}, self.run_dir.best)
         if self.spec.eval.test == "every":
             out.update(self._split_metrics("test"))
         return out
@@ -176,6 +177,8 @@ class Federation:
             best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device, key="checkpoint",
                                    required=("model",))
             load_model_state(self.model, best["model"], self.run_dir.best, key="checkpoint")
+            if "algorithm" in best:
+                self.algorithm.load_state_dict(best["algorithm"])
             summary["best"] = {**self.best, **self._split_metrics("test")}
         return summary
 
