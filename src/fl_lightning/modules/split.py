@@ -45,6 +45,33 @@ ClientForward = Callable[[torch.Tensor], torch.Tensor]
 ServerLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def clip(params, cfg: LocalTrainConfig) -> None:
+    """Clip one half's gradients to ``cfg.grad_clip`` when it is set."""
+    if cfg.grad_clip is not None and params:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+
+
+def send_activation(fabric, client_forward: ClientForward, x: torch.Tensor, y: torch.Tensor, fit: SplitFit):
+    """The client half's forward and what the server receives: ``(z, z.detach().requires_grad_())``,
+    the activation and the labels counted as bytes up."""
+    with fabric.autocast():
+        z = client_forward(x)
+    sent = z.detach().requires_grad_()
+    fit.cut_bytes_up += tensor_bytes(sent) + tensor_bytes(y)
+    return z, sent
+
+
+def apply_gradient(z: torch.Tensor, grad: torch.Tensor, fit: SplitFit, client_optimizer: torch.optim.Optimizer,
+                   client_params, cfg: LocalTrainConfig, after_backward: Optional[Callable[[], None]] = None) -> None:
+    """The gradient at the cut, counted as bytes down, through the client half, then its step."""
+    fit.cut_bytes_down += tensor_bytes(grad)
+    z.backward(grad)
+    clip(client_params, cfg)
+    if after_backward is not None:
+        after_backward()
+    client_optimizer.step()
+
+
 def train_split(fabric, client_forward: ClientForward, server_loss: ServerLoss,
                 client_optimizer: torch.optim.Optimizer, server_optimizer: torch.optim.Optimizer,
                 data: ClientData, cfg: LocalTrainConfig, generator: torch.Generator,
@@ -68,26 +95,15 @@ def train_split(fabric, client_forward: ClientForward, server_loss: ServerLoss,
         client_optimizer.zero_grad(set_to_none=True)
         server_optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        with fabric.autocast():
-            z = client_forward(x)
+        z, sent = send_activation(fabric, client_forward, x, y, fit)
         t1 = time.perf_counter()
-        sent = z.detach().requires_grad_()
-        fit.cut_bytes_up += tensor_bytes(sent) + tensor_bytes(y)
         with fabric.autocast():
             loss = server_loss(sent, y)
         fabric.backward(loss)
-        if cfg.grad_clip is not None and server_params:
-            torch.nn.utils.clip_grad_norm_(server_params, cfg.grad_clip)
+        clip(server_params, cfg)
         server_optimizer.step()
         t2 = time.perf_counter()
-        grad = sent.grad
-        fit.cut_bytes_down += tensor_bytes(grad)
-        z.backward(grad)
-        if cfg.grad_clip is not None and client_params:
-            torch.nn.utils.clip_grad_norm_(client_params, cfg.grad_clip)
-        if after_client_backward is not None:
-            after_client_backward()
-        client_optimizer.step()
+        apply_gradient(z, sent.grad, fit, client_optimizer, client_params, cfg, after_client_backward)
         t3 = time.perf_counter()
         fit.client_seconds += (t1 - t0) + (t3 - t2)
         fit.server_seconds += t2 - t1

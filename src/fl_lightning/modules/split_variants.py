@@ -23,17 +23,13 @@ from typing import Callable, List, Literal, Optional, Sequence
 import torch
 
 from fl_lightning.config import LocalTrainConfig
-from fl_lightning.modules.split import ClientForward, ServerLoss, SplitFit, tensor_bytes
+from fl_lightning.modules.split import (ClientForward, ServerLoss, SplitFit, apply_gradient, clip,
+                                        send_activation, tensor_bytes)
 from fl_lightning.runtime.client_data import ClientData
 
 FeedbackAt = Literal["start", "last_step", "end"]
 Estimator = Literal["fo", "zo"]
 SCALAR_BYTES = 4  # one float32 loss difference sent down per zeroth-order client step
-
-
-def _clip(params: Sequence[torch.Tensor], cfg: LocalTrainConfig) -> None:
-    if cfg.grad_clip is not None and params:
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
 
 
 # -- MergeSFL ---------------------------------------------------------------------------------
@@ -85,7 +81,7 @@ def merged_step(fabric, forwards: Sequence[ClientForward], server_loss: ServerLo
     with fabric.autocast():
         loss = server_loss(merged, labels)
     fabric.backward(loss)
-    _clip(server_params, cfg)
+    clip(server_params, cfg)
     server_optimizer.step()
     server_seconds = time.perf_counter() - t0
     total = sum(sizes)
@@ -100,7 +96,7 @@ def merged_step(fabric, forwards: Sequence[ClientForward], server_loss: ServerLo
         bytes_up.append(tensor_bytes(z.detach()) + tensor_bytes(y))
         bytes_down.append(tensor_bytes(piece))
         z.backward(piece)
-        _clip(client_params[i], cfg)
+        clip(client_params[i], cfg)
         client_optimizers[i].step()
         seconds[i] += time.perf_counter() - t0
     return MergedStep(float(loss.detach()), sizes, bytes_up, bytes_down, seconds, server_seconds)
@@ -175,11 +171,8 @@ def _fo_batch(fabric, client_forward, server_loss, client_optimizer, server_opti
               feedback_at, client_params, server_params, smoothing, zo_generator, fit) -> torch.Tensor:
     client_optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    with fabric.autocast():
-        z = client_forward(x)
+    z, sent = send_activation(fabric, client_forward, x, y, fit)
     t1 = time.perf_counter()
-    sent = z.detach().requires_grad_()
-    fit.cut_bytes_up += tensor_bytes(sent) + tensor_bytes(y)
     feedback, first_loss = None, None
     for k in range(tau):
         server_optimizer.zero_grad(set_to_none=True)
@@ -191,7 +184,7 @@ def _fo_batch(fabric, client_forward, server_loss, client_optimizer, server_opti
             first_loss = loss.detach()
         if (feedback_at == "start" and k == 0) or (feedback_at == "last_step" and k == tau - 1):
             feedback = sent.grad.detach().clone()
-        _clip(server_params, cfg)
+        clip(server_params, cfg)
         server_optimizer.step()
     if feedback_at == "end":
         with fabric.autocast():
@@ -199,10 +192,7 @@ def _fo_batch(fabric, client_forward, server_loss, client_optimizer, server_opti
         feedback, = torch.autograd.grad(loss, sent)
     server_optimizer.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
-    fit.cut_bytes_down += tensor_bytes(feedback)
-    z.backward(feedback)
-    _clip(client_params, cfg)
-    client_optimizer.step()
+    apply_gradient(z, feedback, fit, client_optimizer, client_params, cfg)
     t3 = time.perf_counter()
     fit.client_seconds += (t1 - t0) + (t3 - t2)
     fit.server_seconds += t2 - t1
@@ -246,7 +236,7 @@ def _zo_batch(fabric, client_forward, server_loss, client_optimizer, server_opti
             first_loss = (loss_plus + loss_minus) / 2
         server_optimizer.zero_grad(set_to_none=True)
         _zo_grad(server_params, u, loss_plus - loss_minus, smoothing)
-        _clip(server_params, cfg)
+        clip(server_params, cfg)
         server_optimizer.step()
         base_server = [p.detach().clone() for p in server_params]
     if feedback_at == "end":
@@ -256,7 +246,7 @@ def _zo_batch(fabric, client_forward, server_loss, client_optimizer, server_opti
     fit.cut_bytes_down += SCALAR_BYTES
     client_optimizer.zero_grad(set_to_none=True)
     _zo_grad(client_params, v, difference, smoothing)
-    _clip(client_params, cfg)
+    clip(client_params, cfg)
     client_optimizer.step()
     fit.client_seconds += (t1 - t0) + (time.perf_counter() - t2)
     fit.server_seconds += t2 - t1
@@ -310,11 +300,8 @@ def train_split_replay(fabric, client_forward: ClientForward, helper_forward: Cl
         client_optimizer.zero_grad(set_to_none=True)
         server_optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        with fabric.autocast():
-            z = client_forward(x)
+        z, sent = send_activation(fabric, client_forward, x, y, fit)
         t1 = time.perf_counter()
-        sent = z.detach().requires_grad_()
-        fit.cut_bytes_up += tensor_bytes(sent) + tensor_bytes(y)
         parts = [(sent, y)]
         if position < len(chunks):
             hx, hy = chunks[position]
@@ -327,13 +314,10 @@ def train_split_replay(fabric, client_forward: ClientForward, helper_forward: Cl
         with fabric.autocast():
             loss = sum(len(part_y) * server_loss(part, part_y) for part, part_y in parts) / rows
         fabric.backward(loss)
-        _clip(server_params, cfg)
+        clip(server_params, cfg)
         server_optimizer.step()
         t2 = time.perf_counter()
-        fit.cut_bytes_down += tensor_bytes(sent.grad)
-        z.backward(sent.grad)
-        _clip(client_params, cfg)
-        client_optimizer.step()
+        apply_gradient(z, sent.grad, fit, client_optimizer, client_params, cfg)
         t3 = time.perf_counter()
         fit.client_seconds += (t1 - t0) + (t3 - t2)
         fit.server_seconds += t2 - t1
