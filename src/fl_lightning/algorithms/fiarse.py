@@ -28,6 +28,7 @@ from typing import Dict, List, Literal, Mapping, Optional
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.feast import Feast
 from fl_lightning.elastic.magnitude_masks import CONVENTIONS, GRADIENTS, GROUPINGS
 from fl_lightning.elastic.regions import Mask
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
@@ -38,7 +39,7 @@ from fl_lightning.runtime.seeding import derive_seed
 MIX_SCHEDULES = ("none", "alternate", "random", "mixup", "cutmix")
 # Seed streams: FIARSE's Mixup/CutMix draws; BN calibration shares FEAST's stream (13), so the
 # same seed recalibrates every method of a comparison on the same augmented images.
-MIXING_STREAM, CALIBRATION_STREAM = 31, 13
+MIXING_STREAM = 31
 
 
 @dataclass
@@ -344,17 +345,8 @@ class FIARSE(FedAvg):
                            "logical_macs": float(self.macs.logical(kept, self.macs_convention))})
         return points
 
-    def calibration_batches(self) -> List[torch.Tensor]:
-        """The calibration images in fixed-order batches, the same for every point (FEAST's)."""
-        from fl_lightning.runtime.client_data import eval_batches
-
-        if self._calibration is None:
-            dataset, indices = self.ctx.data.calibration_set(self.calib_transform)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derive_seed(self.ctx.seed, CALIBRATION_STREAM))
-                self._calibration = [x for x, _ in eval_batches(dataset, indices, self.calib_batch_size,
-                                                                self.ctx.fabric.device)]
-        return self._calibration
+    # FEAST's calibration batches: drawn once from their own seed stream, the same for every point
+    calibration_batches = Feast.calibration_batches
 
     def masked_model(self, family, thresholds) -> torch.nn.Module:
         """The worker holding the global model with pruned entries zeroed (the served model),
