@@ -5,7 +5,9 @@ every layer's channels (the classifier's input side included) and averages each 
 over exactly the clients that trained it (``dense = False``). The policies differ only in how
 ``p`` is chosen (``docs/submodel.md``):
 
-- :class:`HeteroFL`: every client at its cap ``p_max``.
+- :class:`HeteroFL`: every client at its cap ``p_max`` (with ``assign: budget`` the cap is the
+  largest of HeteroFL's tiers the client's MAC budget affords: FEAST's supernet baseline,
+  ``docs/heterofl_supernet.md``).
 - :class:`FjORD`: each round a tier drawn uniformly from the tiers no larger than the cap.
 - :class:`Uniform`: ``min(width, p_max)`` with ``width = 0.5``.
 - :class:`RandomBudget`: random time-varying widths whose cohort average matches a target
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ import torch
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.collectives import all_reduce_sum
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
@@ -43,6 +46,7 @@ TIER_PROBS = (0.3, 0.3, 0.2, 0.2)
 paper's realized mean over its seeds is about 0.56)."""
 
 ALLOCATION = 17  # stream tag of allocation draws (FjORD tiers, Random-budget widths)
+MIXING_STREAM = 18  # stream tag of HeteroFL's optional Mixup / CutMix draws
 
 
 def draw_caps(num_clients: int, seed: int, tiers: Sequence[float] = TIERS,
@@ -191,10 +195,197 @@ class SubmodelAlgorithm(FedAvg):
 
 
 class HeteroFL(SubmodelAlgorithm):
-    """HeteroFL (Diao et al., 2021) with coordinate-wise averaging: every client at its cap."""
+    """HeteroFL (Diao et al., 2021) with coordinate-wise averaging: every client at its cap.
+
+    The defaults are the sub-model study's (caps drawn per seed, aggregated BN statistics, the
+    global model evaluated). FEAST's supernet baseline (``docs/heterofl_supernet.md``) sets
+    ``assign: budget``: the cap is the largest of HeteroFL's five tiers that the client's MAC
+    budget affords (the smallest as a counted fallback), and evaluation scores every tier and
+    the population under largest-affordable serving. Either way ``bn`` chooses where evaluated
+    models get their BN statistics, ``scaler`` adds HeteroFL's Scaler to client training and
+    ``mix_schedule`` FEAST's Mixup / CutMix.
+    """
+
+    def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[float]] = None,
+                 tier_probs: Optional[List[float]] = None, bn: Literal["aggregated", "sbn", "recalibrate"] = "aggregated",
+                 sbn_data: Literal["train", "calib"] = "train", scaler: bool = False,
+                 calib_batch_size: int = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
+                 mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0, **kwargs):
+        """
+        Args:
+            assign: caps (each client's cap drawn from ``tiers`` with ``tier_probs``, or
+                ``caps``: the sub-model study) or budget (the largest tier whose served MACs fit
+                the client's ``partition.budgets`` budget; the smallest tier when none does).
+            tiers: width tiers; default (0.25, 0.5, 0.75, 1) with caps, HeteroFL's
+                (1/16, 1/8, 1/4, 1/2, 1) with budget (distinct, smallest first).
+            tier_probs: probability of each tier with caps; default favours small devices.
+                Unused (and refused) with budget.
+            bn: where evaluated models get their BN statistics: aggregated (the clients'
+                tracked statistics, averaged), sbn (HeteroFL's static BN: clients track none,
+                one pass over ``sbn_data`` before evaluation) or recalibrate (FEAST's protocol:
+                the server's calibration split, per evaluated model).
+            sbn_data: the sBN pass's data: train (the union of the client shards, as HeteroFL's
+                code) or calib (the server's calibration split).
+            scaler: HeteroFL's Scaler: a width-p client divides every conv output by p in
+                training (identity at evaluation). Needs bn sbn or recalibrate.
+            calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
+            calib_transform: images of that pass through the training augmentation (train,
+                drawn once from a fixed seed) or none (eval).
+            mix_schedule: Mixup / CutMix on client batches: none (HeteroFL), alternate
+                (FEAST's protocol for every method), random, mixup or cutmix.
+            mixup_alpha: Mixup's Beta parameter.
+            cutmix_alpha: CutMix's Beta parameter.
+        """
+        from fl_lightning.algorithms.heterofl_tiers import HETEROFL_TIERS
+
+        self.assign = assign
+        self.tier_probs_given = tier_probs
+        if tiers is None:
+            tiers = HETEROFL_TIERS if assign == "budget" else TIERS
+        if tier_probs is None:  # unused with budget: a placeholder the shared checks accept
+            tier_probs = [1.0] * len(tiers) if assign == "budget" else TIER_PROBS
+        super().__init__(tiers=tiers, tier_probs=tier_probs, **kwargs)
+        self.bn, self.sbn_data, self.scaler = bn, sbn_data, scaler
+        self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform
+        self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
+        self.assignment = None
+
+    def check(self, train) -> None:
+        from fl_lightning.algorithms.bn_protocol import BN_PROTOCOLS, SBN_DATA
+        from fl_lightning.modules.mixing import SCHEDULES
+
+        budget = self.assign == "budget"
+        checks = [
+            ("assign", self.assign in ("caps", "budget"), "must be caps or budget"),
+            ("bn", self.bn in BN_PROTOCOLS, f"must be one of {', '.join(BN_PROTOCOLS)}"),
+            ("sbn_data", self.sbn_data in SBN_DATA, f"must be one of {', '.join(SBN_DATA)}"),
+            ("scaler", isinstance(self.scaler, bool), "must be true or false"),
+            # tracked statistics would see conv outputs divided by p, evaluation undivided ones
+            ("scaler", not (self.scaler and self.bn == "aggregated"),
+             "needs bn sbn or recalibrate (aggregated statistics would be tracked on scaled activations)"),
+            ("calib_batch_size", isinstance(self.calib_batch_size, int) and self.calib_batch_size >= 1,
+             "must be an integer >= 1"),
+            ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
+            ("mix_schedule", self.mix_schedule in ("none",) + SCHEDULES,
+             f"must be one of none, {', '.join(SCHEDULES)}"),
+            ("mixup_alpha", self.mixup_alpha > 0 or self.mix_schedule in ("none", "cutmix"),
+             f"must be > 0 for mix_schedule {self.mix_schedule}"),
+            ("cutmix_alpha", self.cutmix_alpha > 0 or self.mix_schedule in ("none", "mixup"),
+             f"must be > 0 for mix_schedule {self.mix_schedule}"),
+            ("tier_probs", not (budget and self.tier_probs_given is not None),
+             "is unused with assign budget (tiers follow the MAC budgets); remove it"),
+            ("caps", not (budget and self.caps_given is not None),
+             "is unused with assign budget (tiers follow the MAC budgets); remove it"),
+            ("tiers", not budget or all(a < b for a, b in zip(self.tiers, self.tiers[1:])),
+             "must be distinct widths, smallest first, with assign budget"),
+        ]
+        given = {"tier_probs": self.tier_probs_given, "caps": self.caps_given}
+        for key, ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {given.get(key, getattr(self, key, None))!r}")
+        super().check(train)
+
+    def setup(self, ctx) -> None:
+        from fl_lightning.algorithms.bn_protocol import ServedStatistics
+        from fl_lightning.algorithms.heterofl_tiers import TierAssignment
+
+        self.check(ctx.train)
+        super().setup(ctx)
+        self.statistics = ServedStatistics(ctx, self.bn, self.sbn_data, self.calib_batch_size, self.calib_transform)
+        self.tier_specs = [self.spec_of(t) for t in self.tiers]
+        if self.assign == "budget":
+            if ctx.budgets is None:
+                raise ConfigError("partition.budgets", "assign budget needs client MAC budgets")
+            self.assignment = TierAssignment.by_budget(ctx.model, self.tier_specs, self.tiers, ctx.budgets.tolist(),
+                                                       tuple(ctx.data.bundle.input_shape))
+            self.caps = self.assignment.widths()
+            if ctx.fabric.is_global_zero and ctx.mode == "fit":
+                print(self.assignment.describe())
+
+    def spec_of(self, width: float):
+        from fl_lightning.elastic.specs import WidthSpec
+
+        return WidthSpec.uniform(width, self.stages)
 
     def widths_for(self, round_idx, cohort):
         return {c: float(self.caps[c]) for c in cohort}
+
+    # -- one client -----------------------------------------------------------------------------
+    def route(self, task, plan):
+        routed = super().route(task, plan)
+        if self.bn == "sbn":
+            from fl_lightning.algorithms.bn_protocol import without_statistics
+
+            routed = without_statistics(routed)
+        return routed
+
+    def client_module(self, routed, task, plan):
+        p = task.options["p"]
+        if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
+            from fl_lightning.elastic.layers.scaler import attach_scaler
+
+            attach_scaler(routed.module, p)
+        if self.mix_schedule == "none":
+            return super().client_module(routed, task, plan)
+        from fl_lightning.modules.mixing import AlternatingMixer
+        from fl_lightning.modules.single_architecture import SingleArchitectureClient
+
+        t = self.ctx.train
+        generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
+        mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
+                                 schedule=self.mix_schedule, generator=generator)
+        return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
+                                        macs=self.cost(task.spec)[1], mixer=mixer)
+
+    def fit_client(self, task, plan):
+        result = super().fit_client(task, plan)
+        if self.assignment is not None:
+            k = int(self.assignment.assigned[task.client])
+            result.metrics.update({"level": k + 1, "fallback": int(self.assignment.fallback[task.client])})
+        return result
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        """The sub-model study's global model (caps), its BN statistics per ``bn``; with budget,
+        every tier and the population under largest-affordable serving."""
+        from fl_lightning.algorithms.heterofl_tiers import evaluate_tiers
+        from fl_lightning.runtime.evaluation import evaluate
+
+        if self.assignment is None and self.bn == "aggregated":
+            return super().evaluate(split, batch_size)
+        data = self.ctx.data
+        dataset, indices = data.split(split)
+        if self.assignment is None:
+            model = self.statistics.models([self.ctx.model.max_spec()])[0]
+            return evaluate(self.ctx.fabric, model, dataset, indices, data.bundle.num_classes, batch_size)
+        models = self.statistics.models(self.tier_specs)
+        return evaluate_tiers(self.ctx.fabric, models, dataset, indices, data.bundle.num_classes, batch_size,
+                              self.assignment)
+
+    def report(self, summary: dict) -> str:
+        from fl_lightning.algorithms.heterofl_tiers import tier_report
+
+        if self.assignment is None:
+            return super().report(summary)
+        return tier_report(summary, self.assignment, self.bn)
+
+    def artifacts(self) -> Dict[str, str]:
+        out = super().artifacts()
+        if self.assignment is not None:
+            out["levels.json"] = self.assignment.to_json()
+        return out
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        out = super().state_dict()
+        if self.assignment is not None:  # kept so a resumed or re-scored run serves the clients it trained
+            out.update({f"tiers/{k}": v for k, v in self.assignment.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        if self.assignment is not None:
+            self.assignment.load_state_dict({k: state[f"tiers/{k}"] for k in ("assigned", "fallback")})
 
 
 class Uniform(SubmodelAlgorithm):

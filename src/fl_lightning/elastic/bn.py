@@ -20,6 +20,24 @@ def batch_norms(model: nn.Module) -> list[_BatchNorm]:
     return [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
 
 
+def statistics_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of every batch norm's running statistics (mean, variance, batch count)."""
+    keys = set()
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            prefix = f"{name}." if name else ""
+            keys.update(prefix + key for key, value in module._buffers.items() if value is not None)
+    return keys
+
+
+def use_batch_statistics(model: nn.Module) -> None:
+    """Batch norms stop tracking running statistics: in training they normalize with the
+    batch's statistics and leave their buffers untouched (HeteroFL's static BN while training)."""
+    for module in model.modules():
+        if isinstance(module, _BatchNorm):
+            module.track_running_stats = False
+
+
 def reset_bn_statistics(model: nn.Module) -> None:
     """Running mean 0, variance 1 and batch count 0 in every batch-norm layer."""
     for bn in batch_norms(model):
