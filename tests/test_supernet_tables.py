@@ -1,0 +1,213 @@
+"""The supernet comparison's common serving form and its controls (analysis/serving.py,
+analysis/serving_controls.py, tools/supernet_tables.py): every expected number is worked out
+here by hand or by a direct sum over the run's files."""
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from fl_lightning.analysis.feast_accounting import PAPER_ANCHORS
+from fl_lightning.analysis.serving import (RunFormatError, ServingRun, largest_affordable, load_run,
+                                           training_proxy)
+from fl_lightning.analysis.serving_controls import (anchor_accuracy, client_wins, density_control,
+                                                   end_to_end_change, horizon_overrides, matched_rounds,
+                                                   scaled_anchors)
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+def test_largest_affordable_serving_with_the_minimum_tier_fallback():
+    macs = [40.0, 10.0, 20.0]  # unsorted on purpose: indices refer to this order
+    budgets = [5.0, 10.0, 15.0, 39.9, 40.0, 1000.0]
+    served, fallback = largest_affordable(macs, budgets)
+    # 5 affords nothing -> the cheapest point (10, index 1), flagged; 10 and 15 afford 10;
+    # 39.9 affords 20; 40 and 1000 afford 40.
+    assert served.tolist() == [1, 1, 1, 2, 0, 0]
+    assert fallback.tolist() == [True, False, False, False, False, False]
+
+
+def test_client_wins_ties_and_losses():
+    assert client_wins([0.7, 0.5, 0.4, 0.9], [0.6, 0.5, 0.45, 0.1]) == \
+        {"wins": 2, "ties": 1, "losses": 1, "clients": 4}
+
+
+def test_density_control_on_a_hand_made_curve():
+    macs = [25, 30, 35, 50, 140, 550]
+    accs = [0.60, 0.62, 0.64, 0.66, 0.70, 0.72]
+    tiers = [2, 9, 35.7, 139.5, 555]  # HeteroFL-like: the two smallest both map to the 25 floor
+    budgets = [25, 32, 60, 200, 600]
+    out = density_control(macs, accs, tiers, baseline_acc=0.50, budgets=budgets)
+    assert out["subset"] == [0, 2, 4, 5]  # 25, 35, 140, 550
+    # full curve: 25->0.60, 32->30 (0.62), 60->50 (0.66), 200->140 (0.70), 600->550 (0.72)
+    full = (0.60 + 0.62 + 0.66 + 0.70 + 0.72) / 5
+    # subset: 25->0.60, 32->25 (0.60), 60->35 (0.64), 200->140 (0.70), 600->550 (0.72)
+    matched = (0.60 + 0.60 + 0.64 + 0.70 + 0.72) / 5
+    assert out["full"] == pytest.approx(full) and out["matched"] == pytest.approx(matched)
+    assert out["density"] == pytest.approx(0.008)
+    assert out["full_margin"] == pytest.approx(0.16) and out["residual"] == pytest.approx(0.152)
+    assert out["retained"] == pytest.approx(0.152 / 0.16)
+    assert out["subset_fallback"] == 0
+
+
+def test_equal_compute_horizon_arithmetic():
+    # FEAST Table 8: 31.01 PMACs against 14.97, 15.22 and 29.97 over 4000 rounds
+    assert matched_rounds(4000, 31.01, 14.97) == 8286
+    assert matched_rounds(4000, 31.01, 15.22) == 8150
+    assert matched_rounds(4000, 31.01, 29.97) == 4139
+    assert matched_rounds(10, 0.3, 0.1) == 30  # an exact multiple stays exact despite float rounding
+    assert matched_rounds(3, 1.0, 3.0) == 1
+
+
+def test_horizon_overrides_stretch_an_exponential_schedule():
+    config = {"federation": {"rounds": 100}, "train": {"lr_schedule": "exponential", "lr_decay": 0.99},
+              "algorithm": {"init_args": {}}}
+    run = ServingRun(Path("/runs/x"), "ScaleFL", "scalefl", config, [], "fvcore", np.zeros(1), np.ones(1),
+                     np.zeros(1, int), np.zeros(1, bool), None)
+    out = horizon_overrides(run, 200)
+    assert out[:2] == ["--federation.rounds", "200"]
+    # the stretched decay reaches at round 200 the learning rate the original had at round 100
+    assert float(out[out.index("--train.lr_decay") + 1]) == pytest.approx(0.99 ** 0.5)
+    run.config["train"]["lr_schedule"] = "cosine"  # follows federation.rounds by itself
+    assert horizon_overrides(run, 200) == ["--federation.rounds", "200"]
+
+
+def test_training_proxy_is_kappa_times_macs_times_shards_times_participations():
+    # 4 clients, 6 rounds of 2: each client takes part 3 times in expectation
+    value = training_proxy([10, 20, 30, 40], [1, 2, 3, 4], rounds=6, clients_per_round=2, epochs=2, kappa=3.0)
+    assert value == pytest.approx(3.0 * 2 * 3 * (10 + 40 + 90 + 160))
+
+
+def test_anchors_scale_to_a_small_cache_and_pick_the_largest_point_within():
+    assert scaled_anchors(24.96e6, 595.67e6) == list(PAPER_ANCHORS)
+    lo, hi = 0.2e6, 3.7e6
+    scaled = scaled_anchors(lo, hi)
+    assert scaled[0] == pytest.approx(lo) and scaled[-1] == pytest.approx(hi)
+    for a, b in zip(PAPER_ANCHORS, scaled):  # same relative position in log MACs
+        t = math.log(a / 25e6) / math.log(596e6 / 25e6)
+        assert math.log(b / lo) / math.log(hi / lo) == pytest.approx(t)
+    macs, accs = [1, 2, 4, 8], [0.1, 0.2, 0.3, 0.4]
+    assert anchor_accuracy(macs, accs, 0.5) is None
+    assert anchor_accuracy(macs, accs, 3.9) == 0.2 and anchor_accuracy(macs, accs, 8) == 0.4
+    assert end_to_end_change([0.1, None, 0.4]) == pytest.approx(0.3)
+    assert end_to_end_change([None, 0.4]) is None
+
+
+# -- tiny real runs ---------------------------------------------------------------------------
+
+BASE = {
+    "seed": 0,
+    "data": {"name": "synthetic", "options": {"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
+             "val_size": 40, "calib_size": 32},
+    "partition": {"method": "gamma_dirichlet", "num_clients": 6, "alpha_eff": 1.0, "gamma": 1.0, "min_size": 5,
+                  "budgets": {"zipf_s": 1.2, "b_min": 1e5, "b_max": 3e6, "b_cap": 2e6}},
+    "train": {"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+    "federation": {"rounds": 1, "clients_per_round": 3},
+    "eval": {"every": 1, "test": "final"},
+    "fabric": {"accelerator": "cpu"},
+}
+OFA = {"name": "ofa_resnet", "kwargs": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
+
+
+def _cache(path: Path) -> str:
+    from fl_lightning.elastic.models import build_model
+    from fl_lightning.elastic.search.cache import VariantCache
+
+    model = build_model("ofa_resnet", 4, (3, 16, 16), **OFA["kwargs"])
+    g = torch.Generator().manual_seed(3)
+    specs = {model.min_spec()} | {model.sample_spec(g) for _ in range(4)}
+    VariantCache.from_specs(model, sorted(specs, key=str)).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """One-round FEAST and ScaleFL runs of the same population, through the command line."""
+    from fl_lightning.cli import main
+
+    root = tmp_path_factory.mktemp("supernet")
+    configs = {
+        "feast": {"model": OFA, "algorithm": {
+            "class_path": "fl_lightning.algorithms.Feast",
+            "init_args": {"cache": _cache(root / "cache.json"), "mix_schedule": "none"}}},
+        "scalefl": {"model": {"name": "scalefl_resnet18", "kwargs": {"width": 0.125}},
+                    "algorithm": {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL"}},
+    }
+    for name, extra in configs.items():
+        path = root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**BASE, **extra}))
+        assert main(["fit", "--config", str(path), "--out_dir", str(root / "runs"), "--name", name]) == 0
+    return root / "runs"
+
+
+def test_loader_reads_feast_and_scalefl_runs_into_one_form(tiny_runs):
+    from fl_lightning.analysis.feast_accounting import affordable_sets, training_computation
+    from fl_lightning.elastic.search.cache import VariantCache
+
+    feast, scalefl = load_run(tiny_runs / "feast"), load_run(tiny_runs / "scalefl")
+    part = torch.load(tiny_runs / "feast" / "partition.pt", weights_only=True)
+    sizes = [len(part[f"client/{i}"]) for i in range(6)]
+    for run in (feast, scalefl):
+        assert run.budgets.tolist() == part["budgets"].double().tolist() and run.sizes.tolist() == sizes
+        assert run.population_acc == pytest.approx(run.reported_acc)  # the run's own test_acc
+        assert all(p.acc is not None for p in run.points)
+        assert list(run.point_macs) == sorted(run.point_macs)
+    assert feast.method == "FEAST" and scalefl.method == "ScaleFL" and len(scalefl.points) == 4
+    # FEAST's proxy is its accounting (Eq. 26), recomputed here from the cache and partition
+    cache = VariantCache.load(tiny_runs / "feast" / "cache.json")
+    expected = training_computation(cache, affordable_sets(cache, feast.budgets.tolist()), sizes, 1, 3)
+    assert feast.proxy == pytest.approx(expected["feast_train_macs"])
+    # ScaleFL: 3 x (1 round x 3 clients / 6) x sum_i n_i x (all-exit MACs of client i's level)
+    levels = json.loads((tiny_runs / "scalefl" / "levels.json").read_text())
+    direct = 0.0
+    for i, budget in enumerate(part["budgets"].tolist()):
+        affordable = [lv for lv in levels["levels"] if lv["served_macs"] <= budget]
+        level = affordable[-1] if affordable else levels["levels"][0]
+        direct += sizes[i] * level["train_macs"]
+    assert scalefl.proxy == pytest.approx(3.0 * (1 * 3 / 6) * direct)
+    # a client below level 1 (0.14M MACs at width 1/8) is served level 1 and flagged, as in
+    # ScaleFL's own assignment
+    assert scalefl.fallback.any() and (scalefl.served[scalefl.fallback] == 0).all()
+    assert [c["fallback"] for c in levels["clients"]] == scalefl.fallback.tolist()
+
+
+def test_heterofl_hook_reads_a_tier_artifact_and_other_folders_are_refused(tiny_runs, tmp_path):
+    fake = tmp_path / "heterofl"
+    shutil.copytree(tiny_runs / "scalefl", fake, ignore=shutil.ignore_patterns("checkpoints", "tensorboard"))
+    config = yaml.safe_load((fake / "config.yaml").read_text())
+    config["algorithm"]["class_path"] = "fl_lightning.algorithms.HeteroFL"
+    (fake / "config.yaml").write_text(yaml.safe_dump(config))
+    run = load_run(fake)
+    assert run.method == "HeteroFL" and len(run.points) == 4
+    (fake / "levels.json").unlink()
+    with pytest.raises(RunFormatError, match="tier artifact"):
+        load_run(fake)
+    with pytest.raises(RunFormatError, match="config.yaml"):
+        load_run(tmp_path)
+
+
+def test_tool_prints_the_tables_it_has_runs_for(tiny_runs, tmp_path, capsys):
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+    figure = tmp_path / "acc.png"
+    assert supernet_tables.main([str(tiny_runs / "feast"), str(tiny_runs / "scalefl"), "--figure", str(figure)]) == 0
+    out = capsys.readouterr().out
+    feast, scalefl = load_run(tiny_runs / "feast"), load_run(tiny_runs / "scalefl")
+    row = next(line for line in out.splitlines() if line.startswith("| synthetic"))
+    assert f"{100 * scalefl.population_acc:.2f}" in row and f"{100 * feast.population_acc:.2f}" in row
+    assert "Table 5: serving-density control" in out and "| ScaleFL |" in out
+    r_new = matched_rounds(1, feast.proxy, scalefl.proxy)
+    assert f"--federation.rounds {r_new} " in out  # the rerun command of the matched horizon
+    assert "Table 3 skipped" in out and "Table 11 skipped" in out
+    assert figure.stat().st_size > 0

@@ -1,0 +1,446 @@
+"""Tables and figure of the supernet comparison (FEAST Tables 1, 3, 5, 7-8, 11, 12; Fig. 3).
+
+    python tools/supernet_tables.py RUN [RUN ...] [--figure PATH] [--anchors A ...]
+
+Every RUN is a run directory (or a folder of them) of FEAST, its SuperFedNAS / DeepFedNAS
+transfers, ScaleFL, FIARSE or HeteroFL, read into one form by ``analysis/serving.py``. Runs are
+grouped by population setting (dataset, clients, budget range, Zipf s, alpha_eff or alpha_data,
+gamma: ``config.yaml``) and by method; seeds are averaged as mean ± std (sample std) and FEAST
+is compared with a baseline seed by seed, client by client. A group's original horizon is its
+FEAST runs' round count; baseline runs with more rounds are its equal-compute reruns.
+
+Prints, where the runs exist (otherwise one line saying what is missing):
+
+- Table 1: population accuracy under largest-affordable serving per method; Δbest is FEAST
+  minus the strongest baseline (paired over seeds);
+- Table 3: the transfers and FEAST at the budget anchors;
+- Table 5: the serving-density control against each fixed-tier baseline;
+- Tables 7-8: the training proxies, the matched horizon R' and, once the reruns exist, their
+  accuracy, FEAST's margin and client wins (with the commands that produce the reruns);
+- Tables 11-12: the Zipf-s and alpha sweeps at the anchors with the first-to-last change (FEAST
+  against FIARSE in Table 12);
+
+and with ``--figure`` draws accuracy against served MACs for every method (log x).
+docs/supernet_comparison.md defines every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from fl_lightning.analysis.feast_accounting import human
+from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
+from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
+                                                   horizon_command, matched_rounds, same_population, scaled_anchors)
+
+BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
+TIERED = ("HeteroFL", "ScaleFL")
+TRANSFERS = ("SFN, unconstrained", "DFN, unconstrained", "SFN, constrained", "DFN, constrained")
+SETTING = (("dataset", "data.name"), ("N", "partition.num_clients"), ("b_min", "partition.budgets.b_min"),
+           ("b_max", "partition.budgets.b_max"), ("s", "partition.budgets.zipf_s"), ("alpha", None),
+           ("gamma", "partition.gamma"))
+"""What makes a population: runs that agree on all of these serve the same kind of clients."""
+
+
+# -- grouping ---------------------------------------------------------------------------------
+
+def alpha_of(run: ServingRun) -> str:
+    """alpha_eff when the run matched it, else its alpha_data."""
+    eff = run.get("partition.alpha_eff")
+    return f"alpha_eff={eff:g}" if eff is not None else f"alpha_data={float(run.get('partition.alpha', 0)):g}"
+
+
+def setting_of(run: ServingRun, drop=()) -> tuple:
+    out = []
+    for name, key in SETTING:
+        if name in drop:
+            continue
+        out.append((name, alpha_of(run) if name == "alpha" else run.get(key)))
+    return tuple(out)
+
+
+def label(setting: tuple) -> str:
+    d = dict(setting)
+    parts = [str(d.get("dataset"))]
+    if "N" in d:
+        parts.append(f"N={d['N']}")
+    if "b_min" in d:
+        parts.append(f"budgets {human(d['b_min'])}-{human(d['b_max'])}")
+    parts += [f"s={d['s']:g}"] if "s" in d else []
+    parts += [d["alpha"]] if "alpha" in d else []
+    parts += [f"gamma={d['gamma']:g}"] if "gamma" in d else []
+    return ", ".join(parts)
+
+
+class Group:
+    """The runs of one setting: by method, by seed; originals and longer-horizon reruns apart."""
+
+    def __init__(self, runs: List[ServingRun]):
+        feast_rounds = [r.rounds for r in runs if r.method == "FEAST"]
+        self.horizon = min(feast_rounds) if feast_rounds else min(r.rounds for r in runs)
+        self.original: Dict[str, Dict[int, ServingRun]] = defaultdict(dict)
+        self.longer: Dict[str, Dict[int, List[ServingRun]]] = defaultdict(lambda: defaultdict(list))
+        self.notes: List[str] = []
+        for run in sorted(runs, key=lambda r: str(r.path)):
+            if run.rounds == self.horizon:
+                if run.seed in self.original[run.method]:
+                    self.notes.append(f"{run.name}: a second {run.method} run of seed {run.seed}, ignored")
+                    continue
+                self.original[run.method][run.seed] = run
+            elif run.rounds > self.horizon and run.method != "FEAST":
+                self.longer[run.method][run.seed].append(run)
+            else:
+                self.notes.append(f"{run.name}: {run.rounds} rounds against the group's {self.horizon}, ignored")
+
+    def methods(self, names) -> List[str]:
+        return [m for m in names if self.original.get(m)]
+
+    def all_runs(self) -> List[ServingRun]:
+        return [r for seeds in self.original.values() for r in seeds.values()]
+
+
+def group_runs(runs: List[ServingRun], drop=()) -> Dict[tuple, List[ServingRun]]:
+    out: Dict[tuple, List[ServingRun]] = defaultdict(list)
+    for run in runs:
+        out[setting_of(run, drop)].append(run)
+    return dict(out)
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+def pm(values, scale=100.0, digits=2) -> str:
+    """mean ± sample std; a dash for no values; no ± for one."""
+    v = np.asarray([x for x in values if x is not None], dtype=np.float64) * scale
+    if v.size == 0 or np.isnan(v).all():
+        return "–"
+    if v.size == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}"
+
+
+def pm_macs(values) -> str:
+    """mean ± sample std of MAC totals at a readable scale."""
+    v = np.asarray([x for x in values if x is not None], dtype=np.float64)
+    if v.size == 0:
+        return "–"
+    return human(v.mean()) + (f" ± {human(v.std(ddof=1))}" if v.size > 1 else "")
+
+
+def table(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def wins_text(counts: List[Dict[str, int]]) -> str:
+    """Wins summed over seeds, out of the clients compared (ties shown when there are any)."""
+    if not counts:
+        return "–"
+    wins, ties, total = (sum(c[k] for c in counts) for k in ("wins", "ties", "clients"))
+    return f"{wins}/{total}" + (f" ({ties} ties)" if ties else "")
+
+
+def anchors_for(runs: List[ServingRun], given: Optional[List[float]]) -> List[float]:
+    """The paper's anchors, scaled to the span of the FEAST caches among ``runs`` (any run's
+    points when none has a cache) unless ``--anchors`` gave them."""
+    if given:
+        return list(given)
+    cached = [r for r in runs if r.kind in ("feast", "transfer")] or runs
+    lo = min(float(r.point_macs.min()) for r in cached)
+    hi = max(float(r.point_macs.max()) for r in cached)
+    return scaled_anchors(lo, hi)
+
+
+def anchor_header(anchors) -> List[str]:
+    return [f"{human(a)}" for a in anchors]
+
+
+# -- tables -----------------------------------------------------------------------------------
+
+def table1(groups: Dict[tuple, Group]) -> str:
+    rows, notes = [], []
+    for setting, g in groups.items():
+        if not g.original.get("FEAST") or not g.methods(BASELINES):
+            continue
+        feast = g.original["FEAST"]
+        row = [label(setting)]
+        means = {}
+        for method in BASELINES + ("FEAST",):
+            seeds = g.original.get(method, {})
+            row.append(pm([r.population_acc for r in seeds.values()]) if seeds else "–")
+            if seeds and method != "FEAST":
+                means[method] = np.mean([r.population_acc for r in seeds.values()])
+        best = max(means, key=means.get)
+        common = sorted(set(feast) & set(g.original[best]))
+        row.append(pm([feast[s].population_acc - g.original[best][s].population_acc for s in common]) + f" ({best})")
+        rows.append(row)
+        for method in g.methods(BASELINES):
+            fb = [int(r.fallback.sum()) for r in g.original[method].values()]
+            if any(fb):
+                clients = next(iter(g.original[method].values())).num_clients
+                notes.append(f"{label(setting)}: {method} serves {pm(fb, 1, 1)} of {clients} clients its smallest "
+                             f"point as the minimum-tier fallback")
+    if not rows:
+        return "Table 1 skipped: no setting has FEAST and a HeteroFL, ScaleFL or FIARSE run."
+    out = ["Table 1: population accuracy (%) under largest-affordable serving; Δbest = FEAST - strongest baseline "
+           "(paired over seeds)", "",
+           table(["setting", *BASELINES, "FEAST", "Δbest"], rows)]
+    return "\n".join(out + [""] + notes if notes else out)
+
+
+def table3(runs: List[ServingRun], given_anchors) -> str:
+    families = group_runs(runs, drop=("gamma",))
+    parts = []
+    for setting, members in families.items():
+        present = [m for m in TRANSFERS if any(r.method == m for r in members)]
+        if not present:
+            continue
+        anchors = anchors_for(members, given_anchors)
+        rows = []
+        for method in present + ["FEAST"]:
+            by_gamma = defaultdict(list)
+            for r in members:
+                if r.method == method:
+                    by_gamma[r.get("partition.gamma")].append(r)
+            for gamma, rs in sorted(by_gamma.items()):
+                cells = [anchor_row(r, anchors) for r in rs]
+                rows.append([f"{method} (gamma={gamma:g}, {len(rs)} seed{'s' * (len(rs) > 1)})"]
+                            + [pm([c[i] for c in cells]) for i in range(len(anchors))])
+        parts.append(f"{label(setting)}\n\n" + table(["method", *anchor_header(anchors)], rows))
+    if not parts:
+        return "Table 3 skipped: no SuperFedNAS / DeepFedNAS transfer runs."
+    return "Table 3: transfers at the budget anchors, test accuracy (%) of the largest point within each anchor\n\n" \
+        + "\n\n".join(parts)
+
+
+def table5(groups: Dict[tuple, Group]) -> str:
+    parts = []
+    header = ["aligned with", "FEAST subset (M MACs)", "FEAST full", "FEAST matched", "baseline native", "full margin",
+              "density", "residual margin", "retained %", "wins (matched)", "wins (full)"]
+    for setting, g in groups.items():
+        feast = g.original.get("FEAST")
+        if not feast:
+            continue
+        rows = []
+        for method in g.methods(TIERED):
+            base = g.original[method]
+            results = [density_runs(feast[s], base[s]) for s in sorted(set(feast) & set(base))
+                       if same_population(feast[s], base[s])]
+            if not results:
+                continue
+            subset = "/".join(f"{m / 1e6:.2f}" for m in results[0]["subset_macs"])
+            cells = [pm([r[key] for r in results]) for key in ("full", "matched", "baseline", "full_margin", "density",
+                                                                "residual")]
+            rows.append([method, subset, *cells, pm([r["retained"] for r in results], 100, 1),
+                         wins_text([r["wins_matched"] for r in results]), wins_text([r["wins_full"] for r in results])])
+        if rows:
+            parts.append(f"{label(setting)}\n\n" + table(header, rows))
+    if not parts:
+        return "Table 5 skipped: no setting has FEAST and a HeteroFL or ScaleFL run of the same population."
+    return "Table 5: serving-density control; accuracies (%) and margins (points); density = full - matched\n\n" \
+        + "\n\n".join(parts)
+
+
+def horizon_row(g: Group, method: str, feast: Dict[int, ServingRun], common: List[int]):
+    """One Table 8 row (matched horizon, reruns' accuracy, margin, wins) and the commands of the
+    reruns still missing."""
+    base = g.original[method]
+    horizons, matched, margins, wins, missing = set(), [], [], [], []
+    for s in common:
+        r_new = matched_rounds(g.horizon, feast[s].proxy, base[s].proxy)
+        horizons.add(r_new)
+        rerun = next((r for r in g.longer.get(method, {}).get(s, []) if r.rounds == r_new), None)
+        if rerun is None:
+            missing.append(horizon_command(base[s], r_new))
+            continue
+        matched.append(rerun.population_acc)
+        margins.append(feast[s].population_acc - rerun.population_acc)
+        if same_population(feast[s], rerun):
+            wins.append(compare_clients(feast[s], rerun))
+    row = [method, str(g.horizon), "/".join(map(str, sorted(horizons))), pm([base[s].population_acc for s in common]),
+           pm(matched), pm(margins), wins_text(wins)]
+    return row, missing
+
+
+def table8(groups: Dict[tuple, Group]) -> str:
+    parts, commands = [], []
+    for setting, g in groups.items():
+        feast = g.original.get("FEAST")
+        if not feast or any(r.proxy is None for r in feast.values()):
+            continue
+        feast_proxy = pm_macs([r.proxy for r in feast.values()])
+        proxies, rows = [["FEAST", feast_proxy, feast_proxy, "1.00"]], []
+        for method in g.methods(BASELINES):
+            base = g.original[method]
+            common = [s for s in sorted(set(feast) & set(base)) if base[s].proxy]
+            if not common:
+                continue
+            executed = [base[s].proxy for s in common]
+            logical = [base[s].proxy_logical for s in common if base[s].proxy_logical is not None] or executed
+            proxies.append([method, pm_macs(logical), pm_macs(executed),
+                            pm([feast[s].proxy / base[s].proxy for s in common], 1, 2)])
+            row, missing = horizon_row(g, method, feast, common)
+            rows.append(row)
+            commands += missing
+        if rows:
+            feast_acc = pm([r.population_acc for r in feast.values()])
+            parts.append(f"{label(setting)}\n\nTable 7: expected training proxies (MACs: kappa x forward MACs x "
+                         f"shard sizes x epochs x expected participations)\n\n"
+                         + table(["method", "logical", "executed", "FEAST / executed"], proxies)
+                         + f"\n\nTable 8: equal-total-training-compute horizon (FEAST {feast_acc}%)\n\n"
+                         + table(["method", "orig. rounds", "matched rounds", "orig. acc", "matched acc", "margin",
+                                  "wins"], rows))
+    if not parts:
+        return "Tables 7-8 skipped: no setting has a FEAST run with accounting.json and a baseline run."
+    out = "\n\n".join(parts)
+    if commands:
+        out += "\n\nMatched-horizon reruns still to run (then pass their folders too):\n" + "\n".join(
+            f"  {c}" for c in commands)
+    return out
+
+
+def mean_cells(rows: List[List[Optional[float]]]) -> List[Optional[float]]:
+    """Seed mean per anchor (None where no seed has a point within the anchor)."""
+    out = []
+    for column in zip(*rows):
+        values = [v for v in column if v is not None]
+        out.append(float(np.mean(values)) if values else None)
+    return out
+
+
+def anchor_comparison(value, method: str, feast: List[Optional[float]], other: List[Optional[float]]) -> str:
+    """How many anchors FEAST's seed mean leads at, and its margin at the last anchor."""
+    pairs = [(f, b) for f, b in zip(feast, other) if f is not None and b is not None]
+    text = f"{value}: FEAST ahead of {method} at {sum(f > b for f, b in pairs)}/{len(pairs)} anchors"
+    if feast[-1] is not None and other[-1] is not None:
+        text += f", by {100 * (feast[-1] - other[-1]):.2f} points at the last"
+    return text
+
+
+def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anchors) -> str:
+    """Anchors and first-to-last change per value of ``key`` ('s' or 'alpha') and method, for
+    every family of settings that differ only in ``key``; next to FEAST, the anchors at which it
+    leads each other method and its margin at the last anchor."""
+    parts = []
+    for setting, members in group_runs(runs, drop=(key,)).items():
+        members = [r for r in members if r.method in methods]
+        values = sorted({dict(setting_of(r))[key] for r in members})
+        if len(values) < 2:
+            continue
+        horizon = min(r.rounds for r in members)
+        anchors = anchors_for(members, given_anchors)
+        rows, comparisons = [], []
+        for value in values:
+            means = {}
+            for method in methods:
+                rs = [r for r in members if r.method == method and dict(setting_of(r))[key] == value
+                      and r.rounds == horizon]
+                if not rs:
+                    continue
+                cells = [anchor_row(r, anchors) for r in rs]
+                means[method] = mean_cells(cells)
+                rows.append([str(value), method, str(len(rs)), *(pm(column) for column in zip(*cells)),
+                             pm([end_to_end_change(c) for c in cells])])
+            comparisons += [anchor_comparison(value, m, means["FEAST"], means[m]) for m in means
+                            if m != "FEAST" and "FEAST" in means]
+        parts.append(f"{label(setting)}\n\n" + table([key, "method", "seeds", *anchor_header(anchors), "change"], rows)
+                     + ("\n\n" + "\n".join(comparisons) if comparisons else ""))
+    if not parts:
+        return f"{title.split(':')[0]} skipped: no family of runs with two or more values of {key}."
+    return f"{title}\n\n" + "\n\n".join(parts)
+
+
+# -- figure -----------------------------------------------------------------------------------
+
+def figure(groups: Dict[tuple, Group], out: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    shown = [(s, g) for s, g in groups.items() if g.original]
+    cols = min(3, len(shown))
+    rows = -(-len(shown) // cols)
+    fig = Figure(figsize=(5 * cols, 3.8 * rows))
+    FigureCanvasAgg(fig)
+    for i, (setting, g) in enumerate(shown, start=1):
+        ax = fig.add_subplot(rows, cols, i)
+        for method, seeds in sorted(g.original.items()):
+            rs = list(seeds.values())
+            n = min(len(r.points) for r in rs)
+            macs = np.mean([r.point_macs[:n] for r in rs], axis=0)
+            accs = np.nanmean([r.point_accs[:n] for r in rs], axis=0)
+            order = np.argsort(macs)
+            ax.plot(macs[order] / 1e6, 100 * accs[order], marker="o", markersize=3, label=f"{method} ({len(rs)})")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+        ax.set_title(label(setting), fontsize=8)
+        ax.set_xlabel("served MACs (millions, each method's convention)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+# -- entry ------------------------------------------------------------------------------------
+
+def expand(paths: List[Path]) -> List[Path]:
+    """Run folders, with a folder of runs standing for the runs inside it."""
+    out = []
+    for path in paths:
+        if (path / "config.yaml").is_file() or not path.is_dir():
+            out.append(path)
+        else:
+            out += sorted(p for p in path.iterdir() if (p / "config.yaml").is_file())
+    return out
+
+
+def load_all(paths: List[Path]) -> List[ServingRun]:
+    runs = []
+    for path in expand(paths):
+        try:
+            runs.append(load_run(path))
+        except (RunFormatError, OSError, KeyError, ValueError) as error:
+            print(f"skipped {path}: {error}")
+    return runs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (or folders of them)")
+    parser.add_argument("--figure", type=Path, default=None, help="write accuracy against MACs here (PNG)")
+    parser.add_argument("--anchors", type=float, nargs="+", default=None,
+                        help="budget anchors in MACs (default: 25, 50, 229, 408, 596M, scaled to a CPU-sized cache)")
+    args = parser.parse_args(argv)
+    runs = load_all(args.runs)
+    if not runs:
+        print("no readable runs")
+        return 1
+    groups = {s: Group(rs) for s, rs in group_runs(runs).items()}
+    for r in runs:
+        for note in r.notes:
+            print(f"note {r.name}: {note}")
+    for g in groups.values():
+        for note in g.notes:
+            print(f"note {note}")
+    sections = [table1(groups), table3(runs, args.anchors), table5(groups), table8(groups),
+                sweep_table(runs, "s", ("FEAST",), "Table 11: FEAST across the Zipf exponent s, test accuracy (%) at "
+                                                   "the anchors and the first-to-last change (points)", args.anchors),
+                sweep_table(runs, "alpha", ("FEAST", "FIARSE"), "Table 12: FEAST and FIARSE across the label skew, "
+                            "test accuracy (%) at the anchors and the first-to-last change (points)", args.anchors)]
+    print("\n\n".join(sections))
+    if args.figure is not None:
+        figure(groups, args.figure)
+        print(f"\nsaved {args.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
