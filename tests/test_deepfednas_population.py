@@ -14,8 +14,7 @@ from fl_lightning.data.budgets import (PAPER_CIFAR100_POPULATION, afford_counts,
 from fl_lightning.data.partition import alpha_data_for, make_partition
 from fl_lightning.data.splits import carve_server_splits
 from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.search import (FEAST_DEEPFEDNAS, DeepFedNASArch, OFACostModel, VariantCache, build_cache,
-                                         cost_model)
+from fl_lightning.elastic.search import FEAST_DEEPFEDNAS, DeepFedNASArch, VariantCache, build_cache, cost_model
 from fl_lightning.errors import ConfigError
 
 DATA = Path(__file__).parent / "data"
@@ -98,15 +97,16 @@ def test_seed_search_breaks_shard_ties_by_least_reachable(cache):
     assert [(m.shard_min, m.least_reachable) for m in matches] == [(36, 12), (36, 8), (36, 8), (36, 7)]
 
 
-def test_analytic_envelope_equals_the_routed_supernet():
-    """The cost model's envelope parameters equal the reduced supernet that routing builds
-    (checked on this project's OFAResNet, whose module exists)."""
+@pytest.mark.parametrize("block", ["basic_pair", "bottleneck"])
+def test_analytic_envelope_equals_the_routed_supernet(block):
+    """The cost model's envelope parameters equal the reduced supernet that routing builds."""
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 10, (3, 32, 32), width_scale=0.125, max_extra_blocks=2, divisor=2)
+        model = build_model("ofa_resnet", 10, (3, 32, 32), block=block, width_scale=0.125, max_extra_blocks=2,
+                            divisor=2)
     g = torch.Generator().manual_seed(0)
     specs = [model.min_spec()] + [model.sample_spec(g) for _ in range(5)]
     small = VariantCache.from_specs(model, specs)
-    analytic = acc.analytic_routed_counter(OFACostModel(model), small)
+    analytic = acc.analytic_routed_counter(cost_model(model), small)
     direct = acc.model_routed_counter(model, small)
     for k in range(1, len(small) + 1):
         assert analytic(list(range(k))) == direct(list(range(k)))

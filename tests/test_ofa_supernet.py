@@ -65,10 +65,9 @@ def coverage(model, regions_list):
 
 # -- the paper-scale supernet ----------------------------------------------------------------
 
-def test_full_supernet_has_55_68m_parameters():
+def test_bottleneck_supernet_has_55_68m_parameters():
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32))
-    assert model.arch["block"] == "bottleneck"  # the default construction
+        model = build_model("ofa_resnet", 100, (3, 32, 32), block="bottleneck")
     assert full_param_count(model) == 55_677_412
     assert abs(full_param_count(model) / 1e6 - 55.68) < 0.01
     assert model.stem_width(9) == 128
@@ -80,7 +79,8 @@ def test_full_supernet_has_55_68m_parameters():
 def test_feast_basic_pair_supernet_has_deepfednas_parameter_count():
     """FEAST's supernet as its code builds it: DeepFedNAS's cost counter gives 55,682,916."""
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32), block="basic_pair")
+        model = build_model("ofa_resnet", 100, (3, 32, 32))
+    assert model.arch["block"] == "basic_pair"  # the default construction
     assert full_param_count(model) == 55_682_916
     assert [model.stem_width(i) for i in range(10)] == [8, 16, 24, 24, 32, 40, 48, 48, 56, 64]
     assert [model.stage_width(l, 9) for l in range(4)] == [128, 256, 512, 1024]
@@ -186,7 +186,7 @@ def test_basic_pair_tinyimagenet_stem_strides_like_feast_code():
 
 def test_mac_span_covers_25m_to_600m_at_32px():
     with torch.device("meta"):
-        full = build_model("ofa_resnet", 100, (3, 32, 32))
+        full = build_model("ofa_resnet", 100, (3, 32, 32), block="bottleneck")
     big = OFASpec((1, 1, 1, 1), (0.25,) * 4, (9,) * 5)
     # MACs of a spec do not depend on which (reduced) supernet holds it: count on small ones.
     low = spec_macs(full.reduced(full.min_spec()), full.min_spec(), (3, 32, 32))
@@ -195,8 +195,8 @@ def test_mac_span_covers_25m_to_600m_at_32px():
 
 
 def test_tinyimagenet_stem_sees_full_resolution():
-    cifar = OFAResNet(200, (3, 32, 32), max_extra_blocks=0, max_width_index=(0,) * 5)
-    tiny = OFAResNet(200, (3, 64, 64), max_extra_blocks=0, max_width_index=(0,) * 5)
+    cifar = OFAResNet(200, (3, 32, 32), block="bottleneck", max_extra_blocks=0, max_width_index=(0,) * 5)
+    tiny = OFAResNet(200, (3, 64, 64), block="bottleneck", max_extra_blocks=0, max_width_index=(0,) * 5)
     assert tiny.arch["stage_strides"] == (2, 2, 2, 2) and cifar.arch["stage_strides"] == (1, 2, 2, 2)
     spec = cifar.min_spec()
     c, t = spec_macs(cifar, spec, (3, 32, 32)), spec_macs(tiny, spec, (3, 64, 64))
