@@ -14,6 +14,7 @@ from fl_lightning.elastic.search import (PAPER_SEGMENTS, Fitness, FitnessConfig,
                                          VariantCache, build_cache, cost_model, search, segment_targets)
 from fl_lightning.elastic.search.genetic import Problem, evolve, sample_feasible
 from fl_lightning.errors import ConfigError
+from hand_counts import bottleneck_params, hooked_macs, make_divisible
 
 NARROW = dict(width_scale=0.125, max_extra_blocks=2, divisor=2)
 BOTTLENECK_NARROW = dict(NARROW, block="bottleneck")
@@ -80,10 +81,13 @@ def test_analytic_cost_equals_fvcore_on_full_supernet(bottleneck):
         routed = full.reduced(spec)
         assert cost.spec_macs(spec) == spec_macs(routed, spec, (3, 32, 32)), spec
         assert cost.spec_params(spec) == spec_params(routed, spec, (3, 32, 32)), spec
-    # The documented extremes (docs/feast_supernet.md): 4.24M and 2761.7M MACs, 55.68M params.
-    assert cost.spec_macs(full.min_spec()) == 4_240_704
-    assert cost.spec_macs(full.max_spec()) == 2_761_711_616
-    assert cost.spec_params(full.max_spec()) == 55_677_412
+    # The whole supernet: MACs by hooks on the plain module (meta device, fvcore's convention),
+    # parameters from its layer shapes, and the paper's 55.68M.
+    with torch.device("meta"):
+        largest = full.build_local(full.max_spec(), elastic=False)
+    assert cost.spec_macs(full.max_spec()) == hooked_macs(largest, (3, 32, 32))["fvcore"]
+    by_hand = bottleneck_params(128, [(256, 64, 9), (512, 128, 9), (1024, 256, 9), (2048, 512, 9)], 100)
+    assert cost.spec_params(full.max_spec()) == by_hand and round(by_hand / 1e6, 2) == 55.68
 
 
 def test_vectorized_cost_matches_single_specs(full):
@@ -164,12 +168,15 @@ def test_search_respects_limits_and_is_deterministic(full):
     assert fit == pytest.approx(fitness.spec_fitness(spec))
 
 
-def test_search_limits_hold_for_fvcore_on_a_narrowed_model():
-    model = build_model("ofa_resnet", 10, (3, 32, 32), **BOTTLENECK_NARROW)
+@pytest.mark.parametrize("block, convention", [("basic_pair", "paper"), ("bottleneck", "fvcore")])
+def test_search_limits_hold_on_the_module_of_a_narrowed_model(block, convention):
+    """The found subnet, counted by hooks on its extracted module in its construction's
+    convention, costs what the search says and fits the limit."""
+    model = build_model("ofa_resnet", 10, (3, 32, 32), **dict(NARROW, block=block))
     fitness = Fitness(cost_model(model))
     limit, rho = 5e6, 1.5
     spec, macs, _ = search(model, limit, rho, population=24, generations=15, seed=0)
-    assert spec_macs(model, spec, (3, 32, 32)) == macs <= limit
+    assert hooked_macs(model.extract(spec).module, (3, 32, 32))[convention] == macs <= limit
     assert fitness.spec_rho(spec) <= rho
 
 
@@ -195,8 +202,11 @@ def test_ga_beats_random_feasible_sampling(full):
 
 
 def test_impossible_limit_raises(full):
+    with torch.device("meta"):
+        smallest = hooked_macs(full.build_local(full.min_spec(), elastic=False), (3, 32, 32))["paper"]
     with pytest.raises(InfeasibleError):
-        search(full, 3.8e6, 0.31, population=8, generations=2)  # below the smallest subnet (3.80M)
+        search(full, smallest - 1, 0.40, population=8, generations=2)  # below the smallest subnet
+    assert search(full, smallest, 0.40, population=8, generations=2).macs == smallest
 
 
 # ------------------------------------------------------------------------------------------
@@ -259,9 +269,14 @@ def test_load_rejects_an_incompatible_model(tmp_path, full, small_cache):
         VariantCache.load(path, narrow)
     with pytest.raises(ConfigError, match="stem_stride: cache 1, model 2"):  # 64 px: a stride-2 stem
         VariantCache.load(path, tiny_imagenet)
-    # Retargeting recomputes the MACs for the other input and head (Supp. B.1), and then it loads.
+    # Retargeting recomputes the MACs for the other input and head (Supp. B.1), and then it
+    # loads: the stride-2 stem gives every layer its 32 px cost, the head 100 more outputs of
+    # the last stage's width md(1024 x m[w_4]).
     retargeted = small_cache.retarget(tiny_imagenet)
-    assert retargeted.macs == sorted(retargeted.macs) and retargeted.macs[0] > small_cache.macs[0]
+    assert retargeted.macs == sorted(retargeted.macs)
+    before = dict(zip(small_cache.specs, small_cache.macs))
+    for spec, macs in zip(retargeted.specs, retargeted.macs):
+        assert macs - before[spec] == 100 * make_divisible(1024 * round(0.1 * (spec.w[4] + 1), 1)), spec
     retargeted.save(path)
     assert VariantCache.load(path, tiny_imagenet).specs == retargeted.specs
 
@@ -286,6 +301,8 @@ def test_segment_targets():
     ratios = np.array(geometric[1:]) / np.array(geometric[:-1])
     assert np.allclose(ratios, ratios[0])
     assert np.allclose(np.diff(segment_targets(25e6, 75e6, 6)), 10e6)  # linear, the default
+    # Supp. Table 1: 50M-596M x 50 at rho_0 0.31, the 25M-75M extension x 6 at 0.40; 56 in all
+    assert [tuple(seg) for seg in PAPER_SEGMENTS] == [(50e6, 596e6, 50, 0.31), (25e6, 75e6, 6, 0.40)]
     assert sum(count for _, _, count, _ in PAPER_SEGMENTS) == 56
 
 
