@@ -1,6 +1,7 @@
 """Time FEAST's sparse aggregation of routed envelopes against a dense add of the same bytes.
 
     python benchmarks/sparse_aggregation.py [--clients 10] [--cache 56] [--repeats 5] [--seed 0]
+        [--block basic_pair]
 
 From the full 55.68M-parameter supernet (CIFAR-100) the script draws a random cache of
 ``--cache`` architectures, orders it by MACs (fvcore), gives each of ``--clients`` clients the
@@ -35,13 +36,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--block", choices=("basic_pair", "bottleneck"), default="basic_pair",
+                        help="supernet construction (docs/feast_supernet.md measured bottleneck)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)  # memory-bound adds; keep the comparison about work done
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (3, 32, 32)
-    model = build_model("ofa_resnet", 100, shape)
+    model = build_model("ofa_resnet", 100, shape, block=args.block)
     start = time.perf_counter()
     cache = sorted({model.sample_spec(generator) for _ in range(args.cache)},
                    key=lambda s: spec_macs(model, s, shape))

@@ -57,7 +57,7 @@ def lstm_case():
     return model, torch.randint(0, 30, (3, 12)), p, qs
 
 
-def ofa_case(block="bottleneck"):
+def ofa_case(block="basic_pair"):
     model = randomize_norms(build_model("ofa_resnet", 10, (3, 16, 16), block=block, width_scale=0.125,
                                         max_extra_blocks=2, divisor=2), 3)
     p = OFASpec((1, 2, 0, 1), (0.25,) * 4, (6, 9, 4, 7, 5))
@@ -67,7 +67,7 @@ def ofa_case(block="bottleneck"):
 
 
 CASES = {"cnn": cnn_case, "resnet18": resnet_case, "lstm": lstm_case, "ofa_resnet": ofa_case,
-         "ofa_resnet_basic_pair": lambda: ofa_case("basic_pair")}
+         "ofa_resnet_bottleneck": lambda: ofa_case("bottleneck")}
 
 
 @pytest.fixture(params=sorted(CASES))

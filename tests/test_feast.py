@@ -10,11 +10,13 @@ from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, Federatio
                                  ModelConfig, PartitionConfig)
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.envelope import route_envelope
+from fl_lightning.elastic.models.ofa_resnet import OFASpec
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.federation.checkpoint import load_checkpoint
 from fl_lightning.federation.builder import build_global_model
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.seeding import sample_clients
+from hand_counts import basic_pair_params, hooked_macs, make_divisible
 
 MODEL = ModelConfig(name="ofa_resnet", kwargs={"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2})
 DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
@@ -44,7 +46,9 @@ def feast_spec(spec_factory, tmp_path, name, budgets=None, **feast_args):
     cache = feast_args.pop("cache", None) or small_cache(tmp_path)
     return spec_factory(
         name=name, algorithm=Feast(cache=cache, mix_schedule="none", **feast_args), data=DATA, model=MODEL,
-        partition=PartitionConfig(method="iid", num_clients=6, budgets=budgets or BudgetConfig(b_min=1e5, b_max=3e6, b_cap=2e6)),
+        # budgets across the cache (41K-175K MACs): clients afford 1, 1, 1, 4, 5 and 6 variants
+        partition=PartitionConfig(method="iid", num_clients=6,
+                                  budgets=budgets or BudgetConfig(b_min=5e4, b_max=2e5, b_cap=2e5)),
         train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, grad_clip=10.0),
         federation=FederationConfig(rounds=1, clients_per_round=3), eval=EvalConfig(every=1, test="final"))
 
@@ -128,15 +132,78 @@ def test_bn_recalibration_matches_an_independent_estimate(spec_factory, tmp_path
         assert torch.equal(value, before[key]), key
 
 
+def envelope_counts(specs) -> tuple:
+    """(parameters, BN channels, BN layers) of the routed envelope of ``specs`` (Supp. Eq. 12:
+    coordinate-wise maximum depth and width, expansion 0.25) of MODEL, from its layer shapes:
+    base channels 64 x 0.0625 = 4 (stem) and [8, 16, 32, 64], divisor 2, basic_pair blocks."""
+    d = [max(s.d[l] for s in specs) for l in range(4)]
+    w = [max(s.w[j] for s in specs) for j in range(5)]
+    width = lambda base, j: make_divisible(base * round(0.1 * (w[j] + 1), 1), 2)  # noqa: E731
+    stem, stages = width(4, 0), []
+    for l, base in enumerate((8, 16, 32, 64)):
+        out = width(base, l + 1)
+        stages.append((out, make_divisible(out * 0.25, 2), 1 + d[l]))
+    bn_channels = stem + sum(blocks * (mid + out) + out for out, mid, blocks in stages)
+    bn_layers = 1 + sum(2 * blocks + 1 for _, _, blocks in stages)
+    return basic_pair_params(stem, stages, 4), bn_channels, bn_layers
+
+
 def test_run_reports_every_variant_and_accounting(spec_factory, tmp_path, capsys):
+    """The saved accounting and the logged traffic, recomputed here from the budgets, the cache's
+    MACs and the layer shapes with plain arithmetic (Supp. C Eq. 16, Supp. D Eq. 26)."""
+    import json
+    import statistics
+
     spec = feast_spec(spec_factory, tmp_path, "report")
     summary = run_fit(spec)
     out = capsys.readouterr().out
-    n = len(spec.algorithm.cache.specs)
+    algorithm = spec.algorithm
+    cache, ctx = algorithm.cache, algorithm.ctx
+    n = len(cache.specs)
     assert all(f"test_variant{j:02d}_acc" in summary["best"] for j in range(n))
     assert "population accuracy under largest-affordable serving" in out
     assert "traffic reduction" in out and "affordable variants" in out
-    assert (Path(spec.out_dir) / "report" / "accounting.json").is_file()
+    run = Path(spec.out_dir) / "report"
+    saved = json.loads((run / "accounting.json").read_text())
+
+    budgets, sizes = ctx.budgets.tolist(), ctx.client_sizes
+    sets = [[j for j, m in enumerate(cache.macs) if m <= b] for b in budgets]  # Eq. 11
+    counts = [len(s) for s in sets]
+    population = saved["population"]
+    assert (population["afford_1"], population["afford_2"], population["afford_3_or_more"]) == \
+        (counts.count(1), counts.count(2), sum(c >= 3 for c in counts))
+    assert len(set(counts)) > 1, "the test needs clients affording different sets"
+
+    full = envelope_counts([ctx.model.max_spec()])[0]
+    routed = [envelope_counts([cache.specs[j] for j in s])[0] for s in sets]
+    comm = saved["communication"]
+    assert comm["full_params"] == full
+    assert comm["mean_routed_params"] == pytest.approx(sum(routed) / 6, rel=1e-12)
+    assert comm["traffic_reduction"] == pytest.approx(6 * full / sum(routed), rel=1e-12)
+    ratios = [full / p for p in routed]
+    assert comm["client_reduction_mean"] == pytest.approx(sum(ratios) / 6, rel=1e-12)
+    assert comm["client_reduction_median"] == pytest.approx(statistics.median(ratios), rel=1e-12)
+    assert comm["client_reduction_max"] == pytest.approx(max(ratios), rel=1e-12)
+
+    # Eq. 26: kappa_fb = 3, one epoch, each client in 1 round x 3 of 6 clients on average
+    feast = single = 0.0
+    for s, size in zip(sets, sizes):
+        macs = [cache.macs[j] for j in s]
+        low, high = cache.macs[0], macs[-1]
+        middle = [m for m in macs if low < m < high]
+        per_example = low if high == low else low + high + (sum(middle) / len(middle) if middle else 0)
+        feast, single = feast + size * per_example, single + size * high
+    compute = saved["computation"]
+    assert compute["feast_train_macs"] == pytest.approx(3 * 0.5 * feast, rel=1e-12)
+    assert compute["single_variant_train_macs"] == pytest.approx(3 * 0.5 * single, rel=1e-12)
+
+    # Traffic logged per client: the routed envelope's float32 tensors (parameters and BN
+    # running statistics) and one int64 batch counter per BN layer, both ways.
+    rows = [json.loads(line) for line in (run / "clients.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        params, bn_channels, bn_layers = envelope_counts([cache.specs[j] for j in sets[row["client"]]])
+        assert row["bytes_down"] == row["bytes_up"] == 4 * (params + 2 * bn_channels) + 8 * bn_layers
 
 
 def test_client_without_affordable_variant_is_refused(spec_factory, tmp_path):
@@ -148,27 +215,43 @@ def test_client_without_affordable_variant_is_refused(spec_factory, tmp_path):
 
 
 def test_evaluate_and_extract_commands_on_a_finished_run(spec_factory, tmp_path, capsys):
+    """A run long enough to learn the four synthetic classes (chance: 25%): the trained supernet
+    and a subnet extracted under 0.1M MACs classify far above chance; ``evaluate`` re-scores the
+    saved model, and the extracted subnet's MACs and accuracy are recounted here."""
     import json
+    from dataclasses import replace
 
     from fl_lightning.cli import main
+    from fl_lightning.elastic.models import build_model
 
     spec = feast_spec(spec_factory, tmp_path, "done")
+    spec = replace(spec, data=replace(DATA, options={**DATA.options, "noise": 0.5}),
+                   train=replace(spec.train, epochs=2), federation=FederationConfig(rounds=4, clients_per_round=3),
+                   eval=EvalConfig(every=4, test="final"))
     spec.config_yaml = _config_yaml(spec)
     summary = run_fit(spec)
+    assert summary["best"]["test_acc"] >= 0.5 and summary["best"]["test_mean_variant_acc"] >= 0.45
     run = str(Path(spec.out_dir) / "done")
     capsys.readouterr()
     assert main(["evaluate", "--run", run, "--fabric.accelerator", "cpu"]) == 0
     out = capsys.readouterr().out
     evaluated = json.loads(out[out.rindex("{\n"):])
     assert evaluated["test_acc"] == pytest.approx(summary["best"]["test_acc"])
-    assert main(["extract", "--run", run, "--budget", "0.5M", "--rho", "10", "--population", "16",
+    assert main(["extract", "--run", run, "--budget", "0.1M", "--rho", "10", "--population", "16",
                  "--generations", "5", "--out", str(tmp_path / "subnet.pt"), "--fabric.accelerator", "cpu"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out[out.rindex("{\n"):])
-    assert result["macs"] <= 0.5e6 and 0 <= result["test_acc"] <= 1
     saved = load_checkpoint(tmp_path / "subnet.pt")
-    assert saved["macs"] == result["macs"] and "stem.conv.weight" in saved["model"]
-    assert summary["best"]["test_acc"] >= 0
+    spec_found = OFASpec(**saved["spec"])
+    subnet = build_model("ofa_resnet", 4, (3, 16, 16), **MODEL.kwargs).extract(spec_found).module
+    subnet.load_state_dict(saved["model"])  # the saved weights are exactly that architecture's
+    assert hooked_macs(subnet, (3, 16, 16))["paper"] == saved["macs"] == result["macs"] <= 0.1e6
+    test = build_federated_data(spec.data, spec.partition, spec.seed).bundle.test
+    x = torch.stack([test[i][0] for i in range(len(test))])
+    y = torch.tensor([int(test[i][1]) for i in range(len(test))])
+    with torch.no_grad():
+        accuracy = (subnet.eval()(x).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(result["test_acc"]) and accuracy >= 0.4
 
 
 def _config_yaml(spec) -> str:

@@ -7,11 +7,14 @@ from fl_lightning.elastic.envelope import (communication, envelope, full_param_c
                                            routed_param_count)
 from fl_lightning.elastic.macs import spec_macs
 from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec, make_divisible
+from fl_lightning.elastic.models.ofa_resnet import OFAResNet, OFASpec
+from fl_lightning.elastic.models.ofa_resnet import make_divisible as model_make_divisible
 from fl_lightning.elastic.regions import LeadingSlice
 from fl_lightning.elastic.routing import write_back
+from fl_lightning.elastic.search import cost_model
 from fl_lightning.elastic.specs import spec_le
 from fl_lightning.errors import ConfigError
+from hand_counts import basic_pair_paper_macs, basic_pair_params, bottleneck_params, hooked_macs, make_divisible
 
 SHAPE = (3, 16, 16)
 
@@ -65,23 +68,31 @@ def coverage(model, regions_list):
 
 # -- the paper-scale supernet ----------------------------------------------------------------
 
-def test_full_supernet_has_55_68m_parameters():
+def hand_param_count(model, spec):
+    """Parameters of ``spec`` from the construction's options, OFA's rounding and the layer
+    shapes, written out here (``hand_counts``), not read from the model's channel methods."""
+    a = model.arch
+    md = lambda v: make_divisible(v, a["divisor"])  # noqa: E731
+    mult = a["width_multipliers"]
+    stem = md(a["stem_channels"] * a["width_scale"] * mult[spec.w[0]])
+    stages = []
+    for l, (d, e) in enumerate(zip(spec.d, spec.e)):
+        out = md(a["stage_channels"][l] * a["width_scale"] * mult[spec.w[l + 1]])
+        stages.append((out, md(round(out * e) if a["round_middle"] else out * e), 1 + d))
+    count = bottleneck_params if a["block"] == "bottleneck" else basic_pair_params
+    return count(stem, stages, model.num_classes)
+
+
+def test_feast_supernet_is_the_default_and_has_55_68m_parameters():
+    """The default construction is FEAST's (DeepFedNAS's blocks): the paper's base channels
+    [128, 256, 512, 1024] (Supp. B), DeepFedNAS's 64-channel stem, middle 0.25 x out at the
+    largest expansion, nine blocks per stage; 55.68M parameters at 100 classes (paper)."""
     with torch.device("meta"):
         model = build_model("ofa_resnet", 100, (3, 32, 32))
-    assert model.arch["block"] == "bottleneck"  # the default construction
-    assert full_param_count(model) == 55_677_412
-    assert abs(full_param_count(model) / 1e6 - 55.68) < 0.01
-    assert model.stem_width(9) == 128
-    assert [model.stage_width(l, 9) for l in range(4)] == [256, 512, 1024, 2048]
-    assert [len(stage) for stage in model.stages] == [9, 9, 9, 9]
-    assert model.stages[3][0].conv2.weight.shape[0] == 512  # middle = 0.25 x 2048
-
-
-def test_feast_basic_pair_supernet_has_deepfednas_parameter_count():
-    """FEAST's supernet as its code builds it: DeepFedNAS's cost counter gives 55,682,916."""
-    with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32), block="basic_pair")
-    assert full_param_count(model) == 55_682_916
+    assert model.arch["block"] == "basic_pair"
+    by_hand = basic_pair_params(64, [(128, 32, 9), (256, 64, 9), (512, 128, 9), (1024, 256, 9)], 100)
+    assert full_param_count(model) == by_hand
+    assert round(by_hand / 1e6, 2) == 55.68
     assert [model.stem_width(i) for i in range(10)] == [8, 16, 24, 24, 32, 40, 48, 48, 56, 64]
     assert [model.stage_width(l, 9) for l in range(4)] == [128, 256, 512, 1024]
     assert [model.stage_width(0, i) for i in range(10)] == [16, 24, 40, 48, 64, 80, 88, 104, 112, 128]
@@ -96,31 +107,28 @@ def test_feast_basic_pair_supernet_has_deepfednas_parameter_count():
     assert model.arch["stage_strides"] == (1, 2, 2, 2) and model.arch["stem_stride"] == 1
 
 
-def deepfednas_param_count(model, spec):
-    """Parameters by DeepFedNAS's counting rule (utils/subnet_cost.py, written out here): a
-    3x3 stem with BN, per block two 3x3 convs with BN, a 1x1 projection with BN on each stage's
-    first block, a linear head with bias; channels from the model's own rules."""
-    stem = model.stem_width(spec.w[0])
-    total, c_in = 3 * stem * 9 + 2 * stem, stem
-    for l in range(model.num_stages):
-        out = model.stage_width(l, spec.w[l + 1])
-        mid = model.mid_width(out, spec.e[l])
-        for b in range(1 + spec.d[l]):
-            total += c_in * mid * 9 + 2 * mid + mid * out * 9 + 2 * out
-            if b == 0:
-                total += c_in * out + 2 * out
-            c_in = out
-    return total + c_in * model.num_classes + model.num_classes
-
-
-def test_basic_pair_subnets_match_deepfednas_counting():
+def test_bottleneck_supernet_has_55_68m_parameters():
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32), block="basic_pair")
+        model = build_model("ofa_resnet", 100, (3, 32, 32), block="bottleneck")
+    by_hand = bottleneck_params(128, [(256, 64, 9), (512, 128, 9), (1024, 256, 9), (2048, 512, 9)], 100)
+    assert full_param_count(model) == by_hand
+    assert round(by_hand / 1e6, 2) == 55.68
+    assert model.stem_width(9) == 128
+    assert [model.stage_width(l, 9) for l in range(4)] == [256, 512, 1024, 2048]
+    assert [len(stage) for stage in model.stages] == [9, 9, 9, 9]
+    assert model.stages[3][0].conv2.weight.shape[0] == 512  # middle = 0.25 x 2048
+
+
+@pytest.mark.parametrize("block", ["basic_pair", "bottleneck"])
+def test_subnets_match_the_parameter_count_by_hand(block):
+    """basic_pair: DeepFedNAS's counting rule (utils/subnet_cost.py); bottleneck: its layers."""
+    with torch.device("meta"):
+        model = build_model("ofa_resnet", 100, (3, 32, 32), block=block)
     g = torch.Generator().manual_seed(7)
     for spec in [model.min_spec(), model.max_spec()] + [model.sample_spec(g) for _ in range(6)]:
         with torch.device("meta"):
             local = model.build_local(spec, elastic=False)
-        assert sum(p.numel() for p in local.parameters()) == deepfednas_param_count(model, spec), spec
+        assert sum(p.numel() for p in local.parameters()) == hand_param_count(model, spec), spec
 
 
 # Cached variants of FEAST's code release (bostankhan6/FEAST,
@@ -135,27 +143,6 @@ FEAST_CACHE_ROWS = [
 ]
 
 
-def conv_and_linear_macs(module, input_shape):
-    """Multiply-adds of the convolutions and linear layers of one forward pass, by hooks."""
-    total = 0
-
-    def hook(layer, inputs, output):
-        nonlocal total
-        if isinstance(layer, torch.nn.Conv2d):
-            kh, kw = layer.kernel_size
-            total += output.numel() * layer.in_channels // layer.groups * kh * kw
-        else:
-            total += output.numel() * layer.in_features
-
-    handles = [m.register_forward_hook(hook) for m in module.modules()
-               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
-    with torch.no_grad():
-        module.eval()(torch.zeros(1, *input_shape))
-    for h in handles:
-        h.remove()
-    return total
-
-
 def test_basic_pair_reproduces_feast_cache_figures():
     """The paper's cached variants have exactly the published parameters and MACs here."""
     with torch.device("meta"):
@@ -164,7 +151,7 @@ def test_basic_pair_reproduces_feast_cache_figures():
         spec = OFASpec(d, e, w)
         local = model.reduced(spec).extract(spec).module
         assert sum(p.numel() for p in local.parameters()) == params, spec
-        assert conv_and_linear_macs(local, (3, 32, 32)) == macs, spec
+        assert hooked_macs(local, (3, 32, 32))["paper"] == macs, spec
     # rounding out * e first (FEAST's network code) widens stage 2 of the 284M variant: 17.6 -> 24
     assert model.mid_width(176, 0.1) == 16
     rounded = build_model("ofa_resnet", 10, (3, 32, 32), block="basic_pair", round_middle=True,
@@ -184,32 +171,44 @@ def test_basic_pair_tinyimagenet_stem_strides_like_feast_code():
         build_model("ofa_resnet", 10, SHAPE, block="inverted")
 
 
-def test_mac_span_covers_25m_to_600m_at_32px():
+def test_mac_span_brackets_the_papers_cache_at_32px():
+    """The smallest and largest subnets, counted in the paper's convention three ways (hooks on
+    the plain module, the closed form over hand-derived channels, the cost model), enclose the
+    paper's cache, 24.96M-595.67M MACs (Supp. Table 1; the release's exact end rows)."""
     with torch.device("meta"):
         full = build_model("ofa_resnet", 100, (3, 32, 32))
-    big = OFASpec((1, 1, 1, 1), (0.25,) * 4, (9,) * 5)
-    # MACs of a spec do not depend on which (reduced) supernet holds it: count on small ones.
-    low = spec_macs(full.reduced(full.min_spec()), full.min_spec(), (3, 32, 32))
-    high = spec_macs(full.reduced(big), big, (3, 32, 32))
-    assert low < 25e6 and high > 600e6  # the max spec (d=8888) is larger still
+        smallest, largest = (full.build_local(s, elastic=False) for s in (full.min_spec(), full.max_spec()))
+    # w = 0 (x0.1): stem md(6.4) = 8, stages md(12.8, 25.6, 51.2, 102.4) = 16, 24, 48, 104;
+    # e = 0.1: middles md(1.6, 2.4, 4.8) = 8 and md(10.4) = 16 (8 would lose over 10%).
+    low = basic_pair_paper_macs(8, [(16, 8, 1), (24, 8, 1), (48, 8, 1), (104, 16, 1)], (1, 2, 2, 2), 100)
+    high = basic_pair_paper_macs(64, [(128, 32, 9), (256, 64, 9), (512, 128, 9), (1024, 256, 9)], (1, 2, 2, 2), 100)
+    cost = cost_model(full)
+    assert hooked_macs(smallest, (3, 32, 32))["paper"] == low == cost.spec_macs(full.min_spec())
+    assert hooked_macs(largest, (3, 32, 32))["paper"] == high == cost.spec_macs(full.max_spec())
+    assert low < FEAST_CACHE_ROWS[0][0] and FEAST_CACHE_ROWS[-1][0] < high
 
 
 def test_tinyimagenet_stem_sees_full_resolution():
-    cifar = OFAResNet(200, (3, 32, 32), max_extra_blocks=0, max_width_index=(0,) * 5)
-    tiny = OFAResNet(200, (3, 64, 64), max_extra_blocks=0, max_width_index=(0,) * 5)
+    """Bottleneck construction at 64 px: stride-2 first stage, the stem at full resolution."""
+    cifar = OFAResNet(200, (3, 32, 32), block="bottleneck", max_extra_blocks=0, max_width_index=(0,) * 5)
+    tiny = OFAResNet(200, (3, 64, 64), block="bottleneck", max_extra_blocks=0, max_width_index=(0,) * 5)
     assert tiny.arch["stage_strides"] == (2, 2, 2, 2) and cifar.arch["stage_strides"] == (1, 2, 2, 2)
     spec = cifar.min_spec()
     c, t = spec_macs(cifar, spec, (3, 32, 32)), spec_macs(tiny, spec, (3, 64, 64))
-    assert c < t < 2 * c  # same stage resolutions; only the stem and one 1x1 conv run at 64 px
+    # Same stage resolutions from the first stride on; only the stem (3x3, 3 -> 16, + BN) and
+    # stage 1's first 1x1 conv (16 -> mid 8, + BN) run at 64x64 instead of 32x32 (fvcore).
+    per_position = 3 * 16 * 9 + 2 * 16 + 16 * 8 + 2 * 8
+    assert t - c == (64 * 64 - 32 * 32) * per_position
     assert tiny(torch.randn(1, 3, 64, 64)).shape == (1, 200)
 
 
 # -- specs ---------------------------------------------------------------------------------
 
-def test_make_divisible_is_monotone():
+def test_make_divisible_is_monotone_and_ofas_rule():
     for divisor in (1, 2, 8):
-        values = [make_divisible(v / 10, divisor) for v in range(1, 3000)]
+        values = [model_make_divisible(v / 10, divisor) for v in range(1, 3000)]
         assert values == sorted(values)
+        assert values == [make_divisible(v / 10, divisor) for v in range(1, 3000)]
 
 
 def test_bad_specs_are_refused(small):
@@ -342,9 +341,20 @@ def test_budget_nested_sets_route_nested_supports(small):
 
 
 def test_communication_accounting(small):
+    """Eq. 16 recomputed with plain arithmetic: ``P`` and ``P_i`` from the layer shapes of the
+    supernet and of each envelope (coordinate-wise maximum depth and width, the largest
+    expansion; Supp. Eq. 12) and from the sizes of the tensors actually routed."""
     sets = [specs(small, 2, seed=50 + i) for i in range(4)]
     report = communication(small, sets)
-    full = full_param_count(small)
+    full = hand_param_count(small, small.max_spec())
+    routed = []
+    for group in sets:
+        bounds = OFASpec([max(s.d[l] for s in group) for l in range(4)], (0.25,) * 4,
+                         [max(s.w[j] for s in group) for j in range(5)])
+        p_i = hand_param_count(small, bounds)
+        assert p_i == sum(p.numel() for p in route_envelope(small, group).module.parameters())
+        routed.append(p_i)
     assert report["full_payload"] == 2 * 4 * full
-    assert report["routed_payload"] == 2 * sum(routed_param_count(small, s) for s in sets)
-    assert report["reduction"] == pytest.approx(report["full_payload"] / report["routed_payload"])
+    assert report["routed_payload"] == 2 * sum(routed)
+    assert report["reduction"] == pytest.approx(4 * full / sum(routed), rel=1e-12)
+    assert report["client_reductions"] == pytest.approx([full / p for p in routed], rel=1e-12)

@@ -251,15 +251,24 @@ def test_zipf_budgets_range_jitter_and_determinism():
     assert torch.allclose(b, unclipped.clamp(25e6, 1500e6))
     assert torch.equal(zipf_budgets(500, seed=0), b)
     assert not torch.equal(zipf_budgets(500, seed=1), b)
-    # low-end heavy: most clients sit near the bottom of the range
-    assert (b < 300e6).float().mean() > 0.5
+    # Low-end heavy: the share below 300M is Eq. 1's probability of the ranks whose jittered
+    # budget (Eq. 2) falls below it, written out here; within 4 standard errors of 500 draws.
+    ranks = np.arange(1, 501)
+    prob = ranks ** -1.2 / (ranks ** -1.2).sum()
+    delta = (1500e6 - 25e6) / 499
+    below = np.clip((300e6 - (25e6 + (ranks - 1) * delta - delta / 2)) / delta, 0, 1)
+    p = float((prob * below).sum())
+    assert p > 0.5 and abs(float((b < 300e6).double().mean()) - p) < 4 * np.sqrt(p * (1 - p) / 500)
 
 
 def test_zipf_rank_distribution_chi_square():
     levels, n = 10, 50000
     draw = zipf_draw(n, seed=0, num_levels=levels)
     observed = np.bincount(draw.ranks.numpy() - 1, minlength=levels)
-    expected = n * zipf_rank_probabilities(levels, 1.2)
+    ranks = np.arange(1, levels + 1)
+    eq_1 = ranks ** -1.2 / (ranks ** -1.2).sum()  # Supp. A Eq. 1: Pr[rank = r] = r^-s / sum_l l^-s
+    assert np.allclose(zipf_rank_probabilities(levels, 1.2), eq_1, rtol=1e-12, atol=0)
+    expected = n * eq_1
     chi2 = ((observed - expected) ** 2 / expected).sum()
     assert chi2 < 27.9  # chi-square, 9 degrees of freedom, p = 0.001
 

@@ -14,16 +14,26 @@ from fl_lightning.elastic.search import (PAPER_SEGMENTS, Fitness, FitnessConfig,
                                          VariantCache, build_cache, cost_model, search, segment_targets)
 from fl_lightning.elastic.search.genetic import Problem, evolve, sample_feasible
 from fl_lightning.errors import ConfigError
+from hand_counts import bottleneck_params, hooked_macs, make_divisible
 
 NARROW = dict(width_scale=0.125, max_extra_blocks=2, divisor=2)
+BOTTLENECK_NARROW = dict(NARROW, block="bottleneck")
 
 
 
 @pytest.fixture(scope="module")
 def full():
-    """FEAST's 55.68M supernet at CIFAR size; on ``meta``, since search needs no weights."""
+    """FEAST's 55.68M supernet at CIFAR size (the default construction, MACs in the paper's
+    convention); on ``meta``, since search needs no weights."""
     with torch.device("meta"):
         return build_model("ofa_resnet", 100, (3, 32, 32))
+
+
+@pytest.fixture(scope="module")
+def bottleneck():
+    """The bottleneck construction at the same size, counted by :class:`OFACostModel` (fvcore)."""
+    with torch.device("meta"):
+        return build_model("ofa_resnet", 100, (3, 32, 32), block="bottleneck")
 
 
 def random_specs(model, n, seed):
@@ -32,13 +42,14 @@ def random_specs(model, n, seed):
 
 
 # ------------------------------------------------------------------------------------------
-# Analytic cost == fvcore
+# Analytic cost == fvcore (the bottleneck construction; basic_pair: test_deepfednas_golden.py)
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape, classes, options", [
-    ((3, 32, 32), 10, NARROW),
-    ((3, 64, 64), 200, NARROW),  # stride-2 first stage, stem at full resolution
-    ((3, 17, 23), 7, dict(width_scale=0.25, max_extra_blocks=(1, 2, 0, 1), divisor=4, stem_stride=2)),
+    ((3, 32, 32), 10, BOTTLENECK_NARROW),
+    ((3, 64, 64), 200, BOTTLENECK_NARROW),  # stride-2 first stage, stem at full resolution
+    ((3, 17, 23), 7, dict(block="bottleneck", width_scale=0.25, max_extra_blocks=(1, 2, 0, 1), divisor=4,
+                          stem_stride=2)),
 ])
 def test_analytic_cost_equals_fvcore_on_narrowed_models(shape, classes, options):
     model = build_model("ofa_resnet", classes, shape, **options)
@@ -50,16 +61,18 @@ def test_analytic_cost_equals_fvcore_on_narrowed_models(shape, classes, options)
 
 def test_analytic_cost_at_another_input_size():
     """MACs at an input other than the model's own (strides kept): as fvcore counts them."""
-    model = build_model("ofa_resnet", 10, (3, 32, 32), **NARROW)
+    model = build_model("ofa_resnet", 10, (3, 32, 32), **BOTTLENECK_NARROW)
     cost = OFACostModel(model, (3, 48, 40))
     for spec in random_specs(model, 2, seed=2):
         assert cost.spec_macs(spec) == spec_macs(model, spec, (3, 48, 40))
 
 
-def test_analytic_cost_equals_fvcore_on_full_supernet(full):
+def test_analytic_cost_equals_fvcore_on_full_supernet(bottleneck):
     """A few specs of the full 55.68M supernet, each counted by fvcore on a routed supernet
     whose maxima are the spec (its MACs are the spec's, its tensors far fewer)."""
+    full = bottleneck
     cost = cost_model(full)
+    assert isinstance(cost, OFACostModel)
     g = torch.Generator().manual_seed(3)
     specs = [full.min_spec(), OFASpec((1, 2, 0, 3), (0.25, 0.1, 0.18, 0.14), (9, 4, 7, 2, 5)),
              OFASpec((4, 7, 7, 8), (0.1, 0.1, 0.1, 0.1), (4, 9, 9, 7, 8)),  # ~594M, a cache top end
@@ -68,10 +81,13 @@ def test_analytic_cost_equals_fvcore_on_full_supernet(full):
         routed = full.reduced(spec)
         assert cost.spec_macs(spec) == spec_macs(routed, spec, (3, 32, 32)), spec
         assert cost.spec_params(spec) == spec_params(routed, spec, (3, 32, 32)), spec
-    # The documented extremes (docs/feast_supernet.md): 4.24M and 2761.7M MACs, 55.68M params.
-    assert cost.spec_macs(full.min_spec()) == 4_240_704
-    assert cost.spec_macs(full.max_spec()) == 2_761_711_616
-    assert cost.spec_params(full.max_spec()) == 55_677_412
+    # The whole supernet: MACs by hooks on the plain module (meta device, fvcore's convention),
+    # parameters from its layer shapes, and the paper's 55.68M.
+    with torch.device("meta"):
+        largest = full.build_local(full.max_spec(), elastic=False)
+    assert cost.spec_macs(full.max_spec()) == hooked_macs(largest, (3, 32, 32))["fvcore"]
+    by_hand = bottleneck_params(128, [(256, 64, 9), (512, 128, 9), (1024, 256, 9), (2048, 512, 9)], 100)
+    assert cost.spec_params(full.max_spec()) == by_hand and round(by_hand / 1e6, 2) == 55.68
 
 
 def test_vectorized_cost_matches_single_specs(full):
@@ -103,9 +119,10 @@ def blocks_of(stage):
 
 
 @pytest.mark.parametrize("layers", ["deepfednas", "bottleneck"])
-def test_rho_and_entropy_by_hand(full, layers):
-    """rho and the entropy read off the layer list by hand equal the vectorized values."""
-    cost = cost_model(full)
+def test_rho_and_entropy_by_hand(bottleneck, layers):
+    """rho and the entropy read off the bottleneck's layer list by hand equal the vectorized
+    values (basic_pair: test_deepfednas_golden.py, against DeepFedNAS's published values)."""
+    cost = cost_model(bottleneck)
     fitness = Fitness(cost, FitnessConfig(layers=layers))
     spec = OFASpec((1, 0, 2, 1), (0.1, 0.25, 0.14, 0.18), (3, 5, 2, 8, 6))
     stage_widths = []
@@ -151,12 +168,15 @@ def test_search_respects_limits_and_is_deterministic(full):
     assert fit == pytest.approx(fitness.spec_fitness(spec))
 
 
-def test_search_limits_hold_for_fvcore_on_a_narrowed_model():
-    model = build_model("ofa_resnet", 10, (3, 32, 32), **NARROW)
+@pytest.mark.parametrize("block, convention", [("basic_pair", "paper"), ("bottleneck", "fvcore")])
+def test_search_limits_hold_on_the_module_of_a_narrowed_model(block, convention):
+    """The found subnet, counted by hooks on its extracted module in its construction's
+    convention, costs what the search says and fits the limit."""
+    model = build_model("ofa_resnet", 10, (3, 32, 32), **dict(NARROW, block=block))
     fitness = Fitness(cost_model(model))
     limit, rho = 5e6, 1.5
     spec, macs, _ = search(model, limit, rho, population=24, generations=15, seed=0)
-    assert spec_macs(model, spec, (3, 32, 32)) == macs <= limit
+    assert hooked_macs(model.extract(spec).module, (3, 32, 32))[convention] == macs <= limit
     assert fitness.spec_rho(spec) <= rho
 
 
@@ -182,8 +202,11 @@ def test_ga_beats_random_feasible_sampling(full):
 
 
 def test_impossible_limit_raises(full):
+    with torch.device("meta"):
+        smallest = hooked_macs(full.build_local(full.min_spec(), elastic=False), (3, 32, 32))["paper"]
     with pytest.raises(InfeasibleError):
-        search(full, 4e6, 0.31, population=8, generations=2)  # below the smallest subnet
+        search(full, smallest - 1, 0.40, population=8, generations=2)  # below the smallest subnet
+    assert search(full, smallest, 0.40, population=8, generations=2).macs == smallest
 
 
 # ------------------------------------------------------------------------------------------
@@ -241,14 +264,19 @@ def test_load_rejects_an_incompatible_model(tmp_path, full, small_cache):
     small_cache.save(path)
     with torch.device("meta"):
         narrow = build_model("ofa_resnet", 100, (3, 32, 32), width_scale=0.5)
-        tiny_imagenet = build_model("ofa_resnet", 100, (3, 64, 64))
-    with pytest.raises(ConfigError, match="width_scale: cache 1.0, model 0.5"):
+        tiny_imagenet = build_model("ofa_resnet", 200, (3, 64, 64))
+    with pytest.raises(ConfigError, match="stem_channels: cache 64, model 32"):  # 64 x width_scale 0.5
         VariantCache.load(path, narrow)
-    with pytest.raises(ConfigError, match="input_shape"):
+    with pytest.raises(ConfigError, match="stem_stride: cache 1, model 2"):  # 64 px: a stride-2 stem
         VariantCache.load(path, tiny_imagenet)
-    # Retargeting recomputes the MACs for the other input (Supp. B.1), and then it loads.
+    # Retargeting recomputes the MACs for the other input and head (Supp. B.1), and then it
+    # loads: the stride-2 stem gives every layer its 32 px cost, the head 100 more outputs of
+    # the last stage's width md(1024 x m[w_4]).
     retargeted = small_cache.retarget(tiny_imagenet)
-    assert retargeted.macs == sorted(retargeted.macs) and retargeted.macs[0] > small_cache.macs[0]
+    assert retargeted.macs == sorted(retargeted.macs)
+    before = dict(zip(small_cache.specs, small_cache.macs))
+    for spec, macs in zip(retargeted.specs, retargeted.macs):
+        assert macs - before[spec] == 100 * make_divisible(1024 * round(0.1 * (spec.w[4] + 1), 1)), spec
     retargeted.save(path)
     assert VariantCache.load(path, tiny_imagenet).specs == retargeted.specs
 
@@ -273,6 +301,8 @@ def test_segment_targets():
     ratios = np.array(geometric[1:]) / np.array(geometric[:-1])
     assert np.allclose(ratios, ratios[0])
     assert np.allclose(np.diff(segment_targets(25e6, 75e6, 6)), 10e6)  # linear, the default
+    # Supp. Table 1: 50M-596M x 50 at rho_0 0.31, the 25M-75M extension x 6 at 0.40; 56 in all
+    assert [tuple(seg) for seg in PAPER_SEGMENTS] == [(50e6, 596e6, 50, 0.31), (25e6, 75e6, 6, 0.40)]
     assert sum(count for _, _, count, _ in PAPER_SEGMENTS) == 56
 
 

@@ -7,10 +7,12 @@
         --output /tmp/small.json
     python tools/build_cache.py --construction deepfednas --output feast_cifar100_deepfednas.json
 
-``--construction ofa_resnet`` (default) searches this project's bottleneck supernet with MACs
-in fvcore's convention; ``deepfednas`` searches the DeepFedNAS construction FEAST describes
-(``elastic.search.cost.DeepFedNASArch``, its options in ``--model-kwargs``) with MACs in
-DeepFedNAS's convention, the paper's. The latter needs no model: the search is analytic.
+``--construction ofa_resnet`` (default) searches the ``ofa_resnet`` supernet built with
+``--model-kwargs``: its default ``block`` is ``basic_pair`` (FEAST's construction, MACs in
+DeepFedNAS's convention, the paper's); ``{"block": "bottleneck"}`` gives the bottleneck
+construction with MACs in fvcore's convention. ``deepfednas`` searches the DeepFedNAS
+construction directly (``elastic.search.cost.DeepFedNASArch``, its fields in ``--model-kwargs``),
+with the same MACs as ``basic_pair``; it needs no model: the search is analytic.
 
 Segments are ``paper`` (Supp. Table 1: 50M-596M x 50 at rho_0 = 0.31 and 25M-75M x 6 at 0.40)
 or a JSON list of ``[low, high, count, rho0]``. Prints the cache as a table and the time taken.
@@ -26,7 +28,7 @@ import time
 import torch
 
 from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.search import PAPER_SEGMENTS, DeepFedNASArch, FitnessConfig, build_cache
+from fl_lightning.elastic.search import PAPER_SEGMENTS, DeepFedNASArch, FitnessConfig, build_cache, cost_model
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import SEARCH_GENERATIONS, SEARCH_POPULATION
 
@@ -74,12 +76,14 @@ def main(argv=None) -> int:
             raise ValueError("not a JSON object")
         segments = parse_segments(args.segments)
         if args.construction == "deepfednas":
-            if args.fitness_layers != "deepfednas":
-                raise ValueError("--fitness-layers bottleneck does not apply to the deepfednas construction")
             model = DeepFedNASArch(num_classes=args.num_classes, input_shape=tuple(args.input_shape), **kwargs)
         else:
             with torch.device("meta"):  # only the channel arithmetic is needed, not the weights
                 model = build_model("ofa_resnet", args.num_classes, args.input_shape, **kwargs)
+        if args.fitness_layers not in cost_model(model).layer_accountings:
+            # the bottleneck accounting needs the bottleneck block
+            raise ValueError(f"--fitness-layers {args.fitness_layers} does not apply to this construction "
+                             f"(ofa_resnet needs --model-kwargs '{{\"block\": \"bottleneck\"}}')")
     except (ValueError, TypeError) as err:  # ConfigError included
         print(f"error: {err}", file=sys.stderr)
         return 2

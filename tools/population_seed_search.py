@@ -35,7 +35,7 @@ import torch
 from fl_lightning.analysis.feast_accounting import least_reachable_clients
 from fl_lightning.data.budgets import PAPER_CIFAR100_POPULATION, search_population_seeds
 from fl_lightning.elastic.models.ofa_resnet import OFAResNet
-from fl_lightning.elastic.search.cache import VariantCache
+from fl_lightning.elastic.search.cache import OPTION_DEFAULTS, VariantCache
 from fl_lightning.elastic.search.cost import DeepFedNASArch, cost_model
 
 DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "tests" / "data" / "feast_cifar100_deepfednas_cache.json"
@@ -51,8 +51,8 @@ def load_cache(path: Path):
     if options.get("construction") == "deepfednas":
         space = DeepFedNASArch.from_dict(options)
     else:
-        with torch.device("meta"):
-            space = OFAResNet(**options)
+        with torch.device("meta"):  # files older than an option hold its value then
+            space = OFAResNet(**{**OPTION_DEFAULTS, **options})
     cost = cost_model(space, cache.input_shape)
     genes = cost.encode_many(cache.specs)
     return cache.macs, lambda budgets: least_reachable_clients(cache, budgets, genes, cost.num_stages)

@@ -11,13 +11,13 @@ Architecture ``a = (d, e, w)`` (:class:`OFASpec`):
 
 Two constructions share this space (``block``; docs/feast_supernet.md):
 
-- ``"basic_pair"``, FEAST's own (the DeepFedNAS ``GenericOFAResNet`` as the FEAST code builds
-  it): 3x3 stem of 64 channels; four stages of nine blocks of two 3x3 convolutions
-  (in -> mid -> out) with output widths [128, 256, 512, 1024]; 55,682,916 parameters at 100
-  classes;
-- ``"bottleneck"`` (the default, kept for existing runs and caches): 3x3 stem of 128 channels;
-  four stages of nine 1x1-3x3-1x1 bottlenecks with output widths [256, 512, 1024, 2048];
-  55,677,412 parameters at 100 classes.
+- ``"basic_pair"`` (the default), FEAST's own (the DeepFedNAS ``GenericOFAResNet`` as the
+  FEAST code builds it): 3x3 stem of 64 channels; four stages of nine blocks of two 3x3
+  convolutions (in -> mid -> out) with output widths [128, 256, 512, 1024]; 55,682,916
+  parameters at 100 classes;
+- ``"bottleneck"`` (kept for runs and caches made with it; pass it explicitly): 3x3 stem of 128
+  channels; four stages of nine 1x1-3x3-1x1 bottlenecks with output widths
+  [256, 512, 1024, 2048]; 55,677,412 parameters at 100 classes.
 
 Both put a projection shortcut (average pool, 1x1 conv, BN; OFA's ``avgpool_conv``) on the
 first block of every stage and an identity elsewhere, and end in global average pooling and a
@@ -252,7 +252,7 @@ class OFASubnet(_ResNetBody):
     """A plain (deployable) network for one spec; built by :meth:`OFAResNet.build_local`."""
 
     def __init__(self, num_classes: int, in_channels: int, stem: int, stages: Sequence[StageShape],
-                 strides: Sequence[int], stem_stride: int = 1, block: str = "bottleneck"):
+                 strides: Sequence[int], stem_stride: int = 1, block: str = "basic_pair"):
         super().__init__()
         self._build(LAYER_KITS[False], CONSTRUCTIONS[block].block, num_classes, in_channels, stem, stages,
                     strides, stem_stride)
@@ -286,10 +286,10 @@ class OFAResNet(_ResNetBody, ElasticModel):
             (TinyImageNet) are brought to the stage resolutions of a 32 px input (CIFAR) by a
             stride-2 stem (``basic_pair``, as FEAST's code) or a stride-2 first stage
             (``bottleneck``); smaller inputs keep both at stride 1.
-        block: the construction: ``"basic_pair"`` (FEAST's supernet: two 3x3 convs per block,
-            64-channel stem, stage widths [128, 256, 512, 1024]) or ``"bottleneck"`` (1x1-3x3-1x1
-            blocks, 128-channel stem, stage widths [256, 512, 1024, 2048]). Both have 55.68M
-            parameters at 100 classes (docs/feast_supernet.md).
+        block: the construction: ``"basic_pair"`` (default; FEAST's supernet: two 3x3 convs per
+            block, 64-channel stem, stage widths [128, 256, 512, 1024]) or ``"bottleneck"``
+            (1x1-3x3-1x1 blocks, 128-channel stem, stage widths [256, 512, 1024, 2048]). Both
+            have 55.68M parameters at 100 classes (docs/feast_supernet.md).
         stem_channels: full stem width (default: the construction's, 64 or 128).
         stage_channels: full output width of each stage (default: the construction's).
         width_scale: multiplies ``stem_channels`` and ``stage_channels``, for a narrowed
@@ -314,7 +314,7 @@ class OFAResNet(_ResNetBody, ElasticModel):
     spec_type = OFASpec
 
     def __init__(self, num_classes: int = 100, input_shape: Sequence[int] = (3, 32, 32),
-                 block: str = "bottleneck", stem_channels: Optional[int] = None,
+                 block: str = "basic_pair", stem_channels: Optional[int] = None,
                  stage_channels: Optional[Sequence[int]] = None,
                  width_scale: float = 1.0, max_extra_blocks: Union[int, Sequence[int]] = MAX_EXTRA_BLOCKS,
                  expansions: Sequence[float] = EXPANSION_CHOICES,

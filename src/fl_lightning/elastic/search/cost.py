@@ -77,6 +77,9 @@ class OFACostModel:
 
     def __init__(self, model: OFAResNet, input_shape: Optional[Sequence[int]] = None):
         arch = model.arch
+        if arch["block"] != "bottleneck":  # its tables are the bottleneck block's layers
+            raise ValueError(f"OFACostModel counts the bottleneck construction, not block={arch['block']!r}; "
+                             f"use cost_model(model)")
         self.arch = dict(arch)
         self.model_options = dict(arch)
         self.input_shape = tuple(int(v) for v in (input_shape or arch["input_shape"]))
