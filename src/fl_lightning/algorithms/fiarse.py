@@ -237,7 +237,7 @@ class FIARSE(FedAvg):
         if self.recalibrate_bn and self.has_bn and len(ctx.data.calib) == 0:
             raise ConfigError("data.calib_size", "FIARSE recalibrates BN per evaluated point on server-held data; "
                                                  "set it > 0 (or algorithm.recalibrate_bn: false)")
-        self._family, self._family_round = None, None
+        self._family, self._family_round, self._round_masks = None, None, {}
         self._calibration = None
 
     def artifacts(self) -> Dict[str, str]:
@@ -258,7 +258,19 @@ class FIARSE(FedAvg):
         """One family per round: the global weights do not change between its clients."""
         if self._family_round != round_idx:
             self._family, self._family_round = self.family(), round_idx
+            self._round_masks = {}
         return self._family
+
+    def round_masks(self, family, fraction: float):
+        """The round's thresholds, region map and kept counts for ``fraction``, built once per
+        round and shared by its clients of that fraction (a shared region also adds its count
+        once in aggregation)."""
+        if fraction not in self._round_masks:
+            thresholds = family.thresholds(fraction)
+            masks = family.masks(self.global_state, thresholds)
+            regions = masked_region_map(self.worker_regions, masks)
+            self._round_masks[fraction] = (thresholds, regions, {k: regions[k][1].numel() for k in masks})
+        return self._round_masks[fraction]
 
     def client_fraction_now(self, family, client: int) -> float:
         if self.budget_match == "macs":
@@ -276,12 +288,9 @@ class FIARSE(FedAvg):
         """The dense global model (loaded into the worker) with the client's mask as regions."""
         family = self.round_family(plan.round_idx)
         fraction = self.client_fraction_now(family, task.client)
-        thresholds = family.thresholds(fraction)
+        thresholds, regions, kept = self.round_masks(family, fraction)
         load_routed_state(self.worker, self.global_state, self.worker_regions)
-        masks = family.masks(self.global_state, thresholds)
-        kept = {k: int(m.sum()) for k, m in masks.items()}
-        return MaskedRouted(self.worker, masked_region_map(self.worker_regions, masks), thresholds=thresholds,
-                            fraction=fraction, kept=kept)
+        return MaskedRouted(self.worker, regions, thresholds=thresholds, fraction=fraction, kept=kept)
 
     def client_module(self, routed: MaskedRouted, task, plan):
         from fl_lightning.modules.masked_client import ThresholdMaskedClient
@@ -330,7 +339,7 @@ class FIARSE(FedAvg):
                     old = self.global_state[key]
                     new_state[key] = old + self.server_lr * (value.to(old.dtype) - old)
         super().finish_round(new_state, sums, plan, owned)
-        self._family, self._family_round = None, None
+        self._family, self._family_round, self._round_masks = None, None, {}
 
     # -- evaluation -----------------------------------------------------------------------------
     def grid_points(self, family=None) -> List[dict]:

@@ -96,9 +96,8 @@ class SparseAccumulator:
             if self.dense:
                 out[key] = (value / count).to(old.dtype) if count > 0 else old.clone()
                 continue
-            covered = count > 0
-            mean = value / torch.where(covered, count, torch.ones_like(count))
-            out[key] = torch.where(covered, mean, old.to(mean.dtype)).to(old.dtype)
+            # 0/0 where nobody covered: where() keeps the old value there
+            out[key] = torch.where(count > 0, value / count, old.to(value.dtype)).to(old.dtype)
         return out
 
 

@@ -17,13 +17,19 @@ the group are kept; tied entries are all kept, as in the original. Groups (``GRO
 
 Maskable parameters are the weights and biases of every ``nn.Conv2d`` and ``nn.Linear``
 (elastic subclasses included); normalization layers are never masked (the authors' masked
-batch norms have ``size = 0``). :class:`MaskFamily` finds a threshold by
-selection (``kthvalue``) or, once sorted for a grid or a bisection, by indexing, and counts a
-mask's kept entries per tensor by binary search.
+batch norms have ``size = 0``). :class:`MaskFamily` finds a threshold by selection or, once
+sorted for a grid or a bisection, by indexing, and counts a mask's kept entries per tensor by
+binary search. Selection in a large group reads one histogram of the magnitudes' float bits per
+round (non-negative floats order as their bit patterns) and selects only within the bin that
+holds the ``k``-th largest, so the many kept fractions of a round's clients cost one pass over
+the group and a small ``kthvalue`` each, and every threshold equals ``kthvalue``'s exactly.
 
-**The forward.** :class:`ThresholdMask` returns ``w * 1{|w| >= tau}`` with ``tau`` fixed for
+**The forward.** :func:`threshold_mask` returns ``w * 1{|w| >= tau}`` with ``tau`` fixed for
 the round, so the mask is re-evaluated on the current weights at every step
-(threshold-controlled). Its backward is one of :data:`GRADIENTS`:
+(threshold-controlled). For float32/float64 weights it is ``hardshrink(w, lambda)`` with
+``lambda`` the largest value below ``tau`` (keeps ``|w| > lambda``, i.e. ``|w| >= tau``): one
+fused pass forward and one backward, where mask, product and masked gradient took five and kept
+a boolean mask per tensor and step. Its backward is one of :data:`GRADIENTS`:
 
 - ``masked``: ``dL/dw = g * m``, with ``g = dL/d(w m)``: what the authors' code computes (their
   ``Bern`` function returns a boolean mask, which autograd cannot differentiate, so its
@@ -47,9 +53,10 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Literal, Mapping, Optional, Sequence
+from typing import Dict, List, Literal, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GROUPINGS = ("global", "stage", "tensor")
@@ -61,6 +68,11 @@ Convention = Literal["paper", "fvcore"]
 
 MASKABLE = (nn.Conv2d, nn.Linear)
 _EPS = 1e-9  # floor(f n) tolerance: 0.29 * 100 must give 29, not 28
+# Binned selection: a float32 magnitude's bits >> 16 (8 exponent and 7 mantissa bits) name its
+# bin, 2^15 bins in value order; below _BINNED_MIN entries a plain kthvalue is as cheap.
+_BIN_SHIFT = 16
+_BINS = 1 << (31 - _BIN_SHIFT)
+_BINNED_MIN = 1 << 16
 
 
 def maskable_modules(model: nn.Module) -> Dict[str, nn.Module]:
@@ -123,6 +135,7 @@ class MaskFamily:
         self._sorted_group: Optional[Dict[str, torch.Tensor]] = None
         self._sorted_key: Dict[str, torch.Tensor] = {}
         self._taus: Dict[tuple, torch.Tensor] = {}
+        self._bins: Dict[str, tuple] = {}
 
     def presort(self) -> "MaskFamily":
         """Sort every group's magnitudes once: worth it before asking for many fractions (a
@@ -146,8 +159,33 @@ class MaskFamily:
             return self._sorted_group[group][k - 1]
         if (group, k) not in self._taus:
             values = self._group_abs[group]
-            self._taus[(group, k)] = torch.kthvalue(values, values.numel() - k + 1).values
+            if values.numel() < _BINNED_MIN or values.dtype != torch.float32:
+                self._taus[(group, k)] = torch.kthvalue(values, values.numel() - k + 1).values
+            else:
+                self._taus[(group, k)] = self._binned_tau(group, k)
         return self._taus[(group, k)]
+
+    def _binned_tau(self, group: str, k: int) -> torch.Tensor:
+        """``_tau`` by the bin holding the ``k``-th largest magnitude (module docstring): the
+        same value as ``kthvalue`` over the whole group."""
+        values = self._group_abs[group]
+        with torch.no_grad():
+            if group not in self._bins:
+                # |w| has its sign bit clear, so the int32 bits are >= 0 and ordered like the values
+                bins = values.view(torch.int32) >> _BIN_SHIFT
+                counts = torch.bincount(bins, minlength=_BINS)
+                # at_least[b]: entries in bins >= b (one host read per group and round)
+                at_least = counts.flip(0).cumsum(0).flip(0).tolist() + [0]
+                self._bins[group] = (bins, at_least)
+            bins, at_least = self._bins[group]
+            # the highest bin with at least k entries at or above it holds the k-th largest
+            lo, hi = 0, _BINS - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if at_least[mid] >= k else (lo, mid - 1)
+            above = at_least[lo + 1]
+            inside = values[bins == lo]
+            return torch.kthvalue(inside, inside.numel() - (k - above) + 1).values
 
     def thresholds(self, fraction: float) -> Dict[str, torch.Tensor]:
         """Key -> its group's threshold (a 0-dim tensor) for kept fraction ``fraction``."""
@@ -191,33 +229,67 @@ class MaskFamily:
         return lo
 
 
+def shrink_bound(tau: torch.Tensor, dtype: torch.dtype) -> Optional[float]:
+    """``lambda`` with ``|w| > lambda`` exactly when ``|w| >= tau`` in ``dtype`` (the largest
+    ``dtype`` value below ``tau``; a negative one for ``tau = 0``, which keeps everything), or
+    None where no such bound is safe (other dtypes, a subnormal or non-finite ``tau``). A host
+    read: take it once per threshold, not per step."""
+    if dtype not in (torch.float32, torch.float64):
+        return None
+    t = tau.detach().to("cpu", dtype)
+    if float(t) == 0.0:
+        return -1.0
+    if not (torch.finfo(dtype).tiny <= float(t) < math.inf):
+        return None
+    return float(torch.nextafter(t, torch.zeros_like(t)))
+
+
 class ThresholdMask(torch.autograd.Function):
-    """``w * 1{|w| >= tau}`` with the backward of :data:`GRADIENTS` (module docstring)."""
+    """``w * 1{|w| >= tau}`` with the backward of :data:`GRADIENTS` (module docstring); with a
+    ``bound`` (:func:`shrink_bound`) the mask is hardshrink's and no boolean mask is kept."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, tau: torch.Tensor, surrogate: bool):
+    def forward(ctx, weight: torch.Tensor, tau: torch.Tensor, surrogate: bool, bound: Optional[float] = None):
+        ctx.surrogate, ctx.bound = surrogate, bound
+        if bound is not None:
+            ctx.save_for_backward(weight, tau)
+            return F.hardshrink(weight, bound)
         mask = weight.abs() >= tau
-        ctx.surrogate = surrogate
         ctx.save_for_backward(weight, tau, mask)
         return weight * mask
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        weight, tau, mask = ctx.saved_tensors
-        out = grad * mask
+        if ctx.bound is not None:
+            weight, tau = ctx.saved_tensors
+            out = torch.ops.aten.hardshrink_backward(grad, weight, ctx.bound)
+        else:
+            weight, tau, mask = ctx.saved_tensors
+            out = grad * mask
         if ctx.surrogate:
             a = weight.abs()
             denom = (a + tau).pow(2)
             factor = 2 * tau * a / torch.where(denom > 0, denom, torch.ones_like(denom))
             out = out * (1 + factor)
-        return out, None, None
+        return out, None, None, None
 
 
-def threshold_mask(weight: torch.Tensor, tau: torch.Tensor, gradient: Gradient = "masked") -> torch.Tensor:
-    """The masked tensor a FIARSE client computes with (differentiable in ``weight``)."""
+def threshold_mask(weight: torch.Tensor, tau: torch.Tensor, gradient: Gradient = "masked",
+                   bound: Union[float, None, Literal["auto"]] = "auto") -> torch.Tensor:
+    """The masked tensor a FIARSE client computes with (differentiable in ``weight``).
+
+    ``bound``: :func:`shrink_bound` of ``tau`` in ``weight``'s dtype, precomputed by a caller
+    that masks every step (None: the boolean-mask path); "auto" finds it here (a host read).
+    """
     if gradient not in GRADIENTS:
         raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}")
-    return ThresholdMask.apply(weight, tau.to(weight.device, weight.dtype), gradient == "surrogate")
+    tau = tau.to(weight.device, weight.dtype)
+    if isinstance(bound, str):
+        bound = shrink_bound(tau, weight.dtype)
+    if bound is not None and gradient == "masked":
+        # hardshrink's own backward is the masked gradient: one fused kernel each way
+        return F.hardshrink(weight, bound)
+    return ThresholdMask.apply(weight, tau, gradient == "surrogate", bound)
 
 
 @dataclass
@@ -285,4 +357,4 @@ def layer_macs(model: nn.Module, input_shape: Sequence[int], input_dtype: Option
 
 
 __all__ = ["GROUPINGS", "GRADIENTS", "CONVENTIONS", "maskable_modules", "maskable_keys", "group_keys", "kept_count",
-           "MaskFamily", "ThresholdMask", "threshold_mask", "LayerMacs", "layer_macs"]
+           "MaskFamily", "ThresholdMask", "shrink_bound", "threshold_mask", "LayerMacs", "layer_macs"]

@@ -128,6 +128,7 @@ class Mask(Region):
     def __init__(self, mask: torch.Tensor):
         self.mask = mask.bool()
         self.global_shape = self.local_shape = self.mask.shape
+        self._numel = None
 
     def gather(self, full):
         return torch.where(self.mask.to(full.device), full, torch.zeros((), dtype=full.dtype, device=full.device))
@@ -137,14 +138,19 @@ class Mask(Region):
         full[m] = local[m].to(full.dtype)
 
     def scatter_add(self, full, local, alpha=1.0):
-        local = local.to(full.dtype)
-        full.add_(torch.where(self.mask.to(full.device), local, torch.zeros((), dtype=local.dtype, device=local.device)), alpha=alpha)
+        # A product with the 0/1 mask in full's dtype, not torch.where: the same values for a
+        # finite ``local`` (the loop commits finite updates only) at a fraction of where's time.
+        local = local.to(full.device, full.dtype, copy=True)
+        local.mul_(self.mask.to(full.device, full.dtype))
+        full.add_(local, alpha=alpha)
 
     def fill_add(self, full, value):
         full.add_(self.mask.to(full.device, full.dtype), alpha=value)
 
     def numel(self):
-        return int(self.mask.sum())
+        if self._numel is None:  # the mask never changes; routing and traffic ask every client
+            self._numel = int(self.mask.sum())
+        return self._numel
 
 
 class Full(LeadingSlice):

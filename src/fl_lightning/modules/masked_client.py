@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fl_lightning.elastic.magnitude_masks import Gradient, threshold_mask
+from fl_lightning.elastic.magnitude_masks import Gradient, shrink_bound, threshold_mask
 from fl_lightning.modules.mixing import NoMix, soft_cross_entropy
 from fl_lightning.modules.supervised import SupervisedClient
 
@@ -41,12 +41,14 @@ class ThresholdMaskedClient(SupervisedClient):
         if missing:
             raise ValueError(f"thresholds name no parameter of the model: {missing[:3]}")
         self.thresholds = {k: t.detach().to(params[k].device, params[k].dtype) for k, t in thresholds.items()}
+        # the thresholds are fixed for the client's round: read them to the host once, not every step
+        self.bounds = {k: shrink_bound(t, params[k].dtype) for k, t in self.thresholds.items()}
         self.gradient = gradient
         self.mixer = mixer if mixer is not None else NoMix()
 
     def masked_parameters(self) -> dict:
         params = dict(self.model.named_parameters())
-        return {k: threshold_mask(params[k], tau, self.gradient) for k, tau in self.thresholds.items()}
+        return {k: threshold_mask(params[k], tau, self.gradient, self.bounds[k]) for k, tau in self.thresholds.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, self.masked_parameters(), (x,), strict=False)
