@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from fl_lightning.algorithms.scalefl import assign_levels
+from fl_lightning.algorithms.scalefl import assign_levels, population_lines
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.evaluation import evaluate
 
@@ -130,16 +130,7 @@ def tier_report(summary: dict, assignment: TierAssignment, bn: str) -> str:
         shown = "" if acc is None else f"{100 * acc:6.2f}"
         lines.append(f"{k + 1:5d}  {width:6.4g}  {assignment.macs[k] / 1e6:8.2f}M  {assignment.params[k] / 1e6:7.3f}M  "
                      f"{counts[k]:7d}  {shown}")
-    fallback = int(assignment.fallback.sum())
-    if "test_acc" in block:
-        lines.append(f"population accuracy under largest-affordable serving with the minimum-tier fallback: "
-                     f"{100 * block['test_acc']:.2f}% ({len(assignment.assigned)} clients, {fallback} served level 1 "
-                     f"as the fallback)")
-    lines.append("clients by served level (* = fallback: budget below level 1):")
-    rows = assignment.population()
-    for k in range(len(assignment.tiers)):
-        ids = [f"{r['client']}{'*' if r['fallback'] else ''}" for r in rows if r["level"] == k + 1]
-        lines.append(f"  level {k + 1}: {', '.join(ids) if ids else '-'}")
+    lines += population_lines(block, assignment.population(), len(assignment.tiers))
     return "\n".join(lines)
 
 

@@ -266,16 +266,7 @@ class ScaleFL(FedAvg):
             shown = "" if acc is None else f"{100 * acc:6.2f}"
             lines.append(f"{k + 1:5d}  {spec.depth:6d}  {spec.width:5.2f}  {self.level_macs[k] / 1e6:8.2f}M  "
                          f"{self.costs[k]['served_params'] / 1e6:7.3f}M  {counts[k]:7d}  {shown}")
-        fallback = int(self.fallback.sum())
-        if "test_acc" in block:
-            lines.append(f"population accuracy under largest-affordable serving with the minimum-tier fallback: "
-                         f"{100 * block['test_acc']:.2f}% ({len(self.assigned)} clients, {fallback} served level 1 "
-                         f"as the fallback)")
-        lines.append("clients by served level (* = fallback: budget below level 1):")
-        rows = self.population()
-        for k in range(len(self.specs)):
-            ids = [f"{r['client']}{'*' if r['fallback'] else ''}" for r in rows if r["level"] == k + 1]
-            lines.append(f"  level {k + 1}: {', '.join(ids) if ids else '-'}")
+        lines += population_lines(block, self.population(), len(self.specs))
         return "\n".join(lines)
 
     # -- checkpoint -----------------------------------------------------------------------------
@@ -294,8 +285,25 @@ class ScaleFL(FedAvg):
         self.fallback = state["fallback"].bool().cpu()
 
 
+def population_lines(block: dict, rows: List[dict], num_levels: int) -> List[str]:
+    """The report's tail shared by every tiered method: the population accuracy with the
+    fallback count, then every client once under the level it is served (``rows`` as
+    ``population()`` gives them)."""
+    fallback = sum(1 for r in rows if r["fallback"])
+    lines = []
+    if "test_acc" in block:
+        lines.append(f"population accuracy under largest-affordable serving with the minimum-tier fallback: "
+                     f"{100 * block['test_acc']:.2f}% ({len(rows)} clients, {fallback} served level 1 "
+                     f"as the fallback)")
+    lines.append("clients by served level (* = fallback: budget below level 1):")
+    for k in range(num_levels):
+        ids = [f"{r['client']}{'*' if r['fallback'] else ''}" for r in rows if r["level"] == k + 1]
+        lines.append(f"  level {k + 1}: {', '.join(ids) if ids else '-'}")
+    return lines
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-__all__ = ["ScaleFL", "assign_levels", "LEVELS"]
+__all__ = ["ScaleFL", "assign_levels", "population_lines", "LEVELS"]
