@@ -14,7 +14,7 @@ from fl_lightning.algorithms.fedas import FedAS, alignment_loss
 from fl_lightning.algorithms.fedbabu import FedBABU
 from fl_lightning.algorithms.fedgh import FedGH
 from fl_lightning.algorithms.fedmut import FedMut, balanced_signs
-from fl_lightning.config import FederationConfig, LocalTrainConfig
+from fl_lightning.config import FederationConfig, LocalTrainConfig, PartitionConfig
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.builder import build_global_model
@@ -52,6 +52,37 @@ def cnn_features(model, x):
     return F.adaptive_avg_pool2d(model.forward_features(x), 1).flatten(1)
 
 
+def batch_bounds(rows, batch_size):
+    """``(start, end)`` of consecutive batches, a one-row remainder joined to the batch before
+    (batch norm on batch statistics needs two rows)."""
+    starts = list(range(0, rows, batch_size))
+    if len(starts) > 1 and rows - starts[-1] == 1:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [rows]))
+
+
+def batch_norm_features(model, x, batch_size):
+    """``cnn_features`` with batch norm on the statistics of each batch in order, on a copy in
+    training mode (the CNN has no dropout), so the model's running statistics are untouched."""
+    copy_ = copy.deepcopy(model).train()
+    with torch.no_grad():
+        return torch.cat([cnn_features(copy_, x[a:b]) for a, b in batch_bounds(len(x), batch_size)])
+
+
+def scramble_running_statistics(model):
+    """Running statistics far from any data's (what a few local steps leave), in place."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("running_mean"):
+                buffer.fill_(3.0)
+            elif name.endswith("running_var"):
+                buffer.fill_(1e-4)
+
+
+def buffers_of(model):
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
 # -- FedBABU -------------------------------------------------------------------------------------
 def test_fedbabu_trains_the_body_and_never_the_head(spec_factory):
     """With momentum and weight decay the head is still bit-identical to its initialization;
@@ -78,8 +109,9 @@ def test_fedbabu_trains_the_body_and_never_the_head(spec_factory):
 def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
     """The global header after round 0 equals SGD by hand, one cross-entropy step per
     (client, class) prototype in cohort and class order, the prototypes being the per-class
-    mean representations of each client's trained body; bodies are not aggregated, and every
-    client's model carries the global header."""
+    mean representations of each client's trained body (batch norm on the statistics of each
+    batch of the shard); bodies are not aggregated, and every client's model carries the
+    global header."""
     spec = spec_factory(name="gh", algorithm=FedGH(), train=TRAIN,
                         federation=FederationConfig(rounds=2, clients_per_round=3))
     fed = federation(spec)
@@ -93,10 +125,8 @@ def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
     for client in cohort:
         body = copy.deepcopy(ctx.model)
         body.load_state_dict({**initial, **{k: v for k, v in alg.store.states[client].items() if k in initial}})
-        body.eval()
         x, y = shard_tensors(ctx, client)
-        with torch.no_grad():
-            features = cnn_features(body, x)
+        features = batch_norm_features(body, x, TRAIN.batch_size)
         for c in sorted(set(y.tolist())):
             prototype = features[y == c].mean(0, keepdim=True)
             w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -123,15 +153,85 @@ def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
     assert all(torch.equal(local[k], alg.global_state[k]) for k in initial)
 
 
+def test_prototypes_of_an_absent_class_are_finite_and_never_sent(spec_factory):
+    """A class a client does not hold has count 0 and a zero row (no 0/0), and the server's
+    header steps see exactly the (client, class) pairs the clients hold."""
+    from fl_lightning.algorithms.head_body import class_prototypes
+
+    spec = spec_factory(name="absent", algorithm=FedGH(), train=TRAIN,
+                        partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.1),
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    fed = federation(spec)
+    alg, ctx = fed.algorithm, fed.ctx
+    cohort = alg.plan(0).cohort
+    held = {c: sorted(set(shard_tensors(ctx, c)[1].tolist())) for c in cohort}
+    client = next(c for c in cohort if len(held[c]) < ctx.num_classes)
+    shard = ctx.shards[client]
+    protos, counts = class_prototypes(ctx.model, alg.header, shard.dataset, shard.indices, ctx.num_classes, 16,
+                                      batch_stats=True)
+    absent = [c for c in range(ctx.num_classes) if c not in held[client]]
+    assert torch.isfinite(protos).all()
+    assert all(counts[c] == 0 and not protos[c].any() for c in absent)
+    assert torch.equal(counts, torch.bincount(shard_tensors(ctx, client)[1], minlength=ctx.num_classes).float())
+
+    seen = []
+    train_header = alg.train_header
+    alg.train_header = lambda protos, labels, lr: (seen.append((protos.clone(), labels.clone())),
+                                                   train_header(protos, labels, lr))
+    fed.run_round(0)
+    (protos, labels), = seen
+    assert labels.tolist() == [c for client in cohort for c in held[client]]
+    assert torch.isfinite(protos).all() and (protos.norm(dim=1) > 0).all()
+
+
+def test_batch_statistics_ignore_and_keep_the_running_statistics(spec_factory):
+    """Prototypes with batch statistics are the same whatever the running statistics hold,
+    and leave them untouched; evaluation-mode prototypes follow the running statistics (the
+    FedGH divergence: they were up to 100 times the training-mode features)."""
+    from fl_lightning.algorithms.head_body import class_prototypes, find_classifier
+
+    spec = spec_factory(name="bs", algorithm=FedGH(), train=TRAIN)
+    ctx = federation(spec).ctx
+    model = copy.deepcopy(ctx.model)
+    _, classifier = find_classifier(model)
+    shard = ctx.shards[0]
+
+    def prototypes(batch_stats):
+        return class_prototypes(model, classifier, shard.dataset, shard.indices, ctx.num_classes, 16,
+                                batch_stats=batch_stats)[0]
+
+    plain_batch, plain_eval = prototypes(True), prototypes(False)
+    scramble_running_statistics(model)
+    kept = buffers_of(model)
+    assert torch.allclose(prototypes(True), plain_batch, atol=1e-5)
+    assert all(torch.equal(v, kept[k]) for k, v in model.named_buffers())
+    assert not torch.allclose(prototypes(False), plain_eval, atol=1e-2)
+    x, y = shard_tensors(ctx, 0)
+    features = batch_norm_features(model, x, 16)
+    for c in set(y.tolist()):
+        assert torch.allclose(plain_batch[c], features[y == c].mean(0), atol=1e-5)
+
+
+def test_a_one_row_batch_joins_the_one_before():
+    from fl_lightning.algorithms.head_body import without_single_rows
+
+    rows = lambda n, v: (torch.full((n, 3), float(v)), torch.full((n,), v))  # noqa: E731
+    joined = list(without_single_rows([rows(2, 0), rows(2, 1), rows(1, 2)]))
+    assert [y.tolist() for _, y in joined] == [[0, 0], [1, 1, 2]]
+    assert torch.equal(joined[1][0][2], torch.full((3,), 2.0))
+    assert [y.tolist() for _, y in without_single_rows([rows(1, 5)])] == [[5]]
+
+
 # -- FedAS ---------------------------------------------------------------------------------------
 def hand_fisher(model, ctx, client, batch_size):
     """sum over the shard's batches (in order) of the squared norm of the batch-mean NLL's
-    gradient with respect to every parameter, in evaluation mode."""
+    gradient with respect to every parameter, batch norm on each batch's statistics (training
+    mode: ``model`` is a copy, its running statistics do not matter)."""
     x, y = shard_tensors(ctx, client)
-    model.eval()
+    model.train()
     total = 0.0
-    for start in range(0, len(y), batch_size):
-        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+    for a, b in batch_bounds(len(y), batch_size):
+        xb, yb = x[a:b], y[a:b]
         nll = -torch.log_softmax(model(xb), dim=1)[torch.arange(len(yb)), yb].mean()
         grads = torch.autograd.grad(nll, list(model.parameters()))
         total += sum(float((g.double() ** 2).sum()) for g in grads)
@@ -181,14 +281,12 @@ def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec
     shard = ctx.shards[client]
     alg._load(alg.trained(client), alg.global_state.keys())
     prototypes, counts = class_prototypes(alg.worker, alg.classifier, shard.dataset, shard.indices,
-                                          ctx.num_classes, 16)
+                                          ctx.num_classes, 16, batch_stats=True)
     alg._load(alg.global_state, alg.global_state.keys())
     x, y = shard_tensors(ctx, client)
 
     def loss_now():
-        alg.worker.eval()
-        with torch.no_grad():
-            return float(alignment_loss(cnn_features(alg.worker, x), y, prototypes, counts > 0))
+        return float(alignment_loss(batch_norm_features(alg.worker, x, 16), y, prototypes, counts > 0))
 
     before = loss_now()
     alg.align(shard, prototypes, counts > 0, torch.Generator().manual_seed(0))
@@ -199,6 +297,43 @@ def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec
     for key, value in alg.global_state.items():
         same = torch.equal(aligned[key], value)
         assert same == (key in HEAD or key not in params), key
+
+
+def test_fedas_alignment_and_fisher_do_not_follow_the_running_statistics(spec_factory):
+    """The alignment pass and the Fisher trace run batch norm on batch statistics: with the
+    running statistics scrambled (what a few local steps leave) they give the same result and
+    leave the statistics as they were. In evaluation mode the alignment diverged (loss 2.2e27)
+    and one round's traces spanned five orders of magnitude."""
+    from fl_lightning.algorithms.fedas import fisher_trace
+
+    spec = spec_factory(name="asbn", algorithm=FedAS(align_epochs=2), train=TRAIN,
+                        federation=FederationConfig(rounds=1, clients_per_round=2))
+    fed = federation(spec)
+    alg, ctx = fed.algorithm, fed.ctx
+    client = 0
+    shard = ctx.shards[client]
+    x, y = shard_tensors(ctx, client)
+    prototypes = torch.stack([batch_norm_features(ctx.model, x, 16)[y == c].mean(0) if (y == c).any()
+                              else torch.zeros(alg.classifier.in_features) for c in range(ctx.num_classes)])
+    present = torch.bincount(y, minlength=ctx.num_classes) > 0
+
+    def aligned(scrambled):
+        alg._load(alg.init_state, alg.global_state.keys())
+        if scrambled:
+            scramble_running_statistics(alg.worker)
+        kept = buffers_of(alg.worker)
+        loss = alg.align(shard, prototypes, present, torch.Generator().manual_seed(0))
+        assert all(torch.equal(v, kept[k]) for k, v in alg.worker.named_buffers())
+        trace = fisher_trace(alg.worker, shard.dataset, shard.indices, 16)
+        assert all(torch.equal(v, kept[k]) for k, v in alg.worker.named_buffers())
+        return loss, trace, {n: p.detach().clone() for n, p in alg.worker.named_parameters()}
+
+    loss, trace, params = aligned(False)
+    loss_s, trace_s, params_s = aligned(True)
+    assert 0.0 < loss < 10.0 and loss_s == pytest.approx(loss, rel=1e-5)
+    assert trace_s == pytest.approx(trace, rel=1e-4)
+    assert all(torch.allclose(params_s[n], p, atol=1e-6) for n, p in params.items())
+    assert not torch.equal(params["features.block0.conv.weight"], alg.init_state["features.block0.conv.weight"])
 
 
 def test_fedas_alignment_loss_is_the_summed_per_class_mse():
@@ -212,7 +347,8 @@ def test_fedas_alignment_loss_is_the_summed_per_class_mse():
 # -- FedMut --------------------------------------------------------------------------------------
 def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
     """Round 0 sends the global model itself; round 1 sends w_g + alpha v_i (w_g - w_prev) with
-    one sign per layer, each layer's signs summing to zero over the cohort."""
+    one sign per layer (parameter tensor), each layer's signs summing to zero over the cohort;
+    buffers (batch-norm statistics) are sent as they are."""
     alpha = 4.0
     spec = spec_factory(name="mut", algorithm=FedMut(alpha=alpha), train=TRAIN,
                         federation=FederationConfig(rounds=2, clients_per_round=4))
@@ -227,8 +363,9 @@ def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
     current = {k: v.clone() for k, v in alg.global_state.items()}
     plan = alg.plan(1)
     copies = [{k: v.clone() for k, v in alg.route(task, plan).module.state_dict().items()} for task in plan.tasks]
-    floating = [k for k, v in current.items() if v.is_floating_point()]
-    assert len(floating) > 10 and "features.block0.bn.running_var" in floating
+    params = {name for name, _ in alg.ctx.model.named_parameters()}
+    floating = [k for k, v in current.items() if v.is_floating_point() and k in params]
+    assert len(floating) > 10 and "features.block0.bn.weight" in floating
     signs = torch.zeros(len(copies), len(floating))
     for j, key in enumerate(floating):
         delta = current[key] - previous[key]
@@ -244,12 +381,41 @@ def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
     assert (signs.sum(0) == 0).all()  # balanced in every layer
     assert len({tuple(col.tolist()) for col in signs.T}) > 1  # drawn per layer
     for key, value in current.items():
-        if not value.is_floating_point():
-            assert all(torch.equal(local[key], value) for local in copies)
+        if key not in params:  # running statistics and counters: never mutated by default
+            assert all(torch.equal(local[key], value) for local in copies), key
+    assert "features.block0.bn.running_var" in current
     drawn = dict(alg._signs)
     alg.plan(1)  # the same draw again: signs depend on (seed, round) only
     assert drawn.keys() == alg._signs.keys()
     assert all(torch.equal(drawn[c], alg._signs[c]) for c in drawn)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_fedmut_mutations_cancel_in_the_aggregate_only_with_equal_weights(spec_factory, weighting):
+    """The aggregate of the mutated copies, weighted as the server weighs the returned models,
+    is the global model itself under the default equal weights (the official code's plain
+    mean), although the clients' shards differ in size; sample weights leave a residual
+    mutation ``alpha sum_i n_i v_i / n`` of the last update."""
+    algorithm = FedMut() if weighting == "uniform" else FedMut(weighting=weighting)  # uniform: the default
+    spec = spec_factory(name=f"cancel_{weighting}", algorithm=algorithm, train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=4))
+    fed = federation(spec)
+    alg, ctx = fed.algorithm, fed.ctx
+    fed.run_round(0)
+    plan = alg.plan(1)
+    sizes = [len(ctx.shards[t.client]) for t in plan.tasks]
+    assert len(set(sizes)) > 1
+    weights = [alg.aggregation_weight(n) for n in sizes]
+    offsets = []
+    for task in plan.tasks:
+        local = alg.route(task, plan).module.state_dict()
+        offsets.append({k: (local[k] - alg.global_state[k]).double() for k in alg.mutated_keys})
+    residual = max(float(sum(w * o[k] for w, o in zip(weights, offsets)).abs().max() / sum(weights))
+                   for k in alg.mutated_keys)
+    if weighting == "uniform":
+        assert weights == [1.0] * len(sizes) and residual < 1e-6
+    else:
+        assert weights == [float(n) for n in sizes] and residual > 1e-3
 
 
 def test_balanced_signs_odd_cohorts_and_acceleration():

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.head_body import (class_prototypes, find_classifier, forward_features, head_keys,
-                                               mean_client_scores, state_bytes)
+from fl_lightning.algorithms.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
+                                               head_keys, mean_client_scores, state_bytes, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import ClientData, eval_batches
@@ -42,17 +42,19 @@ class FisherResult(ClientResult):
 
 def fisher_trace(model: nn.Module, dataset, indices: torch.Tensor, batch_size: int, device=None) -> float:
     """``sum_batches sum_params ||grad_theta NLL(batch)||^2``: the original's estimate of the
-    trace of the empirical Fisher information, over every parameter, in evaluation mode, the
-    batch NLL being the mean over the batch (batches in shard order)."""
-    was_training = model.training
-    model.eval()
+    trace of the empirical Fisher information, over every parameter, the batch NLL being the
+    mean over the batch (batches in shard order, a one-row last batch joined to the one
+    before). Batch norm on batch statistics, dropout off
+    (:func:`batch_statistics`): with running statistics from a few local steps the traces of
+    one round spanned five orders of magnitude, so the weights measured the statistics' lag,
+    not the training."""
     params = [p for p in model.parameters() if p.requires_grad]
     total = 0.0
-    for x, y in eval_batches(dataset, indices, batch_size, device):
-        nll = F.cross_entropy(model(x).float(), y)
-        grads = torch.autograd.grad(nll, params, allow_unused=True)
-        total += float(torch.stack([g.double().pow(2).sum() for g in grads if g is not None]).sum())
-    model.train(was_training)
+    with batch_statistics(model):
+        for x, y in without_single_rows(eval_batches(dataset, indices, batch_size, device)):
+            nll = F.cross_entropy(model(x).float(), y)
+            grads = torch.autograd.grad(nll, params, allow_unused=True)
+            total += float(torch.stack([g.double().pow(2).sum() for g in grads if g is not None]).sum())
     return total
 
 
@@ -85,6 +87,10 @@ class FedAS(FedAvg):
     trace of its empirical Fisher information, ``F_i = sum_batches ||grad NLL||^2`` over every
     parameter; the server averages the returned models with weights ``F_i / sum_j F_j`` over
     the round's clients (instead of FedAvg's sample counts).
+
+    Prototypes, alignment and Fisher trace run batch norm on batch statistics, as local
+    training does, and leave the running statistics untouched (the original's network has no
+    batch norm; in evaluation mode these passes diverged here).
 
     Evaluation: ``acc``/``loss`` are the mean over clients that have trained of their stored
     local model's figures on the server split; ``global_acc``/``global_loss`` those of the
@@ -153,7 +159,8 @@ class FedAS(FedAvg):
         if self.align_epochs > 0 and (stored is not None or self.align_unseen):
             self._load(previous, self.global_state.keys())
             prototypes, counts = class_prototypes(self.worker, self.classifier, shard.dataset, shard.indices,
-                                                  ctx.num_classes, self.align_batch_size, ctx.fabric.device)
+                                                  ctx.num_classes, self.align_batch_size, ctx.fabric.device,
+                                                  batch_stats=True)
             load_routed_state(self.worker, self.global_state, self.worker_regions)
             generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ALIGN_STREAM, plan.round_idx, task.client))
             align_loss = self.align(shard, prototypes, counts > 0, generator)
@@ -174,29 +181,32 @@ class FedAS(FedAvg):
 
     def align(self, shard: ClientData, prototypes: torch.Tensor, present: torch.Tensor,
               generator: torch.Generator) -> float:
-        """SGD on the worker's body towards the prototypes (evaluation mode: the prototypes are
-        read in evaluation mode too, and BN statistics stay those of the global model); returns
-        the mean alignment loss."""
+        """Plain SGD (no momentum, no clipping, as the original) on the worker's body towards
+        the prototypes, batch norm on batch statistics as the prototypes were read (in
+        evaluation mode the alignment diverged: loss 2.2e27 in round 0); the running statistics
+        stay the global model's. Returns the mean alignment loss."""
         optimizer = torch.optim.SGD(self.body_params, lr=self.align_lr)
         data = ClientData(shard.dataset, shard.indices, self.align_batch_size, self.ctx.fabric.device)
-        was_training = self.worker.training
-        self.worker.eval()
-        total, steps = 0.0, 0
-        for _ in range(self.align_epochs):
-            for x, y in data.epoch(generator):
-                features, _ = forward_features(self.worker, self.classifier, x)
-                loss = alignment_loss(features.reshape(-1, features.shape[-1]), y.reshape(-1), prototypes, present)
-                if not loss.requires_grad:  # no class of the batch has a prototype
-                    continue
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.ctx.train.grad_clip is not None:  # the run's clipping bounds the alignment steps too
-                    torch.nn.utils.clip_grad_norm_(self.body_params, self.ctx.train.grad_clip)
-                optimizer.step()
-                total, steps = total + float(loss.detach()), steps + 1
+        losses = []
+        with batch_statistics(self.worker):
+            for _ in range(self.align_epochs):
+                for x, y in without_single_rows(data.epoch(generator)):
+                    loss = self._alignment_step(optimizer, x, y, prototypes, present)
+                    if loss is not None:
+                        losses.append(loss)
         optimizer.zero_grad(set_to_none=True)
-        self.worker.train(was_training)
-        return total / max(steps, 1)
+        return sum(losses) / max(len(losses), 1)
+
+    def _alignment_step(self, optimizer, x, y, prototypes, present) -> Optional[float]:
+        """One SGD step on a batch; None when no class of the batch has a prototype."""
+        features, _ = forward_features(self.worker, self.classifier, x)
+        loss = alignment_loss(features.reshape(-1, features.shape[-1]), y.reshape(-1), prototypes, present)
+        if not loss.requires_grad:
+            return None
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
 
     def commit(self, acc, task, result, plan):
         """Fisher-weighted accumulation (the accumulator divides by the summed traces, so the

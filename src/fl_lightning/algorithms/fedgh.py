@@ -29,9 +29,10 @@ class FedGH(FedAvg):
     Each round the cohort receives the global header (the final linear classifier) and puts it
     on its own feature extractor (the body, kept per client, never aggregated); it trains the
     whole local model on its shard, then sends the per-class mean of the representations that
-    enter the header, computed with the trained body over its shard. The server trains the
-    global header on those (prototype, class) pairs with cross-entropy and SGD, one step per
-    prototype in cohort order and class order by default, and the clients adopt it.
+    enter the header, computed with the trained body over its shard (batch norm on batch
+    statistics, as in local training; classes it does not hold are not sent). The server
+    trains the global header on those (prototype, class) pairs with cross-entropy and SGD, one
+    step per prototype in cohort order and class order by default, and the clients adopt it.
 
     Bodies live in the server's per-client store (a client never seen keeps the common initial
     body). Evaluation: the mean over clients that have trained of the accuracy (and loss) of
@@ -109,8 +110,12 @@ class FedGH(FedAvg):
         shard = ctx.shards[task.client]
         generator = client_generator(ctx.seed, plan.round_idx, task.client)
         fit = train_locally(ctx.fabric, module, shard, ctx.train, generator)
+        # batch statistics: the representations the header sees in local training; with running
+        # statistics from a few local steps, evaluation-mode ones were up to 100x larger and the
+        # server's header steps diverged
         protos, counts = class_prototypes(self.worker, self.worker_classifier, shard.dataset, shard.indices,
-                                          ctx.num_classes, ctx.train.batch_size, ctx.fabric.device)
+                                          ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
+                                          batch_stats=True)
         self._pending = (task.client, protos, (counts > 0).float())  # kept if committed
         present = int((counts > 0).sum())
         header = sum(self.global_state[k].numel() * self.global_state[k].element_size() for k in self.head_keys)

@@ -1,5 +1,5 @@
 """FedMut (Hu et al., AAAI 2024): each client starts its round from a stochastic mutation of
-the global model along the last global update; aggregation as FedAvg."""
+the global model along the last global update; the returned models are averaged."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ class FedMut(FedAvg):
 
     The server keeps the global model ``w_g`` and the previous round's ``w_prev``. In round
     ``t`` client ``i`` of the cohort receives ``w_i = w_g + alpha * v_i (.) (w_g - w_prev)``,
-    where ``v_i`` holds one weight per layer (per state-dict tensor): +1 or -1, balanced so that
+    where ``v_i`` holds one weight per layer (per parameter tensor): +1 or -1, balanced so that
     in every layer half of the cohort moves each way and the mutations cancel over the cohort
     (an odd cohort leaves one client unmutated). Round 0 has ``w_prev = w_g``: no mutation.
-    The returned models are averaged as FedAvg does (sample-weighted by default).
+    The returned models are averaged with equal weights (the official code's plain mean), so
+    the mutations cancel in the aggregate.
 
     ``acc_rate`` > 0 reproduces the official code's "mutation acceleration": the negative
     weight is ``-(1 - acc_rate (1 - min((t - 1) / acc_rounds, 1)))``, so early rounds lean
@@ -53,7 +54,7 @@ class FedMut(FedAvg):
     """
 
     def __init__(self, alpha: float = 4.0, acc_rate: float = 0.0, acc_rounds: int = 50,
-                 mutate_buffers: bool = True, weighting: Weighting = "samples"):
+                 mutate_buffers: bool = False, weighting: Weighting = "uniform"):
         """
         Args:
             alpha: mutation radius (the official code's ``--radius``, default 4.0).
@@ -61,9 +62,13 @@ class FedMut(FedAvg):
                 there); 0 gives the balanced mutation of the paper, whose mutations sum to zero.
             acc_rounds: rounds over which the acceleration decays to 0 (``--mut_bound``, 50).
             mutate_buffers: also mutate floating-point buffers (batch-norm statistics), as the
-                original mutates every state-dict entry; false: parameters only.
-            weighting: aggregation weights of the returned models: samples (FedAvg's n_i) or
-                uniform (the official code's plain mean).
+                official code mutates every state-dict entry; false (default): parameters only,
+                the layers the paper mutates along their gradient (statistics have none, and
+                ``var + alpha v dvar`` goes negative).
+            weighting: aggregation weights of the returned models: uniform (default, the
+                official code's plain mean, under which the balanced mutations cancel) or
+                samples (FedAvg's n_i: the mutations then leave ``alpha sum_i n_i v_i / n``
+                times the last update in the aggregate).
         """
         self.alpha = alpha
         self.acc_rate = acc_rate
@@ -124,9 +129,13 @@ class FedMut(FedAvg):
                     local[key].add_(self._delta[key], alpha=self.alpha * sign)
         return Routed(self.worker, self.worker_regions)
 
+    def aggregation_weight(self, num_samples: int) -> float:
+        """A returned model's weight in the mean: 1 (uniform) or its sample count."""
+        return float(num_samples) if self.weighting == "samples" else 1.0
+
     def commit(self, acc, task, result, plan):
-        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
-        acc.add(result.update.module.state_dict(), weight, result.update.regions)
+        acc.add(result.update.module.state_dict(), self.aggregation_weight(result.num_samples),
+                result.update.regions)
 
     def finish_round(self, new_state, sums, plan, owned):
         with torch.no_grad():

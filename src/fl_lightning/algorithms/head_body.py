@@ -7,6 +7,8 @@
 - :func:`forward_features`: the representation entering that classifier, read by a forward
   pre-hook, so it is pooled (and normalized) exactly as the model's own ``forward_head`` does.
 - :func:`class_prototypes`: per-class mean representations of a client's shard.
+- :func:`batch_statistics`: the model as local training runs it (batch norm on batch
+  statistics) without touching its running statistics, for the methods' own passes.
 - :func:`score` and :func:`mean_client_scores`: accuracy and loss of per-client models on a
   server split, each rank scoring a share of the clients (no torchmetrics collectives, since
   ranks score different models), then one all-reduce.
@@ -14,11 +16,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import eval_batches
@@ -79,24 +83,79 @@ def forward_features(model: nn.Module, classifier: nn.Module, x: torch.Tensor) -
     return tap.value, logits
 
 
-@torch.no_grad()
-def class_prototypes(model: nn.Module, classifier: nn.Module, dataset, indices: torch.Tensor, num_classes: int,
-                     batch_size: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(means [C, D], counts [C])``: the exact per-class mean representation over the
-    examples ``indices`` of ``dataset`` (float32, evaluation mode, fixed order); classes absent
-    from the shard have count 0 and a zero mean."""
+@contextmanager
+def batch_statistics(model: nn.Module) -> Iterator[nn.Module]:
+    """The model as local training runs it, minus its side effects: batch norm normalizes by
+    each batch's own statistics and leaves its running statistics untouched; every other
+    module is in evaluation mode (no dropout). Modes are restored on exit.
+
+    Why: after the few local steps of a small shard, running statistics are far from the
+    data's, and an evaluation-mode batch-norm network is then effectively unnormalized
+    (features up to 100 times the training-mode ones were measured on the narrow ResNet-18)."""
+    modes = {m: m.training for m in model.modules()}
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    tracking = {m: m.track_running_stats for m in norms}
+    try:
+        model.eval()
+        for norm in norms:
+            norm.train()
+            norm.track_running_stats = False  # batch statistics, no running-statistics update
+        yield model
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+        for norm, track in tracking.items():
+            norm.track_running_stats = track
+
+
+@contextmanager
+def evaluation_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in evaluation mode (running statistics), its modes restored on exit."""
     was_training = model.training
     model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+def without_single_rows(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """The batches, a one-row batch joined to the one before: batch norm on batch statistics
+    needs two rows (a shard of one row stays one batch)."""
+    held = None
+    for x, y in batches:
+        if held is not None and len(y) == 1:
+            held = (torch.cat([held[0], x]), torch.cat([held[1], y]))
+            continue
+        if held is not None:
+            yield held
+        held = (x, y)
+    if held is not None:
+        yield held
+
+
+@torch.no_grad()
+def class_prototypes(model: nn.Module, classifier: nn.Module, dataset, indices: torch.Tensor, num_classes: int,
+                     batch_size: int, device=None, batch_stats: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(means [C, D], counts [C])``: the exact per-class mean representation over the
+    examples ``indices`` of ``dataset`` (float32, fixed order); classes absent from the shard
+    have count 0 and a zero mean (never 0/0). Evaluation mode, or with ``batch_stats`` batch
+    norm on each batch's statistics (:func:`batch_statistics`; a one-row last batch joins the
+    one before)."""
+    mode = batch_statistics if batch_stats else evaluation_mode
     sums, counts = None, torch.zeros(num_classes, dtype=torch.float64, device=device)
-    for x, y in eval_batches(dataset, indices, batch_size, device):
-        features, _ = forward_features(model, classifier, x)
-        features = features.reshape(-1, features.shape[-1]).double()
-        y = y.reshape(-1)
-        if sums is None:
-            sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64, device=features.device)
-        sums.index_add_(0, y, features)
-        counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
-    model.train(was_training)
+    with mode(model):
+        for x, y in without_single_rows(eval_batches(dataset, indices, batch_size, device)):
+            features, _ = forward_features(model, classifier, x)
+            features = features.reshape(-1, features.shape[-1]).double()
+            y = y.reshape(-1)
+            if sums is None:
+                sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64, device=features.device)
+            sums.index_add_(0, y, features)
+            counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
     if sums is None:
         dim = classifier.in_features
         return torch.zeros(num_classes, dim, device=device), counts.float()
