@@ -65,7 +65,7 @@ def gamma_table(runs) -> str:
 def plot(runs, out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from fl_lightning.analysis.plots import mac_log_axis
 
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
@@ -75,13 +75,7 @@ def plot(runs, out: Path) -> None:
         if points:
             ax.plot([m / 1e6 for m, _ in points], [100 * a for _, a in points], marker="o", markersize=3,
                     label=f"{run['name']} ({run['rule']}, gamma={run['gamma']})")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "25" else ""))
-    ax.set_xlabel("inference MACs (millions)")
-    ax.set_ylabel("top-1 test accuracy (%)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    mac_log_axis(ax, "inference MACs (millions)", "top-1 test accuracy (%)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -360,7 +360,7 @@ def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anc
 def figure(groups: Dict[tuple, Group], out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from fl_lightning.analysis.plots import mac_log_axis
 
     shown = [(s, g) for s, g in groups.items() if g.original]
     cols = min(3, len(shown))
@@ -376,14 +376,8 @@ def figure(groups: Dict[tuple, Group], out: Path) -> None:
             accs = np.nanmean([r.point_accs[:n] for r in rs], axis=0)
             order = np.argsort(macs)
             ax.plot(macs[order] / 1e6, 100 * accs[order], marker="o", markersize=3, label=f"{method} ({len(rs)})")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
         ax.set_title(label(setting), fontsize=8)
-        ax.set_xlabel("served MACs (millions, each method's convention)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        mac_log_axis(ax, "served MACs (millions, each method's convention)", "test accuracy (%)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
