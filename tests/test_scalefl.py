@@ -128,6 +128,39 @@ def test_the_teacher_exit_receives_the_distillation_gradient_unless_detached():
     assert not torch.allclose(teacher_grad(False, 0.5), ce_only)  # as ScaleFL's code: not detached
 
 
+def test_mixed_soft_targets_give_the_lam_weighted_exit_losses():
+    """With Mixup targets lam e_a + (1 - lam) e_b, every exit's CE is lam CE(y_a) + (1 - lam) CE(y_b)
+    (FEAST Eq. 20); the distillation terms are untouched by the labels."""
+    g = torch.Generator().manual_seed(1)
+    logits = [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(2)]
+    y_a, y_b, lam = torch.tensor([0, 1, 2, 3]), torch.tensor([5, 4, 3, 2]), 0.7
+    soft = lam * torch.eye(6)[y_a] + (1 - lam) * torch.eye(6)[y_b]
+    gamma, t = 0.2, 3.0
+    kl = gamma * t * t * _hand_kl(logits[0], logits[1], t, "elementwise")
+    hand = sum(w * (lam * _hand_ce(z, y_a) + (1 - lam) * _hand_ce(z, y_b)) for w, z in zip([1 / 3, 2 / 3], logits))
+    got = scalefl_loss([z.float() for z in logits], soft, gamma, t)
+    torch.testing.assert_close(got.double(), hand + kl / 3, rtol=1e-5, atol=1e-6)
+
+
+def test_the_client_trains_on_the_mixed_batch_its_mixer_returns():
+    from fl_lightning.modules.mixing import client_mixer
+    from fl_lightning.modules.scalefl_client import ScaleFLClient
+
+    model = narrow_model()
+    x = torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 3, 4, 5])
+    client = ScaleFLClient(model, 0.1, mixer=client_mixer(10, "alternate", 0.4, 1.0, seed=7))
+    reference = client_mixer(10, "alternate", 0.4, 1.0, seed=7)  # the same draws, batch by batch
+    model.eval()  # BN in eval mode: the forward pass is a pure function of the batch
+    for batch_idx in (0, 1):  # Mixup, then CutMix
+        mixed, targets = reference(x, y, batch_idx)
+        assert targets.shape == (6, 10) and not torch.equal(mixed, x)
+        expected = scalefl_loss(model.forward_exits(mixed), targets, 0.05, 3.0)
+        torch.testing.assert_close(client.training_step((x, y), batch_idx), expected)
+    plain = ScaleFLClient(model, 0.1)
+    torch.testing.assert_close(plain.training_step((x, y), 0), scalefl_loss(model.forward_exits(x), y, 0.05, 3.0))
+
+
 # -- assignment ---------------------------------------------------------------------------------
 
 def test_largest_affordable_assignment_with_the_minimum_tier_fallback():
@@ -146,7 +179,9 @@ def test_bad_options_are_config_errors_naming_the_key():
              ({"kd_start": 1.5}, "algorithm.kd_start"),
              ({"exit_weights": "linear"}, "algorithm.exit_weights"),
              ({"kl_reduction": "sum"}, "algorithm.kl_reduction"),
-             ({"calib_batch_size": 0}, "algorithm.calib_batch_size")]
+             ({"calib_batch_size": 0}, "algorithm.calib_batch_size"),
+             ({"mix_schedule": "sometimes"}, "algorithm.mix_schedule"),
+             ({"mix_schedule": "alternate", "cutmix_alpha": 0.0}, "algorithm.cutmix_alpha")]
     for options, key in cases:
         with pytest.raises(ConfigError) as error:
             ScaleFL(**options).check(LocalTrainConfig())

@@ -57,8 +57,8 @@ DESCRIPTIONS = {
                  "smallest as fallback), its Scaler, BN recalibrated per tier, alternating Mixup / CutMix "
                  "(docs/heterofl_supernet.md)."),
     "scalefl": ("ScaleFL on the {substrate} with exits after blocks 3, 4, 5: levels (3, 0.40), (4, 0.50), "
-                "(5, 0.60), (8, 1.00) by MAC budget with the level-1 fallback (docs/scalefl.md). ScaleFL has no "
-                "Mixup / CutMix option, so it trains without them (Supp. E.1 applies them to every method)."),
+                "(5, 0.60), (8, 1.00) by MAC budget with the level-1 fallback, alternating Mixup / CutMix "
+                "(docs/scalefl.md)."),
     "fiarse": ("FIARSE on the {substrate}: per-stage magnitude masks sized by budget, zero weight decay (its "
                "original setting, Supp. E.1), alternating Mixup / CutMix, evaluated on its 25-point mask grid "
                "(docs/fiarse.md)."),
@@ -135,7 +135,8 @@ def config_for(where: str, dataset: str, method: str, width: float | None = None
                                           "scaler": True, **mixing(source)}}
     elif method == "scalefl":
         cfg["model"] = substrate("scalefl_resnet18", dataset, width)
-        cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL"}  # defaults: Supp. E.1's levels
+        cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL",  # defaults: Supp. E.1's levels
+                            "init_args": mixing(source)}
     elif method == "fiarse":
         cfg["model"] = substrate("resnet18", dataset, width)
         cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.fiarse.FIARSE", "init_args": mixing(source)}

@@ -36,7 +36,6 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.seeding import derive_seed
 
-MIX_SCHEDULES = ("none", "alternate", "random", "mixup", "cutmix")
 # Seed streams: FIARSE's Mixup/CutMix draws; BN calibration shares FEAST's stream (13), so the
 # same seed recalibrates every method of a comparison on the same augmented images.
 MIXING_STREAM = 31
@@ -172,6 +171,8 @@ class FIARSE(FedAvg):
 
     # -- set-up ---------------------------------------------------------------------------------
     def check(self, train) -> None:
+        from fl_lightning.modules.mixing import mixing_checks
+
         def fractions_ok(values):
             return bool(values) and all(math.isfinite(f) and 0 < f <= 1 for f in values)
 
@@ -193,11 +194,7 @@ class FIARSE(FedAvg):
             ("eval_points", self.eval_points >= 1, "must be >= 1"),
             ("calib_batch_size", self.calib_batch_size >= 1, "must be >= 1"),
             ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
-            ("mix_schedule", self.mix_schedule in MIX_SCHEDULES, f"must be one of {', '.join(MIX_SCHEDULES)}"),
-            ("mixup_alpha", self.mixup_alpha > 0 or self.mix_schedule in ("none", "cutmix"),
-             f"must be > 0 for mix_schedule {self.mix_schedule}"),
-            ("cutmix_alpha", self.cutmix_alpha > 0 or self.mix_schedule in ("none", "mixup"),
-             f"must be > 0 for mix_schedule {self.mix_schedule}"),
+            *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
         ]
         for key, ok, problem in checks:
             if not ok:
@@ -296,13 +293,10 @@ class FIARSE(FedAvg):
         from fl_lightning.modules.masked_client import ThresholdMaskedClient
 
         t = self.ctx.train
-        mixer = None
-        if self.mix_schedule != "none":
-            from fl_lightning.modules.mixing import AlternatingMixer
+        from fl_lightning.modules.mixing import client_mixer
 
-            generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
-            mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
-                                     schedule=self.mix_schedule, generator=generator)
+        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
+                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
         weight_decay = t.weight_decay if self.weight_decay is None else self.weight_decay
         return ThresholdMaskedClient(routed.module, plan.lr, t.momentum, weight_decay, routed.thresholds,
                                      self.gradient, mixer)

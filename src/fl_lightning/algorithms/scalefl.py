@@ -34,7 +34,9 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.evaluation import evaluate
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.seeding import sample_clients
+from fl_lightning.runtime.seeding import derive_seed, sample_clients
+
+MIXING_STREAM = 33  # seed stream of ScaleFL's optional Mixup / CutMix draws
 
 LEVELS = ((3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))
 """ScaleFL's four (blocks, width) levels on ResNet-18 (FEAST Supp. E.1)."""
@@ -69,7 +71,9 @@ class ScaleFL(FedAvg):
                  kd_temperature: float = 3.0, kd_start: float = 0.25, exit_weights: ExitWeights = "depth",
                  kl_reduction: KLReduction = "elementwise", detach_teacher: bool = False,
                  recalibrate: bool = True, calib_batch_size: int = CALIB_BATCH_SIZE,
-                 calib_transform: Literal["train", "eval"] = "train"):
+                 calib_transform: Literal["train", "eval"] = "train",
+                 mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
+                 mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0):
         """
         Args:
             levels: the levels as [blocks, width] pairs, smallest first: the first ``blocks``
@@ -92,11 +96,17 @@ class ScaleFL(FedAvg):
             calib_batch_size: batch size of BN recalibration.
             calib_transform: image transform of the calibration images: train (the training
                 augmentation, drawn once with FEAST's calibration seed) or eval (none).
+            mix_schedule: Mixup / CutMix on client batches: none (ScaleFL), alternate (FEAST's
+                protocol for every method, Supp. E.1), random, mixup or cutmix. Every exit's
+                cross-entropy then takes the mixed soft targets.
+            mixup_alpha: Mixup's Beta parameter.
+            cutmix_alpha: CutMix's Beta parameter.
         """
         self.levels = [list(level) for level in levels]
         self.kd_gamma, self.kd_temperature, self.kd_start = kd_gamma, kd_temperature, kd_start
         self.exit_weights, self.kl_reduction, self.detach_teacher = exit_weights, kl_reduction, detach_teacher
         self.recalibrate, self.calib_batch_size, self.calib_transform = recalibrate, calib_batch_size, calib_transform
+        self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
 
     # BN recalibration exactly as FEAST's evaluation: the same calibration images, order and
     # augmentation draw, and the same reset-and-average estimate per extracted operating point.
@@ -105,6 +115,8 @@ class ScaleFL(FedAvg):
 
     # -- options --------------------------------------------------------------------------------
     def check(self, train) -> None:
+        from fl_lightning.modules.mixing import mixing_checks
+
         for i, level in enumerate(self.levels):
             ok = (isinstance(level, (list, tuple)) and len(level) == 2 and _is_number(level[0])
                   and float(level[0]) == int(level[0]) and int(level[0]) >= 1 and _is_number(level[1])
@@ -132,6 +144,7 @@ class ScaleFL(FedAvg):
             ("calib_batch_size", isinstance(self.calib_batch_size, int) and self.calib_batch_size >= 1,
              "must be an integer >= 1"),
             ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
+            *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
         ]
         for key, ok, problem in checks:
             if not ok:
@@ -212,13 +225,16 @@ class ScaleFL(FedAvg):
         return self.ctx.model.extract(task.spec)
 
     def client_module(self, routed, task, plan):
+        from fl_lightning.modules.mixing import client_mixer
         from fl_lightning.modules.scalefl_client import ScaleFLClient
 
         t = self.ctx.train
+        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
+                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
         return ScaleFLClient(routed.module, plan.lr, t.momentum, t.weight_decay, gamma=self.kd_gamma,
                              temperature=self.kd_temperature, kd_active=self.kd_active(plan.round_idx),
                              weights=self.exit_weights, reduction=self.kl_reduction,
-                             detach_teacher=self.detach_teacher)
+                             detach_teacher=self.detach_teacher, mixer=mixer)
 
     def fit_client(self, task, plan):
         result = super().fit_client(task, plan)

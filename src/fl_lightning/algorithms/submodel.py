@@ -253,7 +253,7 @@ class HeteroFL(SubmodelAlgorithm):
 
     def check(self, train) -> None:
         from fl_lightning.algorithms.bn_protocol import BN_PROTOCOLS, SBN_DATA
-        from fl_lightning.modules.mixing import SCHEDULES
+        from fl_lightning.modules.mixing import mixing_checks
 
         budget = self.assign == "budget"
         checks = [
@@ -267,12 +267,7 @@ class HeteroFL(SubmodelAlgorithm):
             ("calib_batch_size", isinstance(self.calib_batch_size, int) and self.calib_batch_size >= 1,
              "must be an integer >= 1"),
             ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
-            ("mix_schedule", self.mix_schedule in ("none",) + SCHEDULES,
-             f"must be one of none, {', '.join(SCHEDULES)}"),
-            ("mixup_alpha", self.mixup_alpha > 0 or self.mix_schedule in ("none", "cutmix"),
-             f"must be > 0 for mix_schedule {self.mix_schedule}"),
-            ("cutmix_alpha", self.cutmix_alpha > 0 or self.mix_schedule in ("none", "mixup"),
-             f"must be > 0 for mix_schedule {self.mix_schedule}"),
+            *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
             ("tier_probs", not (budget and self.tier_probs_given is not None),
              "is unused with assign budget (tiers follow the MAC budgets); remove it"),
             ("caps", not (budget and self.caps_given is not None),
@@ -328,13 +323,12 @@ class HeteroFL(SubmodelAlgorithm):
             attach_scaler(routed.module, p)
         if self.mix_schedule == "none":
             return super().client_module(routed, task, plan)
-        from fl_lightning.modules.mixing import AlternatingMixer
+        from fl_lightning.modules.mixing import client_mixer
         from fl_lightning.modules.single_architecture import SingleArchitectureClient
 
         t = self.ctx.train
-        generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
-        mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
-                                 schedule=self.mix_schedule, generator=generator)
+        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
+                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                         macs=self.cost(task.spec)[1], mixer=mixer)
 

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from timm.data import Mixup
 
 SCHEDULES = ("random", "alternate", "mixup", "cutmix")
+MIX_OPTIONS = ("none",) + SCHEDULES
+"""A baseline's ``mix_schedule`` choices: none (the original method) or one of the schedules."""
 
 
 def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -128,3 +130,21 @@ class AlternatingMixer:
             return mixed, mixed_targets.to(torch.float32)
         return (torch.cat([mixed, x[even:]]),
                 torch.cat([mixed_targets.to(torch.float32), targets[even:]]))
+
+
+def mixing_checks(schedule: str, mixup_alpha: float, cutmix_alpha: float) -> list:
+    """``(key, ok, problem)`` checks of a baseline's ``mix_schedule`` and Beta parameters."""
+    return [
+        ("mix_schedule", schedule in MIX_OPTIONS, f"must be one of {', '.join(MIX_OPTIONS)}"),
+        ("mixup_alpha", mixup_alpha > 0 or schedule in ("none", "cutmix"), f"must be > 0 for mix_schedule {schedule}"),
+        ("cutmix_alpha", cutmix_alpha > 0 or schedule in ("none", "mixup"), f"must be > 0 for mix_schedule {schedule}"),
+    ]
+
+
+def client_mixer(num_classes: int, schedule: str, mixup_alpha: float, cutmix_alpha: float,
+                 seed: int) -> Optional[AlternatingMixer]:
+    """One client's mixer for one round, its draws from ``seed`` (None with schedule none)."""
+    if schedule == "none":
+        return None
+    return AlternatingMixer(num_classes, mixup_alpha, cutmix_alpha, schedule=schedule,
+                            generator=torch.Generator().manual_seed(seed))

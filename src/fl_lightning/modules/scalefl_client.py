@@ -15,18 +15,21 @@ as ScaleFL's ``train.py`` / ``KDLoss.loss_fn_kd`` compute it:
   towards the shallower ones (``detach_teacher=False``);
 - the KL terms are on only when ``kd_active`` (the original switches them on after the first
   quarter of the rounds; the server decides per round).
+- with a mixer (FEAST's Mixup / CutMix protocol, not in the original), ``CE`` takes the mixed
+  per-class target probabilities; the distillation terms do not involve the labels.
 
 ``docs/scalefl.md`` gives the sources and defaults.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.modules.mixing import NoMix, soft_cross_entropy
 from fl_lightning.modules.supervised import SupervisedClient
 
 ExitWeights = Literal["depth", "sum"]
@@ -62,7 +65,8 @@ def _kl(student: torch.Tensor, teacher_probs: torch.Tensor, temperature: float, 
 def scalefl_loss(logits: Sequence[torch.Tensor], targets: torch.Tensor, gamma: float, temperature: float,
                  kd_active: bool = True, weights: ExitWeights = "depth", reduction: KLReduction = "elementwise",
                  detach_teacher: bool = False) -> torch.Tensor:
-    """The client objective of one mini-batch from the logits of its exits (shallowest first)."""
+    """The client objective of one mini-batch from the logits of its exits (shallowest first);
+    ``targets`` are class indices or per-class probabilities (mixed batches)."""
     k = len(logits)
     w = exit_weights(k, weights)
     distill = kd_active and gamma > 0 and k > 1
@@ -71,7 +75,7 @@ def scalefl_loss(logits: Sequence[torch.Tensor], targets: torch.Tensor, gamma: f
         teacher_probs = F.softmax(teacher.float() / temperature, dim=-1)
     total = logits[0].new_zeros((), dtype=torch.float32)
     for j, z in enumerate(logits):
-        term = F.cross_entropy(z.float(), targets)
+        term = soft_cross_entropy(z, targets)
         if distill and j < k - 1:
             term = term + gamma * temperature ** 2 * _kl(z, teacher_probs, temperature, reduction)
         total = total + w[j] * term
@@ -85,12 +89,13 @@ class ScaleFLClient(SupervisedClient):
     def __init__(self, model: nn.Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  gamma: float = 0.05, temperature: float = 3.0, kd_active: bool = True,
                  weights: ExitWeights = "depth", reduction: KLReduction = "elementwise",
-                 detach_teacher: bool = False):
+                 detach_teacher: bool = False, mixer: Optional[Callable] = None):
         super().__init__(model, lr, momentum, weight_decay)
+        self.mixer = mixer if mixer is not None else NoMix()
         self.gamma, self.temperature, self.kd_active = float(gamma), float(temperature), bool(kd_active)
         self.weights, self.reduction, self.detach_teacher = weights, reduction, bool(detach_teacher)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return scalefl_loss(self.model.forward_exits(x), y, self.gamma, self.temperature, self.kd_active,
+        x, targets = self.mixer(*batch, batch_idx)
+        return scalefl_loss(self.model.forward_exits(x), targets, self.gamma, self.temperature, self.kd_active,
                             self.weights, self.reduction, self.detach_teacher)
