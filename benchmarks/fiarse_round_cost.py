@@ -11,7 +11,9 @@ weights, routing with masks, threshold-masked local training through the Lightni
 position-wise aggregation) against a bare loop that trains a dense copy of the global model
 with plain SGD for the same steps on the same batches. Masking adds elementwise work per step
 and the per-round sort of the magnitudes; an unstructured mask saves no arithmetic, so the
-ratio is at least 1.
+ratio is at least 1. Target: <= 1.15 (masking plus the round's machinery, the allowance of the
+HAS-FL and ScaleFL round-cost scripts). On a loaded machine the ratio of the fastest rounds is
+the steadier figure.
 
 ``--mask-table``: the CIFAR-100 ResNet-18 at initialization, logical MACs at the original's
 model sizes for every threshold grouping, and the time to find those five thresholds.
@@ -30,6 +32,12 @@ import torch
 import torch.nn.functional as F
 
 SIZES = (1 / 64, 1 / 16, 1 / 4, 1.0)
+TARGET = 1.15  # the masked model executes the dense one: only masking and round machinery may add
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
 
 
 def make_spec(args, out_dir: str):
@@ -140,12 +148,12 @@ def main() -> None:
             _, clients = fed.run_round(r)
             sync(device)
             full.append(time.perf_counter() - start)
-        full.sort(), bare.sort()
-        f, b = full[len(full) // 2], bare[len(bare) // 2]
         alg = fed.algorithm
         print(f"{args.model} at {args.image_size}x{args.image_size}, {args.clients} clients x {args.steps} steps of "
               f"batch {args.batch_size} on {device}")
-        print(f"FIARSE round {f * 1e3:.1f} ms, dense bare loop {b * 1e3:.1f} ms, ratio {f / b:.3f}")
+        print(f"FIARSE round {median(full) * 1e3:.1f} ms, dense bare loop {median(bare) * 1e3:.1f} ms (medians); "
+              f"ratio {median([f / b for f, b in zip(full, bare)]):.3f} (median of per-round ratios), "
+              f"{min(full) / min(bare):.3f} (fastest rounds, what load cannot inflate); target <= {TARGET}")
         print(f"MACs per example forward ({alg.macs_convention} convention):")
         print(f"{'client':>6}  {'kept %':>7}  {'logical':>12}  {'executed':>12}  {'logical/executed':>16}")
         for row in clients:

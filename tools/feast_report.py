@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -88,7 +89,12 @@ def main() -> None:
                         help="MAC anchors (default: five points across the first run's cache)")
     parser.add_argument("--plot", type=Path, default=Path("runs/feast_accuracy_vs_macs.png"))
     args = parser.parse_args()
-    runs = [load_run(path) for path in args.runs]
+    finished = [path for path in args.runs if (path / "summary.json").is_file() and (path / "cache.json").is_file()]
+    for path in sorted(set(args.runs) - set(finished)):
+        print(f"skipped {path}: not a finished FEAST run (no summary.json and cache.json)", file=sys.stderr)
+    if not finished:
+        raise SystemExit("error: no finished FEAST run among the given paths")
+    runs = [load_run(path) for path in finished]
     anchors = args.anchors
     if not anchors:
         macs = sorted(runs[0]["macs"])
