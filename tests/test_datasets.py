@@ -423,6 +423,31 @@ def test_shakespeare_from_plays(tmp_path):
     assert err.value.key == "data.options.min_samples_per_role"
 
 
+def test_shakespeare_test_stride_keeps_every_kth_test_window(tmp_path):
+    _write_plays(tmp_path / "shakespeare")
+    full = load_dataset("shakespeare", root=str(tmp_path), min_samples_per_role=0, seq_length=20, max_roles=3)
+    thin = load_dataset("shakespeare", root=str(tmp_path), min_samples_per_role=0, seq_length=20, max_roles=3,
+                        test_stride=3)
+    # same roles and training windows: the stride only thins the test set
+    assert thin.group_names == full.group_names and torch.equal(thin.train.data, full.train.data)
+    assert len(full.test) > len(thin.test) > 0
+    plays = {"FIXTURE": parse_play(PLAY).roles, "OTHER": parse_play(PLAY.replace("Ham.", "Oth.")).roles}
+    for k, name in enumerate(thin.group_names):
+        play, role = name.split("_", 1)
+        text = normalize_role_text(plays[play][role])
+        n = len(text) - 20
+        first = int(0.8 * n) + 19  # LEAF's temporal split: the first test window
+        starts = list(range(first, n, 3))
+        idx = thin.extras["test_groups"][k]
+        assert len(idx) == len(starts)
+        for i, start in zip(idx, starts):
+            assert decode(thin.test.data[i]) == text[start:start + 20]
+            assert decode([thin.test.targets[i]]) == text[start + 20]
+    with pytest.raises(ConfigError) as err:
+        check_dataset("shakespeare", root=str(tmp_path), test_stride=0)
+    assert err.value.key == "data.options.test_stride"
+
+
 def test_shakespeare_from_leaf_json(tmp_path):
     text = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer" * 3
     xs = [text[i:i + 80] for i in range(len(text) - 80)]

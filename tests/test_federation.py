@@ -141,6 +141,35 @@ def test_run_directory_contents(spec_factory):
     assert summary["best"]["round"] >= 0
 
 
+@pytest.mark.parametrize("test_schedule", ["every", "final"])
+def test_final_evaluation_scores_the_last_model_once(spec_factory, monkeypatch, test_schedule):
+    """The summary's final figures are the last model's, scored by hand from last.ckpt; when the
+    last round already scored a split, the final evaluation reuses it instead of scoring again."""
+    from fl_lightning.config import EvalConfig
+
+    calls = []
+    scored = FedAvg.evaluate
+    monkeypatch.setattr(FedAvg, "evaluate", lambda self, split, bs: calls.append(split) or scored(self, split, bs))
+    spec = spec_factory(name=f"final_{test_schedule}", eval=EvalConfig(every=2, test=test_schedule))
+    summary = run_fit(spec)  # 3 rounds: evaluated after rounds 1 and 2 (the last)
+    fed = build_federated_data(spec.data, spec.partition, spec.seed)
+    model = build_global_model(spec, fed)
+    model.load_state_dict(final_model(spec))
+    model.eval()
+    with torch.no_grad():
+        for split, dataset, idx in (("test", fed.bundle.test, torch.arange(len(fed.bundle.test))),
+                                    ("val", fed.bundle.train_eval, fed.val)):
+            pred = model(dataset.data[idx]).argmax(1)
+            want = (pred == dataset.targets[idx]).double().mean().item()
+            assert summary["final"][f"{split}_acc"] == pytest.approx(want, abs=1e-6), split
+    if test_schedule == "every":
+        assert calls == ["val", "test", "val", "test"]
+    else:  # the test set is first scored at the end (and the best checkpoint's once more if older)
+        assert calls[:3] == ["val", "val", "test"] and calls.count("val") == 2
+    rows = [json.loads(l) for l in (Path(spec.out_dir) / spec.name / "metrics.jsonl").read_text().splitlines()]
+    assert summary["final"]["val_acc"] == rows[-1]["val_acc"]
+
+
 def _cli(args, cwd):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "fl_lightning", *args], cwd=cwd, env=env,

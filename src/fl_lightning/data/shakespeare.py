@@ -7,6 +7,10 @@ windows are split in time: the first ``1 - test_fraction`` go to training, the t
 start ``seq_length - 1`` positions later so that no test window shares text with a training
 target (LEAF's ``split_data.py`` for shakespeare); roles without both parts are dropped.
 
+Consecutive test windows overlap in all but one character, so scoring all of them costs
+``seq_length`` LSTM steps per predicted character; ``test_stride`` keeps every k-th test window
+of each role instead (``test_stride = seq_length``: non-overlapping inputs over the whole test text).
+
 Two sources are read:
 
 - LEAF's preprocessed JSON, ``<root>/shakespeare/data/{train,test}/*.json``;
@@ -363,7 +367,7 @@ def check_shakespeare(root: str = "data", download: bool = False, *, source: str
                       plays_dir: Optional[str] = None, plays: Optional[Sequence[str]] = None,
                       min_samples_per_role: int = 64, max_roles: Optional[int] = None,
                       test_fraction: float = 0.2, vocabulary: str = "leaf",
-                      seq_length: int = SEQ_LENGTH) -> None:
+                      seq_length: int = SEQ_LENGTH, test_stride: int = 1) -> None:
     """Validate the options and that the chosen source is on disk, without parsing it."""
     if source not in SOURCES:
         raise ConfigError("data.options.source", f"must be one of {', '.join(SOURCES)}, got {source!r}")
@@ -375,6 +379,7 @@ def check_shakespeare(root: str = "data", download: bool = False, *, source: str
     if max_roles is not None:
         _check_int("max_roles", max_roles, 1)
     _check_int("seq_length", seq_length, 1)
+    _check_int("test_stride", test_stride, 1)
     kind, where = resolve_source(root, source, plays_dir)
     if kind == "leaf":
         if not _leaf_files(where, "train"):
@@ -401,7 +406,8 @@ def load_shakespeare(root: str = "data", download: bool = False, augment: bool =
                      source: str = "auto", plays_dir: Optional[str] = None,
                      plays: Optional[Sequence[str]] = None, min_samples_per_role: int = 64,
                      max_roles: Optional[int] = None, test_fraction: float = 0.2,
-                     vocabulary: str = "leaf", seq_length: int = SEQ_LENGTH) -> DatasetBundle:
+                     vocabulary: str = "leaf", seq_length: int = SEQ_LENGTH,
+                     test_stride: int = 1) -> DatasetBundle:
     """Shakespeare next-character prediction, one group of training windows per role.
 
     ``source``: ``auto`` (LEAF JSON if present, else plays), ``leaf`` or ``plays``.
@@ -411,11 +417,14 @@ def load_shakespeare(root: str = "data", download: bool = False, augment: bool =
     ``max_roles``: keep only the roles with the most windows. ``test_fraction``: LEAF's
     temporal per-role split (plays only; LEAF JSON comes split). ``vocabulary``: ``leaf``
     (LEAF's 80 characters) or ``printable`` (95 printable ASCII characters).
+    ``test_stride``: keep test windows ``0, k, 2k, ...`` of each role (1: all of them, LEAF);
+    roles are chosen and the split made before it, so it thins the test set and nothing else.
     ``download`` and ``augment`` have no effect.
     """
     check_shakespeare(root, download, source=source, plays_dir=plays_dir, plays=plays,
                       min_samples_per_role=min_samples_per_role, max_roles=max_roles,
-                      test_fraction=test_fraction, vocabulary=vocabulary, seq_length=seq_length)
+                      test_fraction=test_fraction, vocabulary=vocabulary, seq_length=seq_length,
+                      test_stride=test_stride)
     vocab = VOCABULARIES[vocabulary]
     seq_length = int(seq_length)
     kind, where = resolve_source(root, source, plays_dir)
@@ -430,7 +439,8 @@ def load_shakespeare(root: str = "data", download: bool = False, augment: bool =
                           f"both a training and a test part (test windows start {seq_length - 1} "
                           "after the last training one)")
     train_x, train_y, groups = _concat([(r.train_x, r.train_y) for r in roles], seq_length)
-    test_x, test_y, test_groups = _concat([(r.test_x, r.test_y) for r in roles], seq_length)
+    k = int(test_stride)
+    test_x, test_y, test_groups = _concat([(r.test_x[::k], r.test_y[::k]) for r in roles], seq_length)
     train = ArrayDataset(train_x, train_y)
     return DatasetBundle(
         name="shakespeare",

@@ -61,6 +61,7 @@ class Federation:
         self.ctx = build_context(spec, fabric, mode="fit")
         self.model, self.algorithm, self.fed = self.ctx.model, spec.algorithm, self.ctx.data
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
+        self.last_eval: tuple = (-1, {})  # (round, metrics) of the latest evaluate_round
         if spec.resume_from:
             state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume",
                                     required=("model", "algorithm", "round", "best"))
@@ -162,14 +163,24 @@ class Federation:
                                      "round": round_idx + 1, "best": self.best}, self.run_dir.best)
         if self.spec.eval.test == "every":
             out.update(self._split_metrics("test"))
+        self.last_eval = (round_idx, dict(out))
         return out
+
+    def _final_split(self, split: str) -> dict:
+        """The last model's metrics on ``split``: those of the last round's evaluation when it
+        scored that split (the model has not changed since), else a fresh evaluation."""
+        round_idx, metrics = self.last_eval
+        kept = {k: v for k, v in metrics.items() if k.startswith(f"{split}_")}
+        if round_idx == self.spec.federation.rounds - 1 and kept:
+            return kept
+        return self._split_metrics(split)
 
     def final_evaluation(self) -> dict:
         """Test metrics of the last model and of the best-validation checkpoint."""
-        test = self._split_metrics("test")
+        test = self._final_split("test")
         summary = {"final": dict(test)}
         if len(self.fed.val):
-            summary["final"].update(self._split_metrics("val"))
+            summary["final"].update(self._final_split("val"))
         self.fabric.barrier()
         if self.best["round"] == self.spec.federation.rounds - 1:  # best.ckpt is the last model
             summary["best"] = {**self.best, **test}
