@@ -211,3 +211,26 @@ def test_tool_prints_the_tables_it_has_runs_for(tiny_runs, tmp_path, capsys):
     assert f"--federation.rounds {r_new} " in out  # the rerun command of the matched horizon
     assert "Table 3 skipped" in out and "Table 11 skipped" in out
     assert figure.stat().st_size > 0
+
+
+def test_sweep_tables_count_each_seed_once(tiny_runs, tmp_path, capsys):
+    """Two overlays can give the same population (zipf_s1p2 is alpha_0p1): the second run of a
+    seed must not enter Table 11 as another seed."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+    ignore = shutil.ignore_patterns("checkpoints", "tensorboard")
+    shutil.copytree(tiny_runs / "feast", tmp_path / "feast_again", ignore=ignore)
+    other = tmp_path / "feast_s0p8"
+    shutil.copytree(tiny_runs / "feast", other, ignore=ignore)
+    config = yaml.safe_load((other / "config.yaml").read_text())
+    config["partition"]["budgets"]["zipf_s"] = 0.8
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    runs = [str(tiny_runs / "feast"), str(tmp_path / "feast_again"), str(other), "--figure", str(tmp_path / "f.png")]
+    assert supernet_tables.main(runs) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("Table 11"):]
+    rows = [line.split("|")[1:4] for line in table.splitlines() if line.startswith("| 1.2 ") or line.startswith("| 0.8 ")]
+    assert [[c.strip() for c in row] for row in rows] == [["0.8", "FEAST", "1"], ["1.2", "FEAST", "1"]]
