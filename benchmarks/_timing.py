@@ -3,6 +3,12 @@
 import time
 
 
+def median(values) -> float:
+    """The middle value (the upper one of an even count: always a measured value)."""
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def median_time(fn, repeats: int) -> float:
     """Median seconds per call after one warm-up call."""
     fn()
@@ -11,5 +17,4 @@ def median_time(fn, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return median(times)

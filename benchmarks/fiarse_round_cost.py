@@ -30,14 +30,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _timing import median
 
 SIZES = (1 / 64, 1 / 16, 1 / 4, 1.0)
 TARGET = 1.15  # the masked model executes the dense one: only masking and round machinery may add
-
-
-def median(values):
-    values = sorted(values)
-    return values[len(values) // 2]
 
 
 def make_spec(args, out_dir: str):

@@ -17,7 +17,6 @@ data). Target ratio < 1.1.
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile

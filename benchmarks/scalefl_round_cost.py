@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _timing import median
 
 
 def make_spec(out_dir: str, image_size: int, width: float, rounds: int, steps: int, b_min: float, b_max: float):
@@ -122,9 +123,6 @@ def main() -> None:
                 start = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - start)
-
-        def median(values):
-            return sorted(values)[len(values) // 2]
 
         ratio = median([f / b for f, b in zip(times["full"], times["bare"])])
         exits = median([e / b for e, b in zip(times["exits"], times["bare"])])
