@@ -27,14 +27,21 @@ TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 PLAIN = LocalTrainConfig(steps=1, batch_size=4, lr=0.1)  # one plain SGD step: hand computations
 
 
-class Fabric:
-    """What the training passes use of Lightning Fabric, for toys."""
+def fabric():
+    from lightning.fabric import Fabric
 
-    def autocast(self):
-        return torch.autocast("cpu", enabled=False)
+    return Fabric(accelerator="cpu", devices=1)
 
-    def backward(self, loss):
-        loss.backward()
+
+def pair_of(fabric, front, back, lr, server_loss=None, server_optimizer=None):
+    """A split pair of two toy halves trained with plain SGD at ``lr``."""
+    from fl_lightning.modules.split import make_pair
+
+    if server_loss is None:
+        server_loss = lambda zs, t: F.cross_entropy(back(zs), t)  # noqa: E731
+    return make_pair(fabric, PLAIN, client_forward=front, server_loss=server_loss, client_module=front,
+                     server_module=back, client_params=front.parameters(), server_params=back.parameters(),
+                     lr=lr, server_lr=lr, server_optimizer=server_optimizer)
 
 
 def rows(spec, name):
@@ -66,6 +73,7 @@ def test_merged_step_trains_the_concatenation_and_sends_each_client_its_slice(re
     """Two clients with batches of 2 and 3: the server steps once on cat(z_1, z_2); client i
     steps on rows of the merged loss's gradient that are its own (times B / b_i when rescaled,
     the gradient of the mean loss over its own rows), all at the server's pre-step weights."""
+    from fl_lightning.modules.split import SplitFit
     from fl_lightning.modules.split_variants import merged_step
 
     torch.manual_seed(0)
@@ -81,8 +89,11 @@ def test_merged_step_trains_the_concatenation_and_sends_each_client_its_slice(re
 
     before = [copy.deepcopy(f) for f in fronts]
     back_before = copy.deepcopy(back)
-    step = merged_step(Fabric(), fronts, server_loss, [torch.optim.SGD(f.parameters(), lr=lr) for f in fronts],
-                       torch.optim.SGD(back.parameters(), lr=lr), batches, PLAIN, rescale=rescale)
+    f = fabric()
+    pairs = [pair_of(f, fronts[0], back, lr, server_loss)]
+    pairs.append(pair_of(f, fronts[1], back, lr, server_loss, server_optimizer=pairs[0].server_optimizer))
+    fits = [SplitFit(0), SplitFit(0)]
+    step = merged_step(f, pairs, server_loss, pairs[0].server_optimizer, back, batches, fits, PLAIN, rescale=rescale)
     (sent, y), = seen
     assert torch.equal(sent, torch.cat([f(x) for f, (x, _) in zip(before, batches)]).detach())
     assert torch.equal(y, torch.cat([b[1] for b in batches]))
@@ -93,8 +104,9 @@ def test_merged_step_trains_the_concatenation_and_sends_each_client_its_slice(re
         expected = sgd_step(front, lambda m: scale * F.cross_entropy(back_before(m(x)), yi), lr)
         assert_params(fronts[i], expected)
     assert step.sizes == [2, 3]
-    assert step.bytes_up == [2 * 4 * 4 + 2 * 8, 3 * 4 * 4 + 3 * 8]  # float32 activations, int64 labels
-    assert step.bytes_down == [2 * 4 * 4, 3 * 4 * 4]
+    # float32 activations, int64 labels
+    assert [fit.cut_bytes_up for fit in fits] == [2 * 4 * 4 + 2 * 8, 3 * 4 * 4 + 3 * 8]
+    assert [fit.cut_bytes_down for fit in fits] == [2 * 4 * 4, 3 * 4 * 4]
 
 
 def test_batch_sizes_follow_speeds_within_bounds():
@@ -177,7 +189,8 @@ def test_server_takes_tau_sgd_steps_per_client_step(feedback_at):
     """tau = 3: the server half is three plain SGD steps along the loss on the one activation
     batch; the client half one step along the gradient at the cut computed with the server's
     weights before its steps (start), before its third step (last_step) or after (end)."""
-    from fl_lightning.modules.split_variants import train_unbalanced
+    from fl_lightning.modules.split import split_step, train_split
+    from fl_lightning.modules.split_variants import unbalanced
 
     torch.manual_seed(1)
     front, back = nn.Linear(3, 4), nn.Linear(4, 5)
@@ -189,13 +202,12 @@ def test_server_takes_tau_sgd_steps_per_client_step(feedback_at):
         states.append(sgd_step(states[-1], lambda m: F.cross_entropy(m(z), y), lr))
     server_at = {"start": states[0], "last_step": states[tau - 1], "end": states[tau]}[feedback_at]
     client_expected = sgd_step(front, lambda m: F.cross_entropy(server_at(m(x)), y), lr)
-    fit = train_unbalanced(Fabric(), front, lambda zs, t: F.cross_entropy(back(zs), t),
-                           torch.optim.SGD(front.parameters(), lr=lr), torch.optim.SGD(back.parameters(), lr=lr),
-                           OneBatch(x, y), PLAIN, torch.Generator(), tau, feedback_at=feedback_at,
-                           client_params=list(front.parameters()), server_params=list(back.parameters()))
+    f = fabric()
+    fit = train_split(f, split_step(pair_of(f, front, back, lr), unbalanced(tau, feedback_at)), OneBatch(x, y),
+                      PLAIN, torch.Generator())
     assert_params(back, states[tau])
     assert_params(front, client_expected)
-    assert fit.extras["server_steps"] == tau and fit.steps == 1
+    assert fit.steps == 1
     assert fit.cut_bytes_up == 6 * 4 * 4 + 6 * 8 and fit.cut_bytes_down == 6 * 4 * 4
 
 
@@ -203,7 +215,8 @@ def test_zeroth_order_unbalanced_update_by_hand():
     """The original's estimator: tau two-point server steps on the unperturbed activations,
     then one client step along v scaled by the loss difference of its +-lambda activations at
     the server's final weights; directions come from the generator in that order (v, u_1..u_tau)."""
-    from fl_lightning.modules.split_variants import train_unbalanced
+    from fl_lightning.modules.split import train_split
+    from fl_lightning.modules.split_variants import zeroth_order_step
 
     torch.manual_seed(2)
     front, back = nn.Linear(3, 4), nn.Linear(4, 5)
@@ -233,11 +246,10 @@ def test_zeroth_order_unbalanced_update_by_hand():
         h_minus = run(f0, [p - lam * e for p, e in zip(fp, v)], x)
         d = (loss_with(b0, sp, h_plus) - loss_with(b0, sp, h_minus)) / (2 * lam)
         fp = [p - lr * d * e for p, e in zip(fp, v)]
-    fit = train_unbalanced(Fabric(), front, lambda zs, t: F.cross_entropy(back(zs), t),
-                           torch.optim.SGD(front.parameters(), lr=lr), torch.optim.SGD(back.parameters(), lr=lr),
-                           OneBatch(x, y), PLAIN, torch.Generator(), tau, feedback_at="end",
-                           client_params=list(front.parameters()), server_params=list(back.parameters()),
-                           estimator="zo", smoothing=lam, zo_generator=torch.Generator().manual_seed(7))
+    f = fabric()
+    pair = pair_of(f, front, back, lr)
+    fit = train_split(f, zeroth_order_step(pair, tau, "end", lam, torch.Generator().manual_seed(7)), OneBatch(x, y),
+                      PLAIN, torch.Generator())
     for p, e in zip(back.parameters(), sp):
         assert torch.allclose(p, e, atol=1e-6)
     for p, e in zip(front.parameters(), fp):

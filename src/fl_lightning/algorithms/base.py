@@ -4,12 +4,17 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
 
 - ``plan(round_idx) -> RoundPlan``: the cohort and what each client trains (default: a
   uniform sample of ``clients_per_round`` clients training the whole model).
+- ``fit_cohort(plan, owned)``: this rank's share of the plan, yielding ``(task, result)``; by
+  default one client after another through ``fit_client``. A method that trains its cohort
+  jointly (MergeSFL's lock-stepped clients) overrides it.
 - ``fit_client(task, plan) -> ClientResult``: one client's round. The default routes the
   global tensors into a local model (``route``), wraps it in a LightningModule
   (``client_module``) and runs local training; a method that drives training itself (several
   optimizers, a server half stepped per batch) overrides it and reports its own traffic.
 - ``commit(acc, task, result)``: a finite result's per-client bookkeeping and its merge into
   the round's accumulators. A client whose loss or update is not finite is never committed.
+- ``close_cohort(acc, plan, owned)``: after this rank's clients are committed, server-side
+  contributions to the round's accumulators (a shared server half).
 - ``finish_round``: apply the aggregate once the accumulators are summed over ranks.
 
 Everything an algorithm keeps across rounds is returned by ``state_dict`` and checkpointed.
@@ -20,7 +25,7 @@ them, so that the command line can list and parse algorithms in about a second.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
@@ -33,7 +38,7 @@ from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.schedule import round_lr
-from fl_lightning.runtime.seeding import client_generator, sample_clients
+from fl_lightning.runtime.seeding import client_generator, sample_clients, seed_client
 
 
 class Algorithm:
@@ -75,6 +80,13 @@ class Algorithm:
         t = self.ctx.train
         return round_lr(t.lr, t.lr_schedule, round_idx, self.ctx.rounds, t.lr_decay)
 
+    def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, ClientResult]]:
+        """This rank's clients one after another, each with its global RNG seeded from
+        (seed, round, client)."""
+        for task in owned:
+            seed_client(self.ctx.seed, plan.round_idx, task.client)
+            yield task, self.fit_client(task, plan)
+
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
         """Route, train locally, and report the routed bytes both ways (the client returns the
         same slices it received, so one count serves both directions)."""
@@ -105,6 +117,9 @@ class Algorithm:
         """Merge a finite result into the round's accumulators (weighted by its examples)."""
         if result.update is not None:
             acc.add(result.update.module.state_dict(), float(result.num_samples), result.update.regions)
+
+    def close_cohort(self, acc: SparseAccumulator, plan: RoundPlan, owned: List[int]) -> None:
+        """Server-side contributions to the accumulators once this rank's clients are committed."""
 
     def round_tensors(self) -> Dict[str, torch.Tensor]:
         """Extra per-round sums to all-reduce across ranks (besides the accumulators)."""

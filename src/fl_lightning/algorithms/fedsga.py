@@ -1,6 +1,8 @@
 """FedSGA: sufficiency-guided adaptive split FL with interface harmonization.
 
-SplitFed V1 with a cut chosen per client and round from the candidate set P:
+A split model with a cut chosen per client and round from the candidate set P, trained on one
+shared server model (clients in plan order, SplitFed V2's engine; ``server_model: copy`` runs
+SplitFed V1 underneath instead):
 
 - private prompt tokens per client (``modules/prompts.py``), kept in the server's per-client
   store, trained by the client's optimizer only, never aggregated;
@@ -10,7 +12,8 @@ SplitFed V1 with a cut chosen per client and round from the candidate set P:
   every ``calibration_every`` rounds (``modules/sufficiency.py``);
 - the monotone, budget-aware policy Psi from that probability to a cut;
 - the depth-aware interface harmonizer with EMA class prototypes at the server
-  (``modules/harmonizer.py``), its alignment loss added to the server half's.
+  (``modules/harmonizer.py``): its alignment loss added to the server half's and, by default,
+  the harmonized interface on the server's prediction path.
 
 Every formula and the choices the paper leaves open: docs/fedsga.md.
 """
@@ -27,9 +30,11 @@ from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.seeding import derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed
 
 Strategy = Literal["sufficiency", "static", "random"]
+ServerModel = Literal["shared", "copy"]
+PromptGradient = Literal["task", "all"]
 # seed streams: probe batches, random splits, harmonizer and estimator initialization
 PROBE_STREAM, SPLIT_STREAM, INIT_STREAM = 22, 23, 24
 
@@ -52,15 +57,17 @@ def default_candidates(names: List[str]) -> List[str]:
 
 
 class FedSGA(SplitFed):
-    """Sufficiency-guided adaptive split FL (SplitFed V1 underneath)."""
+    """Sufficiency-guided adaptive split FL (a shared server model underneath by default)."""
 
     def __init__(self, candidates: Optional[List[str]] = None, split_strategy: Strategy = "sufficiency",
                  static_cut: Optional[str] = None, adaptation_channel: bool = True,
-                 sufficiency_estimator: bool = True, harmonizer: bool = True, num_prompts: int = 4,
+                 sufficiency_estimator: bool = True, harmonizer: bool = True, server_model: ServerModel = "shared",
+                 harmonized_prediction: bool = True, prompt_gradient: PromptGradient = "task",
+                 eval_cut: Optional[str] = None, num_prompts: int = 4,
                  prompt_width: int = 4, rho: float = 0.1, beta: float = 0.05, lambda_align: float = 0.1,
                  tau_a: float = 0.5, tau_m: float = 0.5, prototype_momentum: float = 0.9,
                  projection_dim: int = 128, calibration_every: int = 5, probe_size: int = 32,
-                 estimator_hidden: int = 16, estimator_buffer: int = 256, respect_budgets: bool = False,
+                 estimator_hidden: int = 16, estimator_buffer: int = 256, respect_budgets: bool = True,
                  server_lr: Optional[float] = None):
         """
         Args:
@@ -73,7 +80,19 @@ class FedSGA(SplitFed):
             adaptation_channel: train private prompt tokens (false: the "w/o Adapt." ablation).
             sufficiency_estimator: use Gamma_theta (false: the "w/o Suff. Est." ablation, a
                 hand-crafted score of the same descriptors).
-            harmonizer: add the prototype alignment loss at the server (false: "w/o Harmon.").
+            harmonizer: interface harmonization acts on the model: its alignment loss reaches
+                the backbone and (with ``harmonized_prediction``) its representation enters the
+                prediction. false: the "w/o Harmon." ablation; the projector and prototypes are
+                still trained, on detached interfaces, as the estimator's probe.
+            server_model: shared (one server model trained client by client in plan order, the
+                paper's Sec. 1 and 3) or copy (SplitFed V1: a server copy per client, averaged).
+            harmonized_prediction: the server predicts ``back(z) + W phi(pool(z), e(p))`` (the
+                harmonized interface on the prediction path, Sec. 3.4); false: the alignment
+                loss only (an auxiliary reading).
+            prompt_gradient: what trains the prompt: task (the server's task loss only; the
+                alignment term's gradient is kept from it) or all (every server loss term).
+            eval_cut: the cut at which the served model (harmonized prediction) is evaluated
+                (None: p_ref); every candidate's accuracy is logged too.
             num_prompts: prompt tokens per client, m.
             prompt_width: border width in pixels of the input-side prompt (CNN backbones).
             rho: split-policy parameter (larger: deeper splits).
@@ -88,16 +107,20 @@ class FedSGA(SplitFed):
             estimator_hidden: hidden width of Gamma_theta.
             estimator_buffer: calibration pairs Gamma_theta is trained on (the most recent).
             respect_budgets: cap each client's cut at the deepest one whose client forward MACs
-                fit its budget (partition.budgets).
+                fit its budget (partition.budgets): Psi is budget-aware (Sec. 3.5, 5).
             server_lr: learning rate of the server half (None: the clients' round rate).
         """
-        super().__init__(cut=None, version="v1", server_lr=server_lr)
+        super().__init__(cut=None, version="v2" if server_model == "shared" else "v1", server_lr=server_lr)
         self.candidates = candidates
         self.split_strategy = split_strategy
         self.static_cut = static_cut
         self.adaptation_channel = adaptation_channel
         self.use_estimator = sufficiency_estimator
         self.use_harmonizer = harmonizer
+        self.server_model = server_model
+        self.harmonized_prediction = harmonized_prediction
+        self.prompt_gradient = prompt_gradient
+        self.eval_cut = eval_cut
         self.num_prompts = num_prompts
         self.prompt_width = prompt_width
         self.rho, self.beta, self.lambda_align = rho, beta, lambda_align
@@ -112,9 +135,13 @@ class FedSGA(SplitFed):
 
     def check(self, train) -> None:
         super().check(train)
-        if self.split_strategy not in ("sufficiency", "static", "random"):
-            raise ConfigError("algorithm.split_strategy",
-                              f"must be sufficiency, static or random, got {self.split_strategy!r}")
+        choices = {"split_strategy": (self.split_strategy, ("sufficiency", "static", "random")),
+                   "server_model": (self.server_model, ("shared", "copy")),
+                   "prompt_gradient": (self.prompt_gradient, ("task", "all"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"algorithm.{key}", f"must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                                                      f"got {value!r}")
         positive_ints = {"num_prompts": self.num_prompts, "prompt_width": self.prompt_width,
                          "projection_dim": self.projection_dim, "calibration_every": self.calibration_every,
                          "probe_size": self.probe_size, "estimator_hidden": self.estimator_hidden,
@@ -131,6 +158,11 @@ class FedSGA(SplitFed):
                 bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
                 raise ConfigError(f"algorithm.{key}", f"must be a finite number {bound}, got {value!r}")
 
+    @property
+    def harmonized(self) -> bool:
+        """The harmonized interface is on the server's prediction path."""
+        return self.use_harmonizer and self.harmonized_prediction
+
     # -- set-up ---------------------------------------------------------------------------------
     def candidate_cuts(self, model: nn.Module) -> List[str]:
         names = list(model.block_names)
@@ -141,8 +173,10 @@ class FedSGA(SplitFed):
             raise ConfigError("algorithm.candidates", f"needs at least two distinct cuts, got {cuts}")
         if [names.index(c) for c in cuts] != sorted(names.index(c) for c in cuts):
             raise ConfigError("algorithm.candidates", f"must be listed shallowest first, got {cuts}")
-        if self.static_cut is not None and self.static_cut not in cuts:
-            raise ConfigError("algorithm.static_cut", f"must be one of the candidates {cuts}, got {self.static_cut!r}")
+        for key in ("static_cut", "eval_cut"):
+            value = getattr(self, key)
+            if value is not None and value not in cuts:
+                raise ConfigError(f"algorithm.{key}", f"must be one of the candidates {cuts}, got {value!r}")
         return cuts
 
     def setup(self, ctx) -> None:
@@ -154,6 +188,7 @@ class FedSGA(SplitFed):
         device = ctx.fabric.device
         self.ref_index = (len(self.cuts) - 1) // 2
         self.static_index = self.cuts.index(self.static_cut) if self.static_cut is not None else self.ref_index
+        self.eval_index = self.cuts.index(self.eval_cut) if self.eval_cut is not None else self.ref_index
         input_shape = tuple(ctx.data.bundle.input_shape)
         model = ctx.model
         try:
@@ -168,13 +203,15 @@ class FedSGA(SplitFed):
             widths = [pool_interface(model.split(cut)[0](x)).shape[1] for cut in self.cuts]
             model.train(was_training)
         self.widths = widths
+
+        def harmonizer():
+            return InterfaceHarmonizer(widths, ctx.num_classes, self.projection_dim, tau=self.tau_a,
+                                       momentum=self.prototype_momentum, head=self.harmonized).to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(ctx.seed, INIT_STREAM))
-            self.harmonizer = InterfaceHarmonizer(widths, ctx.num_classes, self.projection_dim, tau=self.tau_a,
-                                                  momentum=self.prototype_momentum).to(device)
+            self.harmonizer = harmonizer()
             self.estimator = SufficiencyEstimator(self.estimator_hidden)
-        self.harmonizer_worker = InterfaceHarmonizer(widths, ctx.num_classes, self.projection_dim, tau=self.tau_a,
-                                                     momentum=self.prototype_momentum).to(device)
+        self.harmonizer_worker = harmonizer()
         self.pairs = torch.zeros(0, 4, dtype=torch.float64)
         probe = min(self.probe_size, min(ctx.client_sizes))
         self.store = ClientStateStore(lambda: {
@@ -200,28 +237,35 @@ class FedSGA(SplitFed):
         if poor:
             raise ConfigError("algorithm.respect_budgets",
                               f"{len(poor)} clients (e.g. {poor[:3]}) cannot afford the shallowest cut "
-                              f"{self.cuts[0]} ({macs[0] / 1e6:.2f}M MACs)")
+                              f"{self.cuts[0]} ({macs[0] / 1e6:.2f}M MACs); raise partition.budgets.b_min "
+                              f"or set respect_budgets: false")
         return [max(k for k, m in enumerate(macs) if m <= b) for b in ctx.budgets.tolist()]
+
+    @staticmethod
+    def _harmonizer_tensors(h) -> Dict[str, torch.Tensor]:
+        """The harmonizer's averaged tensors: parameters and normalization statistics (the
+        prototypes have a rule of their own)."""
+        return {k: v for k, v in h.state_dict().items()
+                if v.is_floating_point() and k not in ("prototypes", "has_prototype")}
 
     def _reset_round(self) -> None:
         h = self.harmonizer
-        self._harm_sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in h.named_parameters()}
+        self._harm_sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in self._harmonizer_tensors(h).items()}
         self._harm_weight = torch.zeros((), dtype=torch.float64, device=h.prototypes.device)
         self._proto_sums = torch.zeros_like(h.prototypes, dtype=torch.float64)
         self._proto_counts = torch.zeros(h.prototypes.shape[0], dtype=torch.float64, device=h.prototypes.device)
         self._cal_pairs = torch.zeros(self.ctx.num_clients, 5, dtype=torch.float64, device=h.prototypes.device)
         self._pending: Dict[int, dict] = {}
+        self._trained_here = False
 
     # -- the plan -------------------------------------------------------------------------------
     def is_calibration(self, round_idx: int) -> bool:
         return round_idx >= 1 and (round_idx - 1) % self.calibration_every == 0
 
     def plan(self, round_idx: int) -> RoundPlan:
-        ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
         calibrate = self.is_calibration(round_idx)
         tasks = []
-        for client in cohort:
+        for client in self.cohort(round_idx):
             index, r = self.choose(client, round_idx)
             options = {"index": index, "calibrate": calibrate}
             if r is not None:
@@ -263,26 +307,31 @@ class FedSGA(SplitFed):
         return self.prompts.apply(front, prompt) if self.adaptation_channel else front
 
     @torch.no_grad()
-    def _probe_losses(self, client: int, prompt: torch.Tensor) -> tuple[float, float]:
-        """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch.
+    def _probe_losses(self, client: int, prompt: torch.Tensor) -> tuple[float, float, int]:
+        """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch,
+        and the bytes the client uploads for them (both interfaces and the labels).
 
         The network computes the same prediction wherever it is cut, so the probe is not the
         task loss: it is the harmonizer's prototype classifier read at each depth (the
         cross-entropy of ``softmax(Z C^T / tau_a)``), i.e. how well the interface at that depth
-        already separates the classes in the shared semantic space (docs/fedsga.md).
+        already separates the classes in the shared semantic space (docs/fedsga.md). The
+        interfaces are computed as training computes them, batch norm on the probe batch's own
+        statistics (running statistics untouched).
         """
+        from fl_lightning.elastic.bn import batch_statistics
+        from fl_lightning.modules.split import tensor_bytes
+
         model = self.ctx.model
         x, y = self._probe(client)
-        was_training = model.training
-        model.eval()
-        losses = []
-        for depth in (0, self.ref_index):
-            front, _ = model.split(self.cuts[depth])
-            with self.ctx.fabric.autocast():
-                interface = self._prompted(front, prompt)(x)
-            losses.append(self.harmonizer.probe_loss(interface, y, depth))
-        model.train(was_training)
-        return losses[0], losses[1]
+        losses, sent = [], tensor_bytes(y)
+        with batch_statistics(model):
+            for depth in (0, self.ref_index):
+                front, _ = model.split(self.cuts[depth])
+                with self.ctx.fabric.autocast():
+                    interface = self._prompted(front, prompt)(x)
+                losses.append(self.harmonizer.probe_loss(interface, y, depth))
+                sent += tensor_bytes(interface)
+        return losses[0], losses[1], sent
 
     def fit_client(self, task: ClientTask, plan: RoundPlan):
         from fl_lightning.modules.sufficiency import sufficiency_label
@@ -292,16 +341,21 @@ class FedSGA(SplitFed):
         self._prompt = state["prompt"].detach().clone().requires_grad_(self.adaptation_channel)
         self._grad_norms = torch.zeros(self.num_prompts, dtype=torch.float64)
         self._grad_steps = 0
+        self._align_grad = None
         self._class_counts = torch.zeros_like(self._proto_counts)
-        self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
-        calibration = {}
+        if self.version == "v1" or task is plan.tasks[0]:  # shared: one harmonizer carried through the round
+            self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
+        self._trained_here = True
+        calibration, calibration_bytes = {}, 0
         if task.options.get("calibrate"):
-            loss_p1, loss_ref = self._probe_losses(task.client, self._prompt.detach())
+            loss_p1, loss_ref, calibration_bytes = self._probe_losses(task.client, self._prompt.detach())
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
-                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta))}
+                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta)),
+                           "calibration_bytes": calibration_bytes}
         result = super().fit_client(task, plan)
         result.metrics.update(calibration)
         result.metrics.update(self._after_fit(task, calibration))
+        result.metrics["bytes_up"] += result.metrics["probe_bytes"] + calibration_bytes
         return result
 
     def client_forward(self, front, task):
@@ -310,8 +364,15 @@ class FedSGA(SplitFed):
     def client_trainables(self, task):
         return [self._prompt] if self.adaptation_channel else []
 
-    def server_trainables(self, task):
-        return list(self.harmonizer_worker.parameters()) if self.use_harmonizer else []
+    def server_trainables(self) -> Dict[str, torch.Tensor]:
+        if not self.use_harmonizer:
+            return {}
+        return {f"harmonizer.{k}": v for k, v in self.harmonizer_worker.named_parameters()}
+
+    def server_probes(self) -> Dict[str, torch.Tensor]:
+        if self.use_harmonizer:
+            return {}
+        return {f"harmonizer.{k}": v for k, v in self.harmonizer_worker.named_parameters()}
 
     def after_client_backward(self, task):
         if not self.adaptation_channel:
@@ -323,36 +384,85 @@ class FedSGA(SplitFed):
                 self._grad_steps += 1
         return record
 
+    def _blocks_alignment_from_prompt(self) -> bool:
+        return self.adaptation_channel and self.use_harmonizer and self.prompt_gradient == "task"
+
+    def client_backward(self, task):
+        """With ``prompt_gradient: task`` the server sends the alignment term's gradient at the cut
+        beside the total, and the prompt's gradient leaves that part out."""
+        if not self._blocks_alignment_from_prompt():
+            return None
+
+        def backward(fabric, z, grad):
+            align = self._align_grad
+            if align is None:
+                fabric.backward(z, grad)
+                return
+            prompt_align, = torch.autograd.grad(z, self._prompt, align, retain_graph=True)
+            fabric.backward(z, grad)
+            self._prompt.grad -= prompt_align
+            self._align_grad = None
+        return backward
+
+    def train_pass(self, task, plan, pair):
+        """The standard split step with FedSGA's server rule (``modules/split.py``)."""
+        from fl_lightning.modules.split import split_step, train_split
+        from fl_lightning.runtime.seeding import client_generator
+
+        ctx = self.ctx
+        return train_split(ctx.fabric, split_step(pair, self._server_rule), ctx.shards[task.client], ctx.train,
+                           client_generator(ctx.seed, plan.round_idx, task.client))
+
+    def _server_rule(self, fabric, pair, sent, y, cfg, index):
+        """One server step; with the prompt kept from the alignment term, that term's gradient at
+        the cut is sent down too (counted as traffic in ``client_backward``'s batch)."""
+        with fabric.autocast():
+            loss = pair.server_loss(sent, y)
+        if self._blocks_alignment_from_prompt() and self._align_term is not None:
+            self._align_grad, = torch.autograd.grad(self._align_term, sent, retain_graph=True)
+            self._align_bytes += self._align_grad.numel() * self._align_grad.element_size()
+        self._align_term = None
+        fabric.backward(loss)
+        pair.clip_server(fabric, cfg)
+        pair.server_optimizer.step()
+        return loss.detach(), sent.grad
+
     def server_objective(self, task, plan):
         import torch.nn.functional as F
 
         depth = task.options["index"]
+        harmonizer = self.harmonizer_worker
+        self._align_term, self._align_bytes = None, 0
 
         def loss(back, sent, y):
-            task_loss = F.cross_entropy(back(sent), y)
-            if not self.use_harmonizer:
-                return task_loss
-            align, counts = self.harmonizer_worker(sent, y, depth)
+            logits = back(sent)
+            # without harmonization the projector learns on detached interfaces: the estimator's probe
+            features = harmonizer.project(sent if self.use_harmonizer else sent.detach(), depth)
+            if self.harmonized:
+                logits = logits + harmonizer.head(features).to(logits.dtype)
+            counts = harmonizer.update_prototypes(features.detach(), y)
             self._class_counts += counts.to(self._class_counts.dtype)
-            return task_loss + self.lambda_align * align
+            align = self.lambda_align * harmonizer.alignment_loss(features, y)
+            self._align_term = align if self.use_harmonizer else None
+            return F.cross_entropy(logits, y) + align
         return loss
 
     @torch.no_grad()
     def _after_fit(self, task: ClientTask, calibration: dict) -> Dict[str, float]:
-        """Descriptors on the probe batch with the trained front and prompt; the client's new
+        """Descriptors on the probe batch with the trained front and prompt (batch norm on the
+        probe batch's statistics, as the interface is computed in training); the client's new
         store entry waits in ``_pending`` until the result is committed."""
+        from fl_lightning.elastic.bn import batch_statistics
         from fl_lightning.modules.harmonizer import pool_interface
+        from fl_lightning.modules.split import tensor_bytes
         from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
 
         x, y = self._probe(task.client)
         state = self.store.get(task.client)
-        worker = self.client_worker
-        was_training = worker.training
-        worker.eval()
-        front, _ = worker.split(self.cuts[0])
-        with self.ctx.fabric.autocast():
-            shallow = self._prompted(front, self._prompt.detach())(x)
-        worker.train(was_training)
+        with batch_statistics(self.client_worker):
+            front, _ = self.client_worker.split(self.cuts[0])
+            with self.ctx.fabric.autocast():
+                shallow = self._prompted(front, self._prompt.detach())(x)
         pooled = pool_interface(shallow).float()
         alignment = float(self.harmonizer_worker.true_class_probability(shallow, y, 0))
         previous = state["probe_features"] if state["has_descriptor"].item() else None
@@ -370,18 +480,25 @@ class FedSGA(SplitFed):
             "sufficient": calibration.get("sufficient"),
         }
         figures = {"cut": task.options["index"], "alignment": alignment, "stability": stability,
-                   "prompt_variation": variation, "probe_bytes": shallow.numel() * shallow.element_size()}
+                   "prompt_variation": variation, "prompt_norm": float(self._prompt.detach().norm()),
+                   "probe_bytes": tensor_bytes(shallow) + tensor_bytes(y), "align_bytes_down": self._align_bytes}
         if "r" in task.options:
             figures["r"] = task.options["r"]
         return figures
+
+    def client_result(self, task, fit, module=None, state=None):
+        result = super().client_result(task, fit, module, state)
+        result.metrics["cut_bytes_down"] += self._align_bytes  # the alignment gradient crossed too
+        result.metrics["bytes_down"] += self._align_bytes
+        return result
 
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)
         pending = self._pending.pop(task.client)
         weight = float(result.num_samples)
-        if self.use_harmonizer:
-            for name, param in self.harmonizer_worker.named_parameters():
-                self._harm_sums[name] += weight * param.detach().double()
+        if self.version == "v1":  # server copies: the projector and prototypes are averaged
+            for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
+                self._harm_sums[name] += weight * value.detach().double()
             self._harm_weight += weight
             self._proto_sums += self._class_counts[:, None] * self.harmonizer_worker.prototypes.double()
             self._proto_counts += self._class_counts
@@ -393,6 +510,13 @@ class FedSGA(SplitFed):
 
     # -- the server's round end -----------------------------------------------------------------
     def round_tensors(self) -> Dict[str, torch.Tensor]:
+        if self.version == "v2" and self._trained_here:  # the shared harmonizer, from the rank that trained it
+            h = self.harmonizer_worker
+            for name, value in self._harmonizer_tensors(h).items():
+                self._harm_sums[name] = value.detach().double().clone()
+            self._harm_weight = torch.ones_like(self._harm_weight)
+            self._proto_sums = h.prototypes.double() * h.has_prototype.double()[:, None]
+            self._proto_counts = h.has_prototype.double().clone()
         out = {f"harmonizer/{k}": v for k, v in self._harm_sums.items()}
         out.update({"harmonizer/weight": self._harm_weight, "prototypes/sums": self._proto_sums,
                     "prototypes/counts": self._proto_counts, "calibration/pairs": self._cal_pairs})
@@ -406,16 +530,20 @@ class FedSGA(SplitFed):
         with torch.no_grad():
             weight = sums["harmonizer/weight"]
             if weight > 0:
-                for name, param in h.named_parameters():
-                    param.copy_((sums[f"harmonizer/{name}"] / weight).to(param.dtype))
+                for name, value in self._harmonizer_tensors(h).items():
+                    value.copy_((sums[f"harmonizer/{name}"] / weight).to(value.dtype))
             counts = sums["prototypes/counts"]
             seen = counts > 0
             if seen.any():
                 means = sums["prototypes/sums"][seen] / counts[seen, None]
-                h.prototypes[seen] = F.normalize(means, dim=1).to(h.prototypes.dtype)
+                if self.version == "v1":  # a count-weighted mean of unit vectors, back onto the sphere
+                    means = F.normalize(means, dim=1)
+                h.prototypes[seen] = means.to(h.prototypes.dtype)
                 h.has_prototype[seen] = 1.0
-        figures = {"split/mean_index": sum(t.options["index"] for t in plan.tasks) / len(plan.tasks),
-                   "split/frac_p1": sum(t.options["index"] == 0 for t in plan.tasks) / len(plan.tasks)}
+        cuts = [t.options["index"] for t in plan.tasks]
+        figures = {"split/mean_index": sum(cuts) / len(cuts),
+                   "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)}
+        figures.update({f"split/frac_cut{k}": sum(c == k for c in cuts) / len(cuts) for k in range(len(self.cuts))})
         pairs = sums["calibration/pairs"].cpu()
         new_pairs = pairs[pairs[:, 4] > 0, :4]
         if len(new_pairs):
@@ -430,6 +558,27 @@ class FedSGA(SplitFed):
 
     def round_metrics(self, sums) -> Dict[str, float]:
         return dict(self._round_figures)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        """The served model: with the harmonized prediction, the model cut at ``eval_cut``
+        (default p_ref) with the harmonizer's head; every candidate's accuracy as ``acc_cut<k>``."""
+        if not self.harmonized:
+            return super().evaluate(split, batch_size)
+        from fl_lightning.modules.harmonizer import HarmonizedNetwork
+        from fl_lightning.runtime.evaluation import evaluate
+
+        data, model = self.ctx.data, self.ctx.model
+        dataset, indices = data.split(split)
+        out = {}
+        for depth, cut in enumerate(self.cuts):
+            served = HarmonizedNetwork(model, self.harmonizer, cut, depth).train(model.training)
+            metrics = evaluate(self.ctx.fabric, served, dataset, indices, data.bundle.num_classes, batch_size)
+            if depth == self.eval_index:
+                out.update(metrics)
+            if "acc" in metrics:
+                out[f"acc_cut{depth}"] = metrics["acc"]
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:

@@ -22,8 +22,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from fl_lightning.elastic.bn import batch_statistics  # noqa: F401  (the head/body methods' BN mode)
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.collectives import all_reduce_sum
@@ -82,30 +82,6 @@ def forward_features(model: nn.Module, classifier: nn.Module, x: torch.Tensor) -
         logits = model(x)
     return tap.value, logits
 
-
-@contextmanager
-def batch_statistics(model: nn.Module) -> Iterator[nn.Module]:
-    """The model as local training runs it, minus its side effects: batch norm normalizes by
-    each batch's own statistics and leaves its running statistics untouched; every other
-    module is in evaluation mode (no dropout). Modes are restored on exit.
-
-    Why: after the few local steps of a small shard, running statistics are far from the
-    data's, and an evaluation-mode batch-norm network is then effectively unnormalized
-    (features up to 100 times the training-mode ones were measured on the narrow ResNet-18)."""
-    modes = {m: m.training for m in model.modules()}
-    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
-    tracking = {m: m.track_running_stats for m in norms}
-    try:
-        model.eval()
-        for norm in norms:
-            norm.train()
-            norm.track_running_stats = False  # batch statistics, no running-statistics update
-        yield model
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
-        for norm, track in tracking.items():
-            norm.track_running_stats = track
 
 
 @contextmanager

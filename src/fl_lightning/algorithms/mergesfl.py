@@ -8,8 +8,8 @@ finishes an iteration at the same time) and the cohort is the candidate whose me
 distribution is closest to the global one (feature merging's IID approximation). The fronts are
 averaged weighted by the examples each processed, i.e. by ``b_i``.
 
-The cohort trains in lock-step, so it runs on one rank (``sequential_clients``): the first
-``fit_client`` call of a round trains the whole cohort and the others hand out its results.
+The cohort trains in lock-step, so it runs on one rank (``sequential_clients``) through the
+cohort hook ``fit_cohort``.
 docs/sfl_baselines.md has the rules, options and departures.
 """
 
@@ -20,9 +20,8 @@ from typing import Dict, List, Literal, Optional, Sequence
 
 import torch
 
-from fl_lightning.algorithms.split_common import key_regions, label_counts, split_metrics, state_bytes
+from fl_lightning.algorithms.split_common import label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
-from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -195,66 +194,51 @@ class MergeSFL(SplitFed):
         return {"merge/kl": self._kl}
 
     # -- the lock-stepped cohort ----------------------------------------------------------------
-    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        if task is plan.tasks[0]:
-            self._results = self._fit_cohort(plan)
-        return self._results.pop(task.client)
+    def fit_cohort(self, plan: RoundPlan, owned):
+        """The whole cohort in lock-step (it runs on one rank), then each client's result."""
+        if not owned:
+            return
+        results = self._fit_cohort(plan)
+        for task in owned:
+            yield task, results[task.client]
 
     def _fit_cohort(self, plan: RoundPlan) -> Dict[int, ClientResult]:
-        from fl_lightning.modules.split import sgd
+        from fl_lightning.modules.split import SplitFit
         from fl_lightning.modules.split_variants import merged_step
         from fl_lightning.runtime.client_data import ClientData
 
-        ctx, cut, tasks = self.ctx, self.cut, plan.tasks
-        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
-        load_routed_state(self.server_worker, self.global_state, key_regions(self.global_state, back_keys))
-        self.server_worker.train()
-        _, back = self.server_worker.split(cut)
+        ctx, tasks = self.ctx, plan.tasks
         while len(self.slots) < len(tasks):  # one client model per cohort member: they train at once
             self.slots.append(ctx.make_model().to(ctx.fabric.device))
-        forwards, optimizers, params, streams = [], [], [], []
+        pairs, streams, fits = [], [], []
         steps = self.iterations(plan)
-        for slot, task in zip(self.slots, tasks):
-            load_routed_state(slot, self.global_state, key_regions(self.global_state, front_keys))
-            slot.train()
-            front, _ = slot.split(cut)
-            trained = list(front.parameters()) + self.client_trainables(task)
-            params.append(trained)
-            optimizers.append(sgd(trained, plan.lr, ctx.train))
-            forwards.append(self.client_forward(front, task))
+        for i, (slot, task) in enumerate(zip(self.slots, tasks)):
+            shared = pairs[0].server_optimizer if pairs else None
+            pairs.append(self.make_pair(task, plan, client_worker=slot, load_server=i == 0, server_optimizer=shared))
             shard = ctx.shards[task.client]
             data = ClientData(shard.dataset, shard.indices, task.options["batch_size"], shard.device,
                               shard.num_workers)
             streams.append(data.steps(steps, client_generator(ctx.seed, plan.round_idx, task.client)))
-        server_params = list(back.parameters()) + self.server_trainables(tasks[0])
-        server_lr = self.server_lr if self.server_lr is not None else plan.lr
-        server_opt = self._server_optimizer(server_params, server_lr)
-        objective = self.server_objective(tasks[0], plan)
-        n = len(tasks)
-        up, down, examples, client_s, server_s = [0] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n
+            fits.append(SplitFit(0))
+        head = pairs[0]
         losses = []
         for _ in range(steps):
-            step = merged_step(ctx.fabric, forwards, lambda zs, y: objective(back, zs, y), optimizers, server_opt,
-                               [next(s) for s in streams], ctx.train, params, server_params,
-                               rescale=self.rescale_gradients)
+            step = merged_step(ctx.fabric, pairs, head.server_loss, head.server_optimizer, head.server_module,
+                               [next(s) for s in streams], fits, ctx.train, rescale=self.rescale_gradients)
             losses.append(step.loss)
             rows = sum(step.sizes)
-            for i in range(n):
-                up[i] += step.bytes_up[i]
-                down[i] += step.bytes_down[i]
-                examples[i] += step.sizes[i]
-                client_s[i] += step.client_seconds[i]
-                server_s[i] += step.server_seconds * step.sizes[i] / rows  # the shared step, by rows
-        self._stash_momentum(server_opt)
+            for fit, n, seconds in zip(fits, step.sizes, step.client_seconds):
+                fit.examples += n
+                fit.num_samples += n
+                fit.client_seconds += seconds
+                fit.server_seconds += step.server_seconds * n / rows  # the shared step, by rows
+        self._stash_momentum(head.server_optimizer)
         loss = sum(losses) / len(losses) if losses else 0.0
-        model_bytes = state_bytes(self.global_state, front_keys)
         results = {}
-        for i, (slot, task) in enumerate(zip(self.slots, tasks)):
-            metrics = split_metrics(self.halves, cut, model_bytes, steps=steps, seconds=client_s[i] + server_s[i],
-                                    client_seconds=client_s[i], server_seconds=server_s[i], cut_bytes_up=up[i],
-                                    cut_bytes_down=down[i], examples=examples[i])
-            metrics["batch_size"] = task.options["batch_size"]
-            results[task.client] = ClientResult(task.client, examples[i], loss,
-                                                update=Routed(slot, key_regions(self.global_state, front_keys)),
-                                                module=slot, metrics=metrics)
+        for fit, slot, task in zip(fits, self.slots, tasks):
+            fit.steps, fit.loss = steps, loss
+            fit.seconds = fit.client_seconds + fit.server_seconds
+            result = self.client_result(task, fit, module=slot)
+            result.metrics["batch_size"] = task.options["batch_size"]
+            results[task.client] = result
         return results

@@ -22,9 +22,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fl_lightning.algorithms.split_common import key_regions, label_counts, split_metrics, state_bytes
+from fl_lightning.algorithms.split_common import key_regions, label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
-from fl_lightning.elastic.routing import Routed, load_routed_state
+from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -202,27 +202,16 @@ class MultiSFL(SplitFed):
 
     # -- a client's round -----------------------------------------------------------------------
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        from fl_lightning.modules.split import sgd
-        from fl_lightning.modules.split_variants import train_split_replay
+        from fl_lightning.modules.split import split_step, train_split
+        from fl_lightning.modules.split_variants import Replay
         from fl_lightning.runtime.client_data import ClientData
 
         ctx, cut, branch = self.ctx, task.cut, task.options["branch"]
         state = self.branches[branch]
-        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
-        front_regions = key_regions(state, front_keys)
-        load_routed_state(self.client_worker, state, front_regions)
-        load_routed_state(self.server_worker, state, key_regions(state, back_keys))
-        for worker in (self.client_worker, self.server_worker, self.helper_worker):
-            worker.train()
-        front, _ = self.client_worker.split(cut)
-        _, back = self.server_worker.split(cut)
+        front_regions = key_regions(state, self.halves.front(cut))
+        pair = self.make_pair(task, plan, state=state)
+        self.helper_worker.train()
         helper_front, _ = self.helper_worker.split(cut)
-        server_lr = self.server_lr if self.server_lr is not None else plan.lr
-        client_params = list(front.parameters()) + self.client_trainables(task)
-        server_params = list(back.parameters()) + self.server_trainables(task)
-        client_opt = sgd(client_params, plan.lr, ctx.train)
-        server_opt = self._server_optimizer(server_params, server_lr)
-        objective = self.server_objective(task, plan)
         shard = ctx.shards[task.client]
         helper_data, assistants = None, 0
         if self.replay:
@@ -234,24 +223,17 @@ class MultiSFL(SplitFed):
         def refresh_helper():  # the assistants receive the client portion as it is now
             load_routed_state(self.helper_worker, self.client_worker.state_dict(), front_regions)
 
-        fit = train_split_replay(ctx.fabric, self.client_forward(front, task), self.client_forward(helper_front, task),
-                                 refresh_helper, lambda zs, y: objective(back, zs, y), client_opt, server_opt,
-                                 shard, helper_data, ctx.train, client_generator(ctx.seed, plan.round_idx, task.client),
-                                 torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx,
-                                                                           task.client)),
-                                 client_params=client_params, server_params=server_params)
-        model_bytes = state_bytes(state, front_keys)
-        metrics = split_metrics(self.halves, cut, model_bytes, steps=fit.steps, seconds=fit.seconds,
-                                client_seconds=fit.client_seconds, server_seconds=fit.server_seconds,
-                                cut_bytes_up=fit.cut_bytes_up, cut_bytes_down=fit.cut_bytes_down,
-                                examples=fit.examples)
-        metrics.update({"branch": branch, "cut": self.cuts.index(cut), "assistants": assistants,
-                        "replay_examples": fit.replay_examples, "replay_bytes_up": fit.replay_bytes_up,
-                        "replay_model_bytes": assistants * fit.snapshots * model_bytes})
-        regions = key_regions(state, front_keys, "front.")
-        regions.update(key_regions(state, back_keys, "back."))
-        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(self.pair, regions),
-                            module=self.pair, metrics=metrics)
+        replay = Replay(self.client_forward(helper_front, task), refresh_helper, helper_data,
+                        torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),
+                        shard.batches_per_epoch())
+        fit = train_split(ctx.fabric, split_step(pair, replay), shard, ctx.train,
+                          client_generator(ctx.seed, plan.round_idx, task.client))
+        result = self.client_result(task, fit, state=state)
+        model_bytes = result.metrics["model_bytes"]
+        result.metrics.update({"branch": branch, "cut": self.cuts.index(cut), "assistants": assistants,
+                               "replay_examples": replay.examples, "replay_bytes_up": replay.bytes_up,
+                               "replay_model_bytes": assistants * replay.snapshots * model_bytes})
+        return result
 
     def commit(self, acc, task, result, plan) -> None:
         """Every branch weighs the same in the master (the authors' plain mean); the trained

@@ -64,18 +64,19 @@ class MUSplitFed(SplitFed):
         if not (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
             raise ConfigError("algorithm.zo_smoothing", f"must be a finite number > 0, got {s!r}")
 
-    def train_pass(self, task, plan, client_forward, server_loss, client_opt, server_opt, client_params,
-                   server_params):
-        """``tau`` server steps per client batch (``modules/split_variants.train_unbalanced``)."""
-        from fl_lightning.modules.split_variants import train_unbalanced
+    def train_pass(self, task, plan, pair):
+        """``tau`` server steps per client batch (``modules/split_variants.py``): first order as a
+        server rule, zeroth order as a step of its own."""
+        from fl_lightning.modules.split import split_step, train_split
+        from fl_lightning.modules.split_variants import unbalanced, zeroth_order_step
 
         ctx = self.ctx
-        zo_generator = None
         if self.estimator == "zo":
-            zo_generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ZO_STREAM, plan.round_idx, task.client))
-        return train_unbalanced(ctx.fabric, client_forward, server_loss, client_opt, server_opt,
-                                ctx.shards[task.client], ctx.train,
-                                client_generator(ctx.seed, plan.round_idx, task.client), self.tau,
-                                feedback_at=self.feedback_at, client_params=client_params,
-                                server_params=server_params, estimator=self.estimator,
-                                smoothing=self.zo_smoothing, zo_generator=zo_generator)
+            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ZO_STREAM, plan.round_idx, task.client))
+            step = zeroth_order_step(pair, self.tau, self.feedback_at, self.zo_smoothing, generator)
+        else:
+            step = split_step(pair, unbalanced(self.tau, self.feedback_at))
+        fit = train_split(ctx.fabric, step, ctx.shards[task.client], ctx.train,
+                          client_generator(ctx.seed, plan.round_idx, task.client))
+        fit.extras["server_steps"] = fit.steps * self.tau
+        return fit

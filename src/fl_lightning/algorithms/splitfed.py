@@ -111,19 +111,23 @@ class SplitFed(FedAvg):
         self.client_worker = ctx.make_model().to(device)
         self.server_worker = ctx.make_model().to(device)
         self.pair = nn.ModuleDict({"front": self.client_worker, "back": self.server_worker})
-        self.server_optimizer = None  # V2: one optimizer across clients and rounds
-        self._server_momentum: Dict[str, torch.Tensor] = {}
+        self._server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
+        self._server_weight: Dict[str, float] = {}  # V2: per back key, the committed clients' examples
 
     # -- a round --------------------------------------------------------------------------------
     def plan(self, round_idx: int) -> RoundPlan:
+        return RoundPlan(round_idx, self.round_lr(round_idx),
+                         [ClientTask(c, cut=self.cut_for(c, round_idx)) for c in self.cohort(round_idx)])
+
+    def cohort(self, round_idx: int) -> List[int]:
+        """The round's clients; V2's server visits them in a seeded random order."""
         ctx = self.ctx
         cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
-        if self.version == "v2":  # the server visits the clients in a random order
+        if self.version == "v2":
             order = torch.randperm(len(cohort), generator=torch.Generator().manual_seed(
                 derive_seed(ctx.seed, ORDER_STREAM, round_idx)))
             cohort = [cohort[i] for i in order.tolist()]
-        return RoundPlan(round_idx, self.round_lr(round_idx),
-                         [ClientTask(c, cut=self.cut_for(c, round_idx)) for c in cohort])
+        return cohort
 
     def cut_for(self, client: int, round_idx: int) -> str:
         return self.cut
@@ -144,108 +148,158 @@ class SplitFed(FedAvg):
         """Client-side tensors trained besides the front (FedSGA: the prompt)."""
         return []
 
-    def server_trainables(self, task: ClientTask) -> List[torch.Tensor]:
-        """Server-side tensors trained besides the back (FedSGA: the harmonizer)."""
-        return []
+    def server_trainables(self) -> Dict[str, torch.Tensor]:
+        """Server-side tensors trained with the back, by name (FedSGA: the harmonizer)."""
+        return {}
+
+    def server_probes(self) -> Dict[str, torch.Tensor]:
+        """Server-side tensors trained beside the back on detached inputs, by name, in a
+        parameter group of their own (FedSGA without harmonization: the estimator's probe)."""
+        return {}
+
+    def client_backward(self, task: ClientTask):
+        """The client's backward from the gradient at the cut (None: ``fabric.backward``)."""
+        return None
 
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        from fl_lightning.modules.split import sgd
+        pair = self.make_pair(task, plan)
+        fit = self.train_pass(task, plan, pair)
+        if self.version == "v2":
+            self._stash_momentum(pair.server_optimizer)
+        return self.client_result(task, fit)
+
+    def make_pair(self, task: ClientTask, plan: RoundPlan, client_worker: Optional[nn.Module] = None,
+                  load_server: Optional[bool] = None, server_optimizer=None,
+                  state: Optional[Dict[str, torch.Tensor]] = None):
+        """The client round's two halves with their optimizers (``modules/split.py``).
+
+        The client half is ``client_worker`` (default: the rank's worker) holding the global
+        front; the server half is a copy of the global back for this client (V1), or the one
+        shared server half, loaded from the global model at the round's first client and
+        carrying its momentum across clients and rounds (V2). ``state``: the tensors to load
+        instead of the global model's (MultiSFL's branches)."""
+        from fl_lightning.modules.split import make_pair
 
         ctx, cut = self.ctx, task.cut
-        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
-        load_routed_state(self.client_worker, self.global_state, key_regions(self.global_state, front_keys))
-        if self.version == "v1" or task is plan.tasks[0]:  # V2: the server half carries over within the round
-            load_routed_state(self.server_worker, self.global_state, key_regions(self.global_state, back_keys))
-        self.client_worker.train()
+        source = state if state is not None else self.global_state
+        worker = client_worker if client_worker is not None else self.client_worker
+        load_routed_state(worker, source, key_regions(source, self.halves.front(cut)))
+        if load_server is None:
+            load_server = self.version == "v1" or task is plan.tasks[0]
+        if load_server:  # V2: everything any client of the run may train on the server
+            back_keys = self.halves.back(cut if self.version == "v1" else self.cuts[0])
+            load_routed_state(self.server_worker, source, key_regions(source, back_keys))
+        worker.train()
         self.server_worker.train()
-        front, _ = self.client_worker.split(cut)
+        front, _ = worker.split(cut)
         _, back = self.server_worker.split(cut)
-        server_lr = self.server_lr if self.server_lr is not None else plan.lr
-        client_params = list(front.parameters()) + self.client_trainables(task)
-        server_params = list(back.parameters()) + self.server_trainables(task)
-        client_opt = sgd(client_params, plan.lr, ctx.train)
-        server_opt = self._server_optimizer(server_params, server_lr)
         objective = self.server_objective(task, plan)
-        fit = self.train_pass(task, plan, self.client_forward(front, task), lambda zs, y: objective(back, zs, y),
-                              client_opt, server_opt, client_params, server_params)
+        extra, probes = self.server_trainables(), self.server_probes()
+        server_params = list(back.parameters()) + list(extra.values())
+        names = {id(p): name for name, p in self.server_worker.named_parameters()}
+        names.update({id(p): name for name, p in {**extra, **probes}.items()})
+        self._server_names = names
+        momentum = None
         if self.version == "v2":
-            self._stash_momentum(server_opt)
-        regions = key_regions(self.global_state, front_keys, "front.")
-        if self.version == "v1":
-            regions.update(key_regions(self.global_state, back_keys, "back."))
-        metrics = split_metrics(self.halves, cut, state_bytes(self.global_state, front_keys), steps=fit.steps,
+            momentum = {id(p): self._server_momentum[names[id(p)]] for p in server_params + list(probes.values())
+                        if names.get(id(p)) in self._server_momentum}
+        return make_pair(ctx.fabric, ctx.train, client_forward=self.client_forward(front, task),
+                         server_loss=lambda zs, y: objective(back, zs, y), client_module=front,
+                         server_module=back, client_params=list(front.parameters()) + self.client_trainables(task),
+                         server_params=server_params, lr=plan.lr,
+                         server_lr=self.server_lr if self.server_lr is not None else plan.lr,
+                         server_momentum=momentum, after_client_backward=self.after_client_backward(task),
+                         server_optimizer=server_optimizer, probe_params=list(probes.values()),
+                         client_backward=self.client_backward(task))
+
+    def train_pass(self, task: ClientTask, plan: RoundPlan, pair):
+        """One client's split training over its shard with the standard step (``modules/split.py``);
+        MU-SplitFed changes the step, MultiSFL the server rule."""
+        from fl_lightning.modules.split import split_step, train_split
+
+        ctx = self.ctx
+        return train_split(ctx.fabric, split_step(pair), ctx.shards[task.client], ctx.train,
+                           client_generator(ctx.seed, plan.round_idx, task.client))
+
+    def client_result(self, task: ClientTask, fit, module: Optional[nn.Module] = None,
+                      state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:
+        """The client's result with the figures of a split round: the trained front (and V1's
+        server copy) of ``state`` (default: the global model), or the front held by ``module``."""
+        cut = task.cut
+        state = state if state is not None else self.global_state
+        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
+        if module is None:
+            module = self.pair
+            regions = key_regions(state, front_keys, "front.")
+            if self.version == "v1":
+                regions.update(key_regions(state, back_keys, "back."))
+        else:
+            regions = key_regions(state, front_keys)
+        metrics = split_metrics(self.halves, cut, state_bytes(state, front_keys), steps=fit.steps,
                                 seconds=fit.seconds, client_seconds=fit.client_seconds,
                                 server_seconds=fit.server_seconds, cut_bytes_up=fit.cut_bytes_up,
                                 cut_bytes_down=fit.cut_bytes_down, examples=fit.examples)
         metrics.update(fit.extras)
-        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(self.pair, regions),
-                            module=self.pair, metrics=metrics)
-
-    def train_pass(self, task: ClientTask, plan: RoundPlan, client_forward, server_loss, client_opt, server_opt,
-                   client_params, server_params):
-        """One client's split training over its shard (``modules/split.py``); MU-SplitFed
-        replaces it with its unbalanced server updates."""
-        from fl_lightning.modules.split import train_split
-
-        ctx = self.ctx
-        return train_split(ctx.fabric, client_forward, server_loss, client_opt, server_opt, ctx.shards[task.client],
-                           ctx.train, client_generator(ctx.seed, plan.round_idx, task.client),
-                           client_params=client_params, server_params=server_params,
-                           after_client_backward=self.after_client_backward(task))
+        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(module, regions),
+                            module=module, metrics=metrics)
 
     def after_client_backward(self, task: ClientTask):
         return None
 
-    def _server_optimizer(self, params, lr: float) -> torch.optim.Optimizer:
-        from fl_lightning.modules.split import sgd
-
-        if self.version == "v1":
-            return sgd(params, lr, self.ctx.train)
-        # V2: one server half for every client; its momentum carries across clients and rounds
-        optimizer = sgd(params, lr, self.ctx.train)
-        names = {id(p): name for name, p in self.server_worker.named_parameters()}
-        for p in params:
-            buffer = self._server_momentum.get(names.get(id(p), ""))
-            if buffer is not None:
-                optimizer.state[p]["momentum_buffer"] = buffer.clone()
-        return optimizer
-
     def _stash_momentum(self, optimizer: torch.optim.Optimizer) -> None:
-        names = {id(p): name for name, p in self.server_worker.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                buffer = optimizer.state.get(p, {}).get("momentum_buffer")
-                if buffer is not None and id(p) in names:
-                    self._server_momentum[names[id(p)]] = buffer.detach().clone()
+        from fl_lightning.modules.split import momentum_buffers
+
+        for pid, buffer in momentum_buffers(optimizer).items():
+            if pid in self._server_names:
+                self._server_momentum[self._server_names[pid]] = buffer
+
+    # -- V2: the shared server half -------------------------------------------------------------
+    def commit(self, acc, task, result, plan) -> None:
+        super().commit(acc, task, result, plan)
+        if self.version == "v2":  # the server half holds this client's share of its back
+            for key in self.halves.back(task.cut):
+                self._server_weight[key] = self._server_weight.get(key, 0.0) + float(result.num_samples)
+
+    def close_cohort(self, acc, plan: RoundPlan, owned: List[int]) -> None:
+        """V2: the shared server half enters the average of every back tensor with the weight
+        of the committed clients it trained for (all of them when everyone cuts alike, so the
+        back becomes the server half's), unless its values went non-finite."""
+        weights, self._server_weight = self._server_weight, {}
+        if self.version != "v2" or not weights:
+            return
+        state = self.server_worker.state_dict()
+        if all(torch.isfinite(state[k]).all() for k in weights if state[k].is_floating_point()):
+            for key, weight in weights.items():
+                acc.add(state, weight, key_regions(self.global_state, [key]))
 
     def finish_round(self, new_state, sums, plan, owned) -> None:
         super().finish_round(new_state, sums, plan, owned)
-        if self.version == "v2":
-            self._publish_server_half(plan, owned)
+        if self.version == "v2" and self.ctx.train.momentum:
+            self._publish_server_momentum(owned)
 
-    def _publish_server_half(self, plan: RoundPlan, owned: List[int]) -> None:
-        """V2: the sequentially trained server half becomes the global back (rank 0 trained it)."""
+    def _server_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every server-side tensor V2 may train, by name: the backbone's parameters behind the
+        shallowest cut and the extra trainables."""
+        behind = set(self.halves.back(self.cuts[0]))
+        out = {name: p for name, p in self.server_worker.named_parameters() if name in behind}
+        out.update(self.server_trainables())
+        out.update(self.server_probes())
+        return out
+
+    def _publish_server_momentum(self, owned: List[int]) -> None:
+        """V2: every rank holds the server half's momentum (rank 0 trained it; a tensor that has
+        no buffer yet gets zeros, which SGD's next step treats as it treats none)."""
         from fl_lightning.runtime.collectives import all_reduce_sum
 
-        back_keys = self.halves.back(self.cut)
         trained = bool(owned)
-        values = {k: (self.server_worker.state_dict()[k].to(torch.float64) if trained
-                      else torch.zeros_like(self.global_state[k], dtype=torch.float64))
-                  for k in back_keys if self.global_state[k].is_floating_point()}
-        if self.ctx.train.momentum:  # every rank sends the same keys: zeros where it trained nothing
-            params = dict(self.server_worker.named_parameters())
-            for key in back_keys:
-                if key in params:
-                    buffer = self._server_momentum.get(key) if trained else None
-                    values[f"momentum/{key}"] = (buffer.to(torch.float64) if buffer is not None
-                                                 else torch.zeros_like(params[key], dtype=torch.float64))
+        values = {}
+        for name, tensor in self._server_tensors().items():
+            buffer = self._server_momentum.get(name) if trained else None
+            values[f"momentum/{name}"] = (buffer.to(torch.float64) if buffer is not None
+                                          else torch.zeros_like(tensor, dtype=torch.float64))
         reduced = all_reduce_sum(self.ctx.fabric, values)
-        with torch.no_grad():
-            for key in back_keys:
-                if key in reduced:
-                    self.global_state[key].copy_(reduced[key])
-        self._server_momentum = {k[len("momentum/"):]: v.to(self.global_state[k[len("momentum/"):]].dtype)
-                                 for k, v in reduced.items() if k.startswith("momentum/")}
+        tensors = self._server_tensors()
+        self._server_momentum = {name: reduced[f"momentum/{name}"].to(t.dtype) for name, t in tensors.items()}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {f"server_momentum/{k}": v for k, v in self._server_momentum.items()}

@@ -27,7 +27,7 @@ from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state
 from fl_lightning.federation.run_dir import JsonLines, RunDir
 from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
 from fl_lightning.runtime.plan import RoundPlan
-from fl_lightning.runtime.seeding import seed_client, shard_for_rank
+from fl_lightning.runtime.seeding import shard_for_rank
 
 NOT_SUMMED = ("round", "client", "loss")  # client-row keys that make no sense summed
 
@@ -120,9 +120,7 @@ class Federation:
         acc = algorithm.new_accumulator()
         rows: Dict[int, dict] = {}
         committed = 0
-        for task in owned:
-            seed_client(spec.seed, round_idx, task.client)
-            result = algorithm.fit_client(task, plan)
+        for task, result in algorithm.fit_cohort(plan, owned):
             problem = result.non_finite()
             if problem is None:
                 algorithm.commit(acc, task, result, plan)
@@ -130,6 +128,7 @@ class Federation:
                 rows[task.client] = result.row()
             else:  # left out of the round; the global model and the client's state stay as they were
                 rows[task.client] = {**result.row(), "skipped": problem}
+        algorithm.close_cohort(acc, plan, [t.client for t in owned])
         sums = all_reduce_sum(fabric, {**acc.tensors(), **algorithm.round_tensors(),
                                        "round/committed": torch.tensor(float(committed), dtype=torch.float64,
                                                                         device=fabric.device)})

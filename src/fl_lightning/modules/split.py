@@ -1,8 +1,18 @@
-"""One client's split training pass: the client half and the server half, each with its optimizer.
+"""The split-learning engine every split method trains with (docs/fedsga.md, "The cut").
 
-The activation crosses a real boundary: the server sees ``z.detach().requires_grad_()`` and
-sends back its gradient, which the client feeds to ``z.backward``. What crosses is counted
-from the tensors themselves (element size times count), in the precision the run uses.
+- :class:`SplitPair`: one client round's client half and server half, each with its optimizer
+  set up through Fabric, the server's objective and the traffic meter (:func:`make_pair`).
+- :func:`train_split`: the one training loop. For every batch of the client's shard (local
+  epochs or steps) it calls a *step*; the standard step (:func:`split_step`) is: the client
+  forward, the activation across a real ``detach()`` boundary, a *server rule* that updates
+  the server half and answers with the gradient at the cut, and the client's backward and step.
+- Server rules: :func:`one_step` (SplitFed V1 and V2, FedSGA); ``modules/split_variants.py``
+  has MU-SplitFed's unbalanced and zeroth-order updates, MultiSFL's replay and MergeSFL's merged
+  cohort step, all on these pieces.
+
+What crosses the cut is counted from the tensors themselves (element size times count), in the
+precision the run uses, by the pair's :class:`Traffic`. Both halves clip through
+``fabric.clip_gradients``, as local training does.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Optional
 
 import torch
+from torch import nn
 
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.runtime.client_data import ClientData
@@ -22,99 +33,210 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 @dataclass
+class Traffic:
+    """Bytes that crossed the cut during one client round."""
+
+    cut_bytes_up: int = 0
+    """Activations and labels sent to the server."""
+    cut_bytes_down: int = 0
+    """Gradients (or other feedback) at the cut sent back."""
+
+    def up(self, *tensors: torch.Tensor) -> None:
+        self.cut_bytes_up += sum(tensor_bytes(t) for t in tensors)
+
+    def down(self, *tensors: torch.Tensor) -> None:
+        self.cut_bytes_down += sum(tensor_bytes(t) for t in tensors)
+
+
+@dataclass
 class SplitFit:
     """What a split training pass did, per client and round."""
 
     num_samples: int
-    steps: int
-    loss: float
+    steps: int = 0
+    loss: float = 0.0
     """Mean server loss over the steps (the task loss plus any server-side term)."""
-    seconds: float
+    seconds: float = 0.0
     client_seconds: float = 0.0
     server_seconds: float = 0.0
-    cut_bytes_up: int = 0
-    """Activations and labels sent to the server."""
-    cut_bytes_down: int = 0
-    """Gradients at the cut sent back."""
     examples: int = 0
     """Examples passed through both halves (over all epochs)."""
+    traffic: Traffic = field(default_factory=Traffic)
     extras: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cut_bytes_up(self) -> int:
+        return self.traffic.cut_bytes_up
+
+    @property
+    def cut_bytes_down(self) -> int:
+        return self.traffic.cut_bytes_down
 
 
 ClientForward = Callable[[torch.Tensor], torch.Tensor]
 ServerLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def clip(params, cfg: LocalTrainConfig) -> None:
-    """Clip one half's gradients to ``cfg.grad_clip`` when it is set."""
-    if cfg.grad_clip is not None and params:
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+@dataclass
+class SplitPair:
+    """The two halves of one client round and what drives them."""
+
+    client_forward: ClientForward
+    """The client half on a batch (prompt included, if any)."""
+    server_loss: ServerLoss
+    """``(received activation, labels) -> loss`` the server half minimizes."""
+    client_module: nn.Module
+    server_module: nn.Module
+    client_optimizer: torch.optim.Optimizer
+    server_optimizer: torch.optim.Optimizer
+    after_client_backward: Optional[Callable[[], None]] = None
+    """Sees the client's gradients before its step (prompt statistics)."""
+    client_backward: Optional[Callable] = None
+    """``(fabric, z, grad)``: the client's backward from the gradient at the cut (default
+    ``fabric.backward(z, grad)``); FedSGA keeps the alignment part of it from the prompt."""
+
+    def clip_client(self, fabric, cfg: LocalTrainConfig) -> None:
+        _clip(fabric, self.client_module, self.client_optimizer, cfg)
+
+    def clip_server(self, fabric, cfg: LocalTrainConfig) -> None:
+        _clip(fabric, self.server_module, self.server_optimizer, cfg)
 
 
-def send_activation(fabric, client_forward: ClientForward, x: torch.Tensor, y: torch.Tensor, fit: SplitFit):
-    """The client half's forward and what the server receives: ``(z, z.detach().requires_grad_())``,
-    the activation and the labels counted as bytes up."""
-    with fabric.autocast():
-        z = client_forward(x)
-    sent = z.detach().requires_grad_()
-    fit.cut_bytes_up += tensor_bytes(sent) + tensor_bytes(y)
-    return z, sent
-
-
-def apply_gradient(z: torch.Tensor, grad: torch.Tensor, fit: SplitFit, client_optimizer: torch.optim.Optimizer,
-                   client_params, cfg: LocalTrainConfig, after_backward: Optional[Callable[[], None]] = None) -> None:
-    """The gradient at the cut, counted as bytes down, through the client half, then its step."""
-    fit.cut_bytes_down += tensor_bytes(grad)
-    z.backward(grad)
-    clip(client_params, cfg)
-    if after_backward is not None:
-        after_backward()
-    client_optimizer.step()
-
-
-def train_split(fabric, client_forward: ClientForward, server_loss: ServerLoss,
-                client_optimizer: torch.optim.Optimizer, server_optimizer: torch.optim.Optimizer,
-                data: ClientData, cfg: LocalTrainConfig, generator: torch.Generator,
-                client_params: Iterable[torch.Tensor] = (), server_params: Iterable[torch.Tensor] = (),
-                after_client_backward: Optional[Callable[[], None]] = None) -> SplitFit:
-    """``cfg.epochs`` epochs (or ``cfg.steps`` steps) of split training on one client's shard.
-
-    ``client_forward(x)`` is the client half (prompt included, if any); ``server_loss(zs, y)``
-    runs the server half from the received activation and returns the loss it minimizes.
-    Both optimizers are stepped once per batch; ``client_params`` / ``server_params`` are
-    clipped to ``cfg.grad_clip`` when it is set. ``after_client_backward`` sees the client's
-    gradients before its step (prompt statistics).
-    """
-    start = time.perf_counter()
-    client_params, server_params = list(client_params), list(server_params)
-    batches = data.steps(cfg.steps, generator) if cfg.steps else (
-        b for _ in range(cfg.epochs) for b in data.epoch(generator))
-    fit = SplitFit(len(data), 0, 0.0, 0.0)
-    total = None
-    for x, y in batches:
-        client_optimizer.zero_grad(set_to_none=True)
-        server_optimizer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        z, sent = send_activation(fabric, client_forward, x, y, fit)
-        t1 = time.perf_counter()
-        with fabric.autocast():
-            loss = server_loss(sent, y)
-        fabric.backward(loss)
-        clip(server_params, cfg)
-        server_optimizer.step()
-        t2 = time.perf_counter()
-        apply_gradient(z, sent.grad, fit, client_optimizer, client_params, cfg, after_client_backward)
-        t3 = time.perf_counter()
-        fit.client_seconds += (t1 - t0) + (t3 - t2)
-        fit.server_seconds += t2 - t1
-        fit.steps += 1
-        fit.examples += len(y)
-        total = loss.detach() if total is None else total + loss.detach()
-    fit.loss = float(total) / fit.steps if fit.steps else 0.0
-    fit.seconds = time.perf_counter() - start
-    return fit
+def _clip(fabric, module: nn.Module, optimizer: torch.optim.Optimizer, cfg: LocalTrainConfig) -> None:
+    """Clip to ``cfg.grad_clip``; each parameter group on its own norm (a probe trained beside
+    the server half must not change how the half is clipped)."""
+    if cfg.grad_clip is None or not any(group["params"] for group in optimizer.param_groups):
+        return
+    if len(optimizer.param_groups) == 1:
+        fabric.clip_gradients(module, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
+        return
+    for group in optimizer.param_groups:  # split methods refuse gradient scalers: nothing to unscale
+        torch.nn.utils.clip_grad_norm_(group["params"], cfg.grad_clip)
 
 
 def sgd(params, lr: float, cfg: LocalTrainConfig) -> torch.optim.SGD:
     """The local optimizer of either half: SGD with the run's momentum and weight decay."""
     return torch.optim.SGD(list(params), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def make_pair(fabric, cfg: LocalTrainConfig, *, client_forward: ClientForward, server_loss: ServerLoss,
+              client_module: nn.Module, server_module: nn.Module, client_params: Iterable[torch.Tensor],
+              server_params: Iterable[torch.Tensor], lr: float, server_lr: float,
+              server_momentum: Optional[Dict[int, torch.Tensor]] = None,
+              after_client_backward: Optional[Callable[[], None]] = None,
+              server_optimizer: Optional[torch.optim.Optimizer] = None,
+              probe_params: Iterable[torch.Tensor] = (), client_backward: Optional[Callable] = None) -> SplitPair:
+    """Build both optimizers through Fabric (SGD with the run's momentum and weight decay).
+
+    ``server_momentum`` maps ``id(param)`` to a momentum buffer to start from: a server half
+    that persists across clients and rounds (SplitFed V2, FedSGA's shared server) carries it.
+    ``server_optimizer``: an optimizer already built for the server half (a cohort that shares
+    one server step, MergeSFL); then ``server_params`` is not used. ``probe_params``: tensors
+    the server trains beside its half on detached inputs, in a parameter group of their own.
+    """
+    client_optimizer = fabric.setup_optimizers(sgd(client_params, lr, cfg))
+    if server_optimizer is None:
+        server_optimizer = sgd(server_params, server_lr, cfg)
+        probe_params = list(probe_params)
+        if probe_params:
+            server_optimizer.add_param_group({"params": probe_params})
+        for group in server_optimizer.param_groups:
+            for p in group["params"]:
+                buffer = (server_momentum or {}).get(id(p))
+                if buffer is not None:
+                    server_optimizer.state[p]["momentum_buffer"] = buffer.clone()
+        server_optimizer = fabric.setup_optimizers(server_optimizer)
+    return SplitPair(client_forward, server_loss, client_module, server_module, client_optimizer,
+                     server_optimizer, after_client_backward, client_backward)
+
+
+def momentum_buffers(optimizer: torch.optim.Optimizer) -> Dict[int, torch.Tensor]:
+    """``id(param) -> momentum buffer`` of every parameter that has one."""
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            buffer = optimizer.state.get(p, {}).get("momentum_buffer")
+            if buffer is not None:
+                out[id(p)] = buffer.detach().clone()
+    return out
+
+
+# -- the pieces of a step -------------------------------------------------------------------------
+def send_activation(fabric, pair: SplitPair, x: torch.Tensor, y: torch.Tensor, fit: SplitFit):
+    """The client half's forward and what the server receives: ``(z, z.detach().requires_grad_())``,
+    the activation and the labels counted as bytes up."""
+    with fabric.autocast():
+        z = pair.client_forward(x)
+    sent = z.detach().requires_grad_()
+    fit.traffic.up(sent, y)
+    return z, sent
+
+
+def apply_feedback(fabric, pair: SplitPair, z: torch.Tensor, grad: torch.Tensor, fit: SplitFit,
+                   cfg: LocalTrainConfig) -> None:
+    """The gradient at the cut, counted as bytes down, through the client half, then its step."""
+    fit.traffic.down(grad)
+    if pair.client_backward is not None:
+        pair.client_backward(fabric, z, grad)
+    else:
+        fabric.backward(z, grad)
+    pair.clip_client(fabric, cfg)
+    if pair.after_client_backward is not None:
+        pair.after_client_backward()
+    pair.client_optimizer.step()
+
+
+ServerRule = Callable[..., tuple]
+"""``rule(fabric, pair, sent, y, cfg, index) -> (loss, gradient at the cut)``: how the server
+half learns from one received batch (``index``: the batch's position in the client round)."""
+
+
+def one_step(fabric, pair: SplitPair, sent: torch.Tensor, y: torch.Tensor, cfg: LocalTrainConfig,
+             index: int) -> tuple:
+    """One server step on the received batch; the feedback is the gradient at the cut."""
+    with fabric.autocast():
+        loss = pair.server_loss(sent, y)
+    fabric.backward(loss)
+    pair.clip_server(fabric, cfg)
+    pair.server_optimizer.step()
+    return loss.detach(), sent.grad
+
+
+def split_step(pair: SplitPair, rule: ServerRule = one_step) -> Callable:
+    """The standard step: client forward, the server ``rule``, client backward and step."""
+
+    def step(fabric, index: int, x: torch.Tensor, y: torch.Tensor, fit: SplitFit, cfg: LocalTrainConfig):
+        pair.client_optimizer.zero_grad(set_to_none=True)
+        pair.server_optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        z, sent = send_activation(fabric, pair, x, y, fit)
+        t1 = time.perf_counter()
+        loss, grad = rule(fabric, pair, sent, y, cfg, index)
+        t2 = time.perf_counter()
+        apply_feedback(fabric, pair, z, grad, fit, cfg)
+        fit.client_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        fit.server_seconds += t2 - t1
+        return loss
+    return step
+
+
+def train_split(fabric, step: Callable, data: ClientData, cfg: LocalTrainConfig, generator: torch.Generator,
+                fit: Optional[SplitFit] = None) -> SplitFit:
+    """``cfg.epochs`` epochs (or ``cfg.steps`` steps) of ``step`` over one client's shard.
+
+    ``step(fabric, index, x, y, fit, cfg) -> loss`` trains both halves on one batch and adds
+    its traffic and time to ``fit``; this loop counts steps and examples and averages the loss.
+    """
+    start = time.perf_counter()
+    fit = fit if fit is not None else SplitFit(len(data))
+    batches = data.steps(cfg.steps, generator) if cfg.steps else (
+        b for _ in range(cfg.epochs) for b in data.epoch(generator))
+    total = None
+    for index, (x, y) in enumerate(batches):
+        loss = step(fabric, index, x, y, fit, cfg)
+        fit.steps += 1
+        fit.examples += len(y)
+        total = loss if total is None else total + loss
+    fit.loss = float(total) / fit.steps if fit.steps else 0.0
+    fit.seconds = time.perf_counter() - start
+    return fit

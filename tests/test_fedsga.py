@@ -1,0 +1,291 @@
+"""FedSGA as docs/fedsga.md describes it: reductions to SplitFed, the logged cut against Psi,
+the server loss and where its gradients go, harmonizer aggregation, ranks and resume."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fl_lightning.algorithms import FedSGA, SplitFed
+from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, ModelConfig, PartitionConfig
+from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.federation.loop import run_fit
+
+RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})
+TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+
+
+def saved(spec):
+    return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")
+
+
+def rows(spec, name):
+    return [json.loads(line) for line in (Path(spec.out_dir) / spec.name / name).read_text().splitlines()]
+
+
+def fedsga(**kw):
+    options = dict(calibration_every=2, probe_size=8, prompt_width=1)
+    options.update(kw)
+    return FedSGA(**options)
+
+
+def open_federation(spec):
+    from lightning.fabric import Fabric
+
+    from fl_lightning.federation.loop import Federation
+    from fl_lightning.federation.run_dir import RunDir
+
+    fed = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name))
+    fed._open_outputs()
+    return fed
+
+
+@pytest.mark.parametrize("server_model, version", [("shared", "v2"), ("copy", "v1")])
+def test_without_its_components_fedsga_is_splitfed_bit_for_bit(spec_factory, server_model, version):
+    """A static cut, no prompts and no harmonization: what is left is SplitFed with the same
+    server semantics (the probe still learns, on detached interfaces, and changes nothing)."""
+    fed = FederationConfig(rounds=3, clients_per_round=4)
+    reduced = fedsga(split_strategy="static", static_cut="layer2.1", adaptation_channel=False, harmonizer=False,
+                     server_model=server_model, respect_budgets=False)
+    a = spec_factory(name="sga", algorithm=reduced, model=RESNET, train=TRAIN, federation=fed)
+    b = spec_factory(name="sfl", algorithm=SplitFed(cut="layer2.1", version=version), model=RESNET, train=TRAIN,
+                     federation=fed)
+    run_fit(a)
+    run_fit(b)
+    for key, value in saved(a)["model"].items():
+        assert torch.equal(value, saved(b)["model"][key]), key
+    accuracy = [r["test_acc"] for r in rows(a, "metrics.jsonl")]
+    assert accuracy == [r["test_acc"] for r in rows(b, "metrics.jsonl")]
+
+
+def test_logged_cut_is_psi_of_the_logged_r_within_the_budget(spec_factory):
+    """Budgets between the second and third fronts' costs for some clients: every logged cut is
+    Psi(r) = clamp(round((1 - r + rho)(K - 1))), capped at the deepest affordable candidate,
+    recomputed here from fvcore's count of each front and the saved budgets."""
+    from fl_lightning.elastic.macs import count_macs
+    from fl_lightning.elastic.models import build_model
+
+    partition = PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
+                                budgets=BudgetConfig(zipf_s=1.2, b_min=3.0e5, b_max=6.0e5, b_cap=6.0e5))
+    spec = spec_factory(name="psi", algorithm=fedsga(rho=0.1), model=RESNET, train=TRAIN, partition=partition,
+                        federation=FederationConfig(rounds=5, clients_per_round=6))
+    run_fit(spec)
+    budgets = load_checkpoint(Path(spec.out_dir) / spec.name / "partition.pt")["budgets"].tolist()
+    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    cuts = ["layer1.1", "layer2.1", "layer3.1"]
+    macs = [count_macs(model.split(cut)[0], (1, 8, 8)) for cut in cuts]
+    afford = [max(k for k, m in enumerate(macs) if m <= b) for b in budgets]
+    assert set(afford) == {1, 2}  # some clients cannot afford the deepest cut
+    decided = [r for r in rows(spec, "clients.jsonl") if "r" in r]
+    assert decided
+    for r in decided:
+        k = int(torch.floor(torch.tensor((1 - r["r"] + 0.1) * 2 + 0.5, dtype=torch.float64)))
+        assert r["cut"] == min(max(k, 0), 2, afford[r["client"]]), r
+    for r in rows(spec, "clients.jsonl"):
+        assert r["cut"] <= afford[r["client"]]
+
+
+def hand_projection(harmonizer, z, depth):
+    """The harmonizer's projection written out: pooled, standardized with the batch's own
+    (biased) statistics, zero-padded, joined with the depth embedding, two linear layers, unit norm."""
+    pooled = z.mean(dim=(2, 3)).double()
+    pooled = (pooled - pooled.mean(0)) / torch.sqrt(pooled.var(0, unbiased=False) + 1e-5)
+    padded = torch.cat([pooled, torch.zeros(len(z), harmonizer.in_width - pooled.shape[1], dtype=torch.float64)], 1)
+    x = torch.cat([padded, harmonizer.depth_embedding.weight[depth].double().expand(len(z), -1)], 1)
+    first, second = harmonizer.projector[0], harmonizer.projector[2]
+    hidden = torch.relu(x @ first.weight.double().t() + first.bias.double())
+    out = hidden @ second.weight.double().t() + second.bias.double()
+    return out / out.norm(dim=1, keepdim=True)
+
+
+def test_server_loss_is_ce_plus_lambda_align_and_the_prompt_sees_the_task_only(spec_factory):
+    """One batch through a client pair at p1 (prototypes not yet set, so the batch's class means
+    become them): the server loss equals CE(back(z) + W Z) + lambda CE(Z C^T / tau_a), in
+    float64 by hand; the front's gradient holds the alignment term, the prompt's does not."""
+    spec = spec_factory(name="loss", algorithm=fedsga(lambda_align=0.5), model=RESNET, train=TRAIN,
+                        federation=FederationConfig(rounds=1, clients_per_round=2))
+    fed = open_federation(spec)
+    algorithm, ctx = fed.algorithm, fed.ctx
+    with torch.no_grad():
+        algorithm.harmonizer.head.weight.normal_(0, 0.1)  # a head that is not zero, so W Z counts
+    plan = algorithm.plan(0)
+    task = plan.tasks[0]
+    task.options["index"], task.cut = 0, "layer1.1"
+    state = algorithm.store.get(task.client)
+    with torch.no_grad():
+        state["prompt"].normal_(0, 0.1)
+    algorithm._prompt = state["prompt"].clone().requires_grad_(True)
+    algorithm._class_counts = torch.zeros_like(algorithm._proto_counts)
+    algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
+    pair = algorithm.make_pair(task, plan)
+    x, y = next(ctx.shards[task.client].steps(1, torch.Generator().manual_seed(0)))
+    z = pair.client_forward(x)
+    sent = z.detach().requires_grad_()
+    h = algorithm.harmonizer_worker
+    _, back = algorithm.server_worker.split("layer1.1")
+    with torch.no_grad():
+        features = hand_projection(h, sent, 0)
+        logits = back(sent).double() + features @ h.head.weight.double().t() + h.head.bias.double()
+        present = torch.unique(y)
+        means = torch.stack([features[y == c].mean(0) for c in present])
+        prototypes = means / means.norm(dim=1, keepdim=True)
+        align_logits = features @ prototypes.t() / 0.5
+        targets = torch.searchsorted(present, y)
+        expected = F.cross_entropy(logits, y) + 0.5 * F.cross_entropy(align_logits, targets)
+    loss = pair.server_loss(sent, y)
+    assert abs(float(loss.detach()) - float(expected)) <= 1e-5 * max(1.0, abs(float(expected)))
+
+    # where the gradients go: one server step, then the client's backward from the cut
+    from fl_lightning.modules.split import SplitFit, split_step
+
+    prompt0 = state["prompt"].clone()
+
+    def fresh_pair():  # both halves, the harmonizer and the prompt as the round starts
+        algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
+        algorithm._prompt = prompt0.clone().requires_grad_(True)
+        algorithm._grad_norms, algorithm._grad_steps = torch.zeros(algorithm.num_prompts, dtype=torch.float64), 0
+        return algorithm.make_pair(task, plan)
+
+    pair = fresh_pair()
+    fit = SplitFit(len(y))
+    split_step(pair, algorithm._server_rule)(ctx.fabric, 0, x, y, fit, ctx.train)
+    front = pair.client_module
+    prompt_grad = algorithm._prompt.grad.detach().clone()
+    front_grad = {n: p.grad.detach().clone() for n, p in front.named_parameters()}
+    assert fit.cut_bytes_down == sent.numel() * 4
+    assert algorithm._align_bytes == sent.numel() * 4  # the alignment term's gradient crossed too
+
+    # the same gradients by autograd through the composed network, from the same weights
+    fresh = fresh_pair()
+    z = fresh.client_forward(x)
+    total = algorithm.server_objective(task, plan)(back, z, y)
+    align = algorithm._align_term
+    task_grad, = torch.autograd.grad(total - align, algorithm._prompt, retain_graph=True)
+    align_only = torch.autograd.grad(align, list(front.parameters()), retain_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(total, list(front.parameters()))
+    assert torch.allclose(prompt_grad, task_grad, rtol=1e-4, atol=1e-6)
+    for (n, _), g in zip(front.named_parameters(), grads):
+        assert torch.allclose(front_grad[n], g, rtol=1e-4, atol=1e-6), n
+    assert any(g is not None and g.abs().sum() > 0 for g in align_only)  # the alignment term reaches the front
+
+
+def test_copied_harmonizers_average_by_hand(spec_factory):
+    """server_model: copy: the projector (and its normalization statistics) is the sample-weighted
+    mean of the clients' copies, each prototype the class-count-weighted mean, renormalized."""
+    spec = spec_factory(name="avg", algorithm=fedsga(server_model="copy"), model=RESNET, train=TRAIN,
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    fed = open_federation(spec)
+    algorithm = fed.algorithm
+    seen = []
+    commit = algorithm.commit
+
+    def recording(acc, task, result, plan):
+        seen.append((float(result.num_samples), algorithm._class_counts.clone(),
+                     {k: v.detach().double().clone() for k, v in algorithm.harmonizer_worker.state_dict().items()}))
+        commit(acc, task, result, plan)
+    algorithm.commit = recording
+    fed.run_round(0)
+    assert len(seen) == 3
+    total = sum(n for n, _, _ in seen)
+    h = algorithm.harmonizer.state_dict()
+    for key in h:
+        if key in ("prototypes", "has_prototype") or not h[key].is_floating_point():
+            continue
+        expected = sum(n * s[key] for n, _, s in seen) / total
+        assert torch.allclose(h[key].double(), expected, rtol=1e-5, atol=1e-6), key
+    counts = sum(c for _, c, _ in seen)
+    for k in torch.nonzero(counts > 0).flatten().tolist():
+        mean = sum(c[k] * s["prototypes"][k] for _, c, s in seen) / counts[k]
+        assert torch.allclose(h["prototypes"][k].double(), mean / mean.norm(), atol=1e-5), k
+
+
+def test_without_harmonization_the_probe_learns_and_labels_vary(spec_factory):
+    """The w/o Harmon. row keeps the estimator's signal: the probe's prototypes separate the
+    classes, so the calibration probe losses are not the uniform guess log C at every depth."""
+    import math
+
+    spec = spec_factory(name="probe", algorithm=fedsga(harmonizer=False), model=RESNET, train=TRAIN,
+                        federation=FederationConfig(rounds=4, clients_per_round=6))
+    run_fit(spec)
+    calibrated = [r for r in rows(spec, "clients.jsonl") if "probe_loss_p1" in r]
+    assert calibrated
+    losses = [r[k] for r in calibrated for k in ("probe_loss_p1", "probe_loss_ref")]
+    assert any(abs(v - math.log(10)) > 0.05 for v in losses)
+    assert len({round(v, 6) for v in losses}) > 2
+
+
+def test_calibration_and_descriptor_uploads_are_counted(spec_factory):
+    spec = spec_factory(name="bytes", algorithm=fedsga(), model=RESNET, train=TRAIN,
+                        federation=FederationConfig(rounds=2, clients_per_round=3))
+    run_fit(spec)
+    from fl_lightning.elastic.models import build_model
+
+    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    x = torch.zeros(1, 1, 8, 8)
+    p1 = model.forward_until(x, "layer1.1").numel() * 4
+    ref = model.forward_until(x, "layer2.1").numel() * 4
+    for r in rows(spec, "clients.jsonl"):
+        assert r["probe_bytes"] == 8 * (p1 + 8)  # the probe batch's shallow interface and labels
+        extra = r["probe_bytes"]
+        if r["round"] == 1:  # a calibration round: interfaces at p1 and p_ref, and the labels
+            assert r["calibration_bytes"] == 8 * (p1 + ref + 8)
+            extra += r["calibration_bytes"]
+        assert r["bytes_up"] == r["cut_bytes_up"] + r["model_bytes"] + extra
+        assert r["bytes_down"] == r["cut_bytes_down"] + r["model_bytes"]
+
+
+RANKS = """
+import sys
+from fl_lightning.algorithms import FedSGA, SplitFed
+from fl_lightning.config import *
+from fl_lightning.federation.builder import RunSpec
+from fl_lightning.federation.loop import run_fit
+
+devices, method, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+algorithm = (FedSGA(calibration_every=2, probe_size=8, prompt_width=1) if method == "fedsga"
+             else SplitFed(cut="layer2.1", version="v2"))
+run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=algorithm,
+                data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
+                model=ModelConfig(name="resnet18", kwargs={"width": 0.125}),
+                train=LocalTrainConfig(batch_size=16, lr=0.05, momentum=0.9),
+                federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
+                fabric=FabricConfig(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")))
+"""
+
+
+@pytest.mark.parametrize("method", ["fedsga", "splitfed_v2"])
+def test_two_ranks_equal_one_rank(tmp_path, method):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+
+    def run(devices, name):
+        done = subprocess.run([sys.executable, str(script), str(devices), method, name, str(tmp_path)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return load_checkpoint(tmp_path / name / "checkpoints" / "last.ckpt")
+
+    one, two = run(1, "one"), run(2, "two")
+    for part in ("model", "algorithm"):
+        for key, value in one[part].items():
+            assert torch.equal(value, two[part][key]), (part, key)
+
+
+@pytest.mark.parametrize("algorithm", [lambda: fedsga(), lambda: SplitFed(cut="layer2.1", version="v2")],
+                         ids=["fedsga", "splitfed_v2"])
+def test_resume_is_exact(spec_factory, algorithm):
+    fed = FederationConfig(rounds=4, clients_per_round=4)
+    whole = spec_factory(name="whole", algorithm=algorithm(), model=RESNET, train=TRAIN, federation=fed)
+    run_fit(whole)
+    part = spec_factory(name="part", algorithm=algorithm(), model=RESNET, train=TRAIN, federation=fed)
+    part.stop_after = 2
+    run_fit(part)
+    resumed = spec_factory(name="part", algorithm=algorithm(), model=RESNET, train=TRAIN, federation=fed)
+    resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
+    run_fit(resumed)
+    for section in ("model", "algorithm"):
+        for key, value in saved(whole)[section].items():
+            assert torch.equal(value, saved(resumed)[section][key]), (section, key)
