@@ -27,12 +27,19 @@ def saved(spec):
     return load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")
 
 
-def assert_same_model(a, b, atol=1e-6):
+def assert_same_model(a, b):
+    """Two float32 code paths of the same arithmetic: a few ulp per operation over a few hundred
+    steps stay well inside 1e-4 relative, 1e-5 absolute (parameters are O(0.1-1))."""
     for key, value in a.items():
         if value.is_floating_point():
-            assert torch.allclose(value, b[key], atol=atol), key
+            assert torch.allclose(value.double(), b[key].double(), rtol=1e-4, atol=1e-5), key
         else:
             assert torch.equal(value, b[key]), key
+
+
+def assert_equal_state(a, b):
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
 
 
 @pytest.mark.parametrize("model", [RESNET, VIT], ids=["resnet", "vit"])
@@ -70,14 +77,15 @@ def test_splitfed_v2_steps_one_server_half_client_by_client(spec_factory):
     ctx = fed.ctx
     plan = fed.algorithm.plan(0)
     assert plan.cohort != sorted(plan.cohort)  # this seed's order is shuffled
-    server = copy.deepcopy(ctx.model)
+    # the reference in float64, so only the run's own float32 rounding separates the two
+    server = copy.deepcopy(ctx.model).double()
     fronts, sizes = [], []
     for client in plan.cohort:
-        local = copy.deepcopy(ctx.model)
+        local = copy.deepcopy(ctx.model).double()
         front, _ = local.split(cut)
         _, back = server.split(cut)
         x, y = next(ctx.shards[client].steps(1, client_generator(ctx.seed, 0, client)))
-        F.cross_entropy(back(front(x)), y).backward()
+        F.cross_entropy(back(front(x.double())), y).backward()
         with torch.no_grad():
             for p in list(front.parameters()) + list(back.parameters()):
                 p -= lr * p.grad
@@ -91,10 +99,11 @@ def test_splitfed_v2_steps_one_server_half_client_by_client(spec_factory):
     for key in front_keys:
         if fed.algorithm.global_state[key].is_floating_point():
             expected = sum(n * f[key].double() for n, f in zip(sizes, fronts)) / total
-            assert torch.allclose(fed.algorithm.global_state[key].double(), expected, atol=1e-6), key
+            assert torch.allclose(fed.algorithm.global_state[key].double(), expected, rtol=1e-4, atol=1e-5), key
     for key in back_keys:
         if fed.algorithm.global_state[key].is_floating_point():
-            assert torch.allclose(fed.algorithm.global_state[key], server.state_dict()[key], atol=1e-6), key
+            assert torch.allclose(fed.algorithm.global_state[key].double(), server.state_dict()[key],
+                                  rtol=1e-4, atol=1e-5), key
 
 
 def test_v2_round_zero_with_one_client_matches_fedavg(spec_factory):
@@ -173,9 +182,8 @@ def test_fedsga_resumes_exactly(spec_factory):
     resumed = spec_factory(name="part", algorithm=fedsga(), model=VIT, train=TRAIN, federation=fed)
     resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
     run_fit(resumed)
-    assert_same_model(saved(whole)["model"], saved(resumed)["model"], atol=0)
-    for key, value in saved(whole)["algorithm"].items():
-        assert torch.equal(value, saved(resumed)["algorithm"][key]), key
+    assert_equal_state(saved(whole)["model"], saved(resumed)["model"])
+    assert_equal_state(saved(whole)["algorithm"], saved(resumed)["algorithm"])
 
 
 @pytest.mark.parametrize("options, key", [

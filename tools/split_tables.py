@@ -1,14 +1,18 @@
 """Tables of the split-FL comparison from saved multi-seed runs (``<root>/<method>_s<seed>``).
 
     python tools/split_tables.py runs/split/resnet18_narrow [more roots ...] [--reference fedsga]
+        [--noise runs/split/resnet18_narrow_threads2]
 
 Each root holds one setting (dataset, partition, backbone). Prints, per method, best (peak test accuracy over the evaluations) and final test accuracy
 as mean +- std over seeds (Tables 2-4, Fig. 4), paired per-seed differences against the
-reference, the split decisions (mean candidate index, share of client rounds at p1, share of
+reference with the 95% interval of their mean and what it shows (a difference is a finding
+only when the interval excludes zero), the split decisions (mean candidate index, share of client rounds at p1, share of
 calibration labels that found p1 sufficient), and the client cost per client and round
 (Table 5): activated client parameters, client forward+backward MACs, traffic both ways
 (what crosses the cut plus the model exchange) and client wall time, and the run's totals;
-with several roots, a final-accuracy table with a column per setting (Tables 2/3).
+with several roots, a final-accuracy table with a column per setting (Tables 2/3). ``--noise``
+names a root of the same methods and seeds run under other arithmetic (e.g.
+``--fabric.threads_per_rank 2``): the per-seed spread it prints is the noise floor.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from submodel_tables import collect, print_paired, run_figures
+from submodel_tables import collect, print_noise_floor, print_paired, run_figures
 from submodel_tables import pm as _pm
 
 
@@ -99,8 +103,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("roots", type=Path, nargs="+", help="one folder of <method>_s<seed> runs per setting")
     parser.add_argument("--reference", default="fedsga")
+    parser.add_argument("--noise", type=Path, default=None,
+                        help="the same methods and seeds under other arithmetic (noise floor of the first root)")
     args = parser.parse_args(argv)
     tables = {root: root_tables(root, args.reference) for root in args.roots}
+    if args.noise is not None:
+        other = {m: {s: run_figures(r) for s, r in seeds.items()} for m, seeds in collect(args.noise).items()}
+        print_noise_floor(tables[args.roots[0]], other, "method")
     if len(tables) > 1:  # Tables 2/3: a column per setting (dataset, partition, backbone)
         methods = list(dict.fromkeys(m for t in tables.values() for m in t))
         print("### Final test accuracy (%) per setting\n")

@@ -42,20 +42,61 @@ def pm(values, scale=100.0, digits=1) -> str:
     return f"{v.mean():.{digits}f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.{digits}f}"
 
 
+def paired_interval(differences) -> tuple[float, float]:
+    """Mean of paired differences and the half-width of its two-sided 95% Student-t interval
+    (nan with fewer than two pairs)."""
+    from scipy import stats
+
+    d = np.asarray(differences, dtype=np.float64)
+    if len(d) < 2:
+        return float(d.mean()) if len(d) else float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+    return float(d.mean()), float(half)
+
+
+def verdict(mean: float, half: float, reference: str) -> str:
+    """A difference is a finding only when its 95% interval excludes zero."""
+    if not np.isfinite(half):
+        return "too few seeds"
+    if mean - half > 0:
+        return f"above {reference}"
+    if mean + half < 0:
+        return f"below {reference}"
+    return "no difference detectable"
+
+
 def print_paired(figures: dict, reference: str, label: str) -> None:
-    """Per-seed final-accuracy differences of every entry against ``reference``, in points."""
+    """Per-seed final-accuracy differences of every entry against ``reference``, in points, with
+    the mean's 95% interval and what it shows."""
     ref = figures.get(reference)
     if not ref:
         return
-    print(f"\nPaired per-seed differences against {reference} ({label} - {reference}, final acc, points):\n")
-    print(f"| {label} | per seed | mean ± std |")
-    print("| --- | --- | --- |")
+    print(f"\nPaired per-seed differences against {reference} ({label} - {reference}, final acc, points; "
+          f"95% Student-t interval of the mean):\n")
+    print(f"| {label} | seeds | per seed | mean ± 95% CI | finding |")
+    print("| --- | --- | --- | --- | --- |")
     for name, seeds in figures.items():
         common = sorted(set(seeds) & set(ref))
         if name == reference or not common:
             continue
         d = [100 * (seeds[s]["final"] - ref[s]["final"]) for s in common]
-        print(f"| {name} | {', '.join(f'{x:+.1f}' for x in d)} | {pm(d, 1.0)} |")
+        mean, half = paired_interval(d)
+        print(f"| {name} | {len(d)} | {', '.join(f'{x:+.1f}' for x in d)} | {mean:+.1f} ± {half:.1f} | "
+              f"{verdict(mean, half, reference)} |")
+
+
+def print_noise_floor(figures: dict, other: dict, label: str) -> None:
+    """The same method and seed under other arithmetic (another root, e.g. 2 threads per rank):
+    the absolute final-accuracy differences, the spread a single run carries."""
+    print(f"\nNoise floor: |final acc| difference of the same {label} and seed under other arithmetic (points):\n")
+    print(f"| {label} | seeds | per seed | mean | max |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, seeds in figures.items():
+        common = sorted(set(seeds) & set(other.get(name, {})))
+        if not common:
+            continue
+        d = [abs(100 * (seeds[s]["final"] - other[name][s]["final"])) for s in common]
+        print(f"| {name} | {len(d)} | {', '.join(f'{x:.1f}' for x in d)} | {np.mean(d):.1f} | {max(d):.1f} |")
 
 
 def main(argv=None) -> int:
