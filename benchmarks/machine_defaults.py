@@ -53,7 +53,7 @@ NO_EVAL = ["--federation.rounds", "1000", "--eval.every", "1000", "--checkpoint_
 OFFLINE = ["configs/quickstart.yaml", "configs/fedavg_digits.yaml", RESNET]
 FEAST_PAPER = ["configs/feast_cifar100.yaml", "--data.name", "synthetic", "--data.randaugment", "null",
                "--data.options", "{num_classes: 100, image_size: 32, channels: 3, num_train: 6000, num_test: 200}",
-               "--data.val_size", "200", "--data.calib_size", "100", "--train.steps", "2"]
+               "--data.val_size", "200", "--data.calib_size", "100", "--partition.min_size", "1", "--train.steps", "2"]
 
 
 def fit(args, out: str, name: str, measure_memory: bool = False) -> subprocess.CompletedProcess:

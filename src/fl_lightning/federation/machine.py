@@ -37,12 +37,14 @@ PLACEMENT_ENV = "FL_LIGHTNING_PLACEMENT"
 """Set by rank 0 for the ranks it starts, so that they take its placement instead of probing
 a machine on which rank 0 already holds memory."""
 
-# Measured by benchmarks/machine_defaults.py --memory (peak RSS of one CPU rank): a rank with a
-# small model and dataset peaks at about 0.45 GB (Python, torch, Lightning, the loop), and each
-# parameter of the global model costs about 40 bytes at peak (the global model, the reusable
-# worker, gradients, momentum, float64 value and count accumulators, the all-reduce buffer).
-RANK_BASE_BYTES = 600 * 2**20
-BYTES_PER_PARAMETER = 48
+# Measured by benchmarks/machine_defaults.py --memory (peak RSS of the largest CPU rank, one
+# round): a rank with a small model and dataset peaks at 0.93-1.06 GB (Python, torch and
+# Lightning's libraries, the loop), and the paper-scale FEAST supernet (55.7M parameters and
+# buffers, 76 MB of data) at 4.27 GB, i.e. about 57 bytes per parameter (the global model, the
+# reusable worker, gradients, momentum, routed envelopes, float64 value and count accumulators,
+# the all-reduce buffer). Rounded up, so that the estimate stays above what was measured.
+RANK_BASE_BYTES = 2**30
+BYTES_PER_PARAMETER = 64
 GB = 2**30
 
 # (classes, one example's shape, examples held in memory, bytes per value) of each dataset, for
