@@ -33,7 +33,8 @@ def spec_factory(tmp_path):
             train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05),
             federation=FederationConfig(rounds=3, clients_per_round=3),
             eval=EvalConfig(every=1),
-            fabric=FabricConfig(accelerator="cpu", devices=1),
+            # one rank, one thread (auto would give sequential-client methods every core)
+            fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1),
         )
         sections.update(overrides)
         return RunSpec(name=name, out_dir=str(tmp_path / "runs"), seed=0,

@@ -279,7 +279,7 @@ def test_feast_on_two_ranks_matches_one_rank(tmp_path):
               "--federation.rounds", "2", "--federation.clients_per_round", "4", "--eval.every", "2",
               "--fabric.threads_per_rank", "1", "--out_dir", str(tmp_path)]
     root = Path(__file__).parents[1]
-    for name, extra in (("one", []), ("two", ["--fabric.devices", "2", "--fabric.strategy", "ddp"])):
+    for name, extra in (("one", ["--fabric.devices", "1"]), ("two", ["--fabric.devices", "2", "--fabric.strategy", "ddp"])):
         done = subprocess.run(common + ["--name", name] + extra, cwd=root, capture_output=True, text=True,
                               timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
         assert done.returncode == 0, done.stderr[-3000:]

@@ -176,18 +176,28 @@ def _cli(args, cwd):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("algorithm,momentum", [("FedAvg", "0.9"), ("Scaffold", "0.0")])
-def test_two_processes_match_one_process(tmp_path, algorithm, momentum):
-    """Clients split over 2 gloo ranks give the 1-rank model; SCAFFOLD also checks that the
-    per-client control variates are synchronized across ranks (round 2 reuses clients)."""
+@pytest.mark.parametrize("algorithm,momentum,several", [
+    ("FedAvg", "0.9", []),  # the default: devices auto, forked ranks
+    ("Scaffold", "0.0", ["--fabric.devices", "2", "--fabric.strategy", "ddp"]),  # ranks re-run the command
+])
+def test_two_processes_match_one_process(tmp_path, algorithm, momentum, several):
+    """Clients split over gloo ranks give the 1-rank model, with the default devices (one rank
+    per physical core, at most the cohort of 5) and with 2 ranks started by Fabric's ddp
+    launcher; SCAFFOLD also checks that the per-client control variates are synchronized
+    across ranks (round 2 reuses clients)."""
+    from fl_lightning.federation.machine import physical_cores
+
     common = ["fit", "--data.name", "digits", "--data.val_size", "100", "--partition.num_clients", "6",
               "--federation.rounds", "3", "--federation.clients_per_round", "5", "--train.batch_size", "16",
               "--train.momentum", momentum, "--algorithm", algorithm, "--eval.every", "3",
               "--fabric.accelerator", "cpu", "--out_dir", str(tmp_path)]
-    one = _cli(common + ["--name", "one"], tmp_path)
+    one = _cli(common + ["--name", "one", "--fabric.devices", "1"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _cli(common + ["--name", "two", "--fabric.devices", "2", "--fabric.strategy", "ddp"], tmp_path)
+    two = _cli(common + ["--name", "two", *several], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
+    ranks = 2 if several else min(physical_cores(), 5)
+    assert f"fit: {ranks} rank(s) x 1 thread(s) on cpu" in two.stderr, two.stderr[-3000:]
+    assert "fit: 1 rank(s) x 1 thread(s) on cpu (as configured" in one.stderr
     a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.ckpt")
     b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last.ckpt")
     for part in ("model", "algorithm"):

@@ -12,9 +12,13 @@ overlays=(configs/feast/ablation/rule_*.yaml configs/feast/gamma/gamma_*.yaml)
 run_one() {
   local overlay=$1; shift
   local tag; tag=$(basename "$overlay" .yaml); tag=${tag#rule_}
-  python -m fl_lightning fit --config "$base" --config "$overlay" --name "${name}_${tag}" "$@" \
+  python -m fl_lightning fit --config "$base" --config "$overlay" --name "${name}_${tag}" ${per_job[@]+"${per_job[@]}"} "$@" \
     > "runs/${name}_${tag}.log" 2>&1 && echo "done ${name}_${tag}" || echo "FAILED ${name}_${tag} (see runs/${name}_${tag}.log)"
 }
+# Parallel jobs take one rank each (the jobs share the cores); one job takes the default
+# (a rank per core). Results are the same either way.
+per_job=()
+if [ "$jobs" -gt 1 ]; then per_job=(--fabric.devices 1); fi
 mkdir -p runs
 running=0
 for overlay in "${overlays[@]}"; do

@@ -154,8 +154,11 @@ class EvalConfig:
 class FabricConfig:
     accelerator: Accelerator = "auto"
     """auto (a GPU when present, else cpu), cpu, cuda, gpu (cuda or mps), mps or tpu."""
-    devices: int = 1
-    """Processes (ranks) on this node; each rank trains a share of every round's clients."""
+    devices: Union[int, Literal["auto"]] = "auto"
+    """Processes (ranks) on this node; each rank trains a share of every round's clients. auto:
+    on CPU one rank per physical core, at most the cohort (clients_per_round) and as many as
+    fit in memory; on a GPU node every visible GPU; one rank for sequential-client methods and
+    for evaluate and extract (docs/runtime.md, Devices)."""
     num_nodes: int = 1
     """Number of nodes."""
     strategy: Strategy = "auto"
@@ -164,10 +167,12 @@ class FabricConfig:
     precision: Union[Precision, PrecisionInt] = "32-true"
     """Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true (and
     transformer-engine with its package); bf16-mixed suits GPUs."""
-    threads_per_rank: Optional[int] = 1
-    """torch intra-op CPU threads per rank. The default 1 makes results independent of the
-    number of ranks (a run's numbers depend on its thread count); more threads speed up a
-    single CPU rank with large layers. None leaves Lightning's default (cores / ranks)."""
+    threads_per_rank: Union[int, Literal["auto"], None] = "auto"
+    """torch intra-op CPU threads per rank. auto: 1, which makes results independent of the
+    number of ranks (a run's numbers depend on its thread count), except for sequential-client
+    methods (SplitFed V2), which train on one rank with every physical core whatever devices
+    says. More threads speed up a single CPU rank with large layers. None leaves Lightning's
+    default (cores / ranks)."""
 
 
 def _finite(value) -> bool:
@@ -236,14 +241,18 @@ def validate_fabric_fields(fabric: FabricConfig) -> None:
         ("fabric.accelerator", fabric.accelerator in ACCELERATORS, f"must be one of {', '.join(ACCELERATORS)}"),
         ("fabric.strategy", fabric.strategy in STRATEGIES, f"must be one of {', '.join(STRATEGIES)}"),
         ("fabric.precision", fabric.precision in PRECISIONS, f"must be one of {', '.join(map(str, PRECISIONS))}"),
-        ("fabric.devices", fabric.devices >= 1, "must be >= 1"),
+        ("fabric.devices", fabric.devices == "auto" or _int_at_least(fabric.devices, 1), "must be >= 1 or auto"),
         ("fabric.num_nodes", fabric.num_nodes >= 1, "must be >= 1"),
-        ("fabric.threads_per_rank", fabric.threads_per_rank is None or fabric.threads_per_rank >= 1,
-         "must be >= 1 or null"),
+        ("fabric.threads_per_rank", fabric.threads_per_rank in (None, "auto") or _int_at_least(fabric.threads_per_rank, 1),
+         "must be >= 1, auto or null"),
     ]
     for key, ok, problem in checks:
         if not ok:
             raise ConfigError(key, f"{problem}, got {getattr(fabric, key.split('.')[1])!r}")
+
+
+def _int_at_least(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def check_fabric_available(fabric: FabricConfig) -> None:
@@ -268,10 +277,10 @@ def check_fabric_available(fabric: FabricConfig) -> None:
     if accelerator == "mps" and not mps:
         raise ConfigError("fabric.accelerator", "mps, but this machine has no Apple MPS device; use cpu or auto")
     uses_cuda = accelerator == "cuda" or (accelerator in ("gpu", "auto") and cuda)
-    if uses_cuda and fabric.devices > torch.cuda.device_count():
+    if uses_cuda and fabric.devices != "auto" and fabric.devices > torch.cuda.device_count():
         raise ConfigError("fabric.devices", f"{fabric.devices} ranks on CUDA, but this machine has "
                                             f"{torch.cuda.device_count()} GPU(s)")
-    if (accelerator == "mps" or (accelerator in ("gpu", "auto") and mps and not cuda)) and fabric.devices > 1:
+    if (accelerator == "mps" or (accelerator in ("gpu", "auto") and mps and not cuda)) and fabric.devices not in ("auto", 1):
         raise ConfigError("fabric.devices", "MPS runs a single device; set devices: 1")
     needs_xla = accelerator == "tpu" or "xla" in strategy or "tpu" in strategy
     if needs_xla and importlib.util.find_spec("torch_xla") is None:

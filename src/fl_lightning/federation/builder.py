@@ -6,6 +6,7 @@ exactly the data, model and algorithm state it was trained with.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -52,19 +53,27 @@ class RunSpec:
 
 
 def make_fabric(cfg: FabricConfig, loggers=None) -> Fabric:
+    """Fabric for ``cfg``; ``devices: auto`` not placed by ``fit`` (evaluate, extract) is one rank."""
+    devices = 1 if cfg.devices == "auto" else cfg.devices
     try:
-        return Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+        return Fabric(accelerator=cfg.accelerator, devices=devices, num_nodes=cfg.num_nodes,
                       strategy=cfg.strategy, precision=cfg.precision, loggers=loggers)
     except (ValueError, RuntimeError, ImportError, TypeError) as error:  # combinations Fabric refuses
         raise ConfigError("fabric", " ".join(str(error).split())) from None
 
 
-def set_threads(fabric: Fabric, cfg: FabricConfig) -> None:
-    """torch's intra-op threads on this rank (``threads_per_rank``; None keeps Lightning's
-    ``cores // ranks``). Float reductions split over threads round differently, so only equal
-    thread counts give bit-identical results across rank counts (docs/runtime.md)."""
-    if cfg.threads_per_rank:
-        torch.set_num_threads(cfg.threads_per_rank)
+def set_threads(fabric: Fabric, cfg: FabricConfig, sequential: bool = False) -> None:
+    """torch's intra-op threads on this rank (``threads_per_rank``; auto: 1, or every physical
+    core for a sequential-client method on CPU; None keeps Lightning's ``cores // ranks``).
+    Float reductions split over threads round differently, so only equal thread counts give
+    bit-identical results across rank counts (docs/runtime.md)."""
+    from fl_lightning.federation.machine import physical_cores, resolve_threads
+
+    on_gpu = fabric.device.type != "cpu"
+    threads = resolve_threads(cfg.threads_per_rank, sequential, on_gpu,
+                              physical_cores() if cfg.threads_per_rank == "auto" else 1)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def build_global_model(spec: RunSpec, fed: FederatedData) -> torch.nn.Module:
@@ -73,14 +82,20 @@ def build_global_model(spec: RunSpec, fed: FederatedData) -> torch.nn.Module:
     return build_model(spec.model.name, fed.bundle.num_classes, fed.bundle.input_shape, **spec.model.kwargs)
 
 
-def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"] = "fit") -> RunContext:
-    """Data, global model and client shards on this rank, with the algorithm set up on them.
+def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"] = "fit",
+                  timings: Optional[dict] = None) -> RunContext:
+    """Data, global model and client shards on this rank, with the algorithm set up on them;
+    ``timings`` (if given) receives the seconds of each part (data, model, algorithm).
 
     Nothing is written: an algorithm that refuses the set-up (a ConfigError) leaves no trace.
     """
-    set_threads(fabric, spec.fabric)
+    timings = {} if timings is None else timings
+    set_threads(fabric, spec.fabric, bool(getattr(spec.algorithm, "sequential_clients", False)))
+    started = time.perf_counter()
     fed = build_federated_data(spec.data, spec.partition, spec.seed)
     bundle = fed.bundle
+    timings["data"] = time.perf_counter() - started
+    started = time.perf_counter()
     model = build_global_model(spec, fed).to(fabric.device)
     shards = [ClientData(bundle.train, idx, spec.train.batch_size, fabric.device) for idx in fed.clients]
     ctx = RunContext(
@@ -89,5 +104,8 @@ def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"
         data=fed, shards=shards, train=spec.train, seed=spec.seed, rounds=spec.federation.rounds,
         clients_per_round=spec.federation.clients_per_round, run_dir=spec.run_path, mode=mode,
         resuming=mode == "evaluate" or spec.resume_from is not None)
+    timings["model"] = time.perf_counter() - started
+    started = time.perf_counter()
     spec.algorithm.setup(ctx)
+    timings["algorithm"] = time.perf_counter() - started
     return ctx

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
-from typing import Dict, List
+from dataclasses import replace
+from typing import Dict, List, Optional
 
 import torch
 from lightning.fabric import Fabric
@@ -24,6 +26,7 @@ from tqdm import tqdm
 from fl_lightning.errors import ConfigError, RunError
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
 from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fl_lightning.federation.machine import hand_down, launched_by_command_line, placement_for, process_age
 from fl_lightning.federation.run_dir import JsonLines, RunDir
 from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
 from fl_lightning.runtime.plan import RoundPlan
@@ -33,32 +36,59 @@ NOT_SUMMED = ("round", "client", "loss")  # client-row keys that make no sense s
 
 
 def run_fit(spec: RunSpec) -> dict:
-    """Launch Fabric and run the federation; returns the summary on rank 0."""
+    """Place the run on the machine (``devices`` and ``threads_per_rank`` auto), launch Fabric
+    and run the federation; returns the summary on rank 0."""
+    # Start-up is counted from the process's start on the command line, else from this call.
+    # The start-up lines are the command line's; a run started from Python stays quiet.
+    command_line = launched_by_command_line()
+    origin = time.perf_counter() - (process_age() if command_line else 0.0)
+    placement = placement_for(spec.fabric, spec.model, spec.data, spec.federation.clients_per_round,
+                              bool(spec.algorithm.sequential_clients))
+    spec = replace(spec, fabric=placement.apply(spec.fabric))
+    if placement.line and command_line:  # rank 0 (the ranks it starts inherit its placement)
+        print(f"{placement.line}; starting...", file=sys.stderr, flush=True)
+    if placement.devices > 1 and placement.strategy is None and command_line:  # ranks re-run the command
+        hand_down(placement)
     run_dir = RunDir(spec.out_dir, spec.name)
     logger = TensorBoardLogger(root_dir=str(run_dir.path), name="tensorboard", version="")
     fabric = make_fabric(spec.fabric, loggers=[logger])
-    return fabric.launch(_fit, spec, run_dir)
+    forked = spec.fabric.strategy in ("ddp_fork", "ddp_notebook", "ddp_spawn")
+    result = fabric.launch(_fit, spec, run_dir, origin, forked)
+    if isinstance(result, (ConfigError, RunError)):  # raised on rank 0 of forked ranks
+        raise result
+    return result
 
 
-def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir) -> dict:
+def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: bool = False) -> dict:
+    """One rank's run. Forked ranks return a ConfigError or RunError instead of raising it, so
+    that it reaches the launching process as the one-line error it is."""
     fresh = not run_dir.path.exists()
     try:
-        return Federation(fabric, spec, run_dir).run()
-    except ConfigError:
+        return Federation(fabric, spec, run_dir, origin).run()
+    except ConfigError as error:
         # Bad input found only once data is read (a damaged image in a lazily loaded folder):
         # a run folder this call created holds nothing worth keeping, so it goes.
         if fresh and fabric.is_global_zero and not run_dir.last.exists():
             shutil.rmtree(run_dir.path, ignore_errors=True)
+        if forked:
+            return error
+        raise
+    except RunError as error:
+        if forked:
+            return error
         raise
 
 
 class Federation:
     """One run on one rank: set-up, the round loop, evaluation, checkpoints, summary."""
 
-    def __init__(self, fabric: Fabric, spec: RunSpec, run_dir: RunDir):
+    def __init__(self, fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: Optional[float] = None):
+        """``origin``: the ``time.perf_counter()`` from which start-up is counted (default: now)."""
         self.fabric, self.spec, self.run_dir = fabric, spec, run_dir
+        self.origin = time.perf_counter() if origin is None else origin
         self.is_zero = fabric.is_global_zero
-        self.ctx = build_context(spec, fabric, mode="fit")
+        self.startup = {"launch": time.perf_counter() - self.origin}  # imports, checks, ranks joined
+        self.ctx = build_context(spec, fabric, mode="fit", timings=self.startup)
         self.model, self.algorithm, self.fed = self.ctx.model, spec.algorithm, self.ctx.data
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         self.last_eval: tuple = (-1, {})  # (round, metrics) of the latest evaluate_round
@@ -75,6 +105,11 @@ class Federation:
     def run(self) -> dict:
         spec, rounds = self.spec, self.spec.federation.rounds
         self._open_outputs()
+        if self.is_zero and launched_by_command_line():
+            parts = ", ".join(f"{k} {v:.1f} s" for k, v in self.startup.items())
+            print(f"ready for round {self.start_round} after {time.perf_counter() - self.origin:.1f} s ({parts})",
+                  file=sys.stderr,
+                  flush=True)
         end = rounds if spec.stop_after is None else min(rounds, spec.stop_after)
         bar = tqdm(range(self.start_round, end), initial=self.start_round, total=rounds, desc=spec.name,
                    unit="round", disable=not self.is_zero, dynamic_ncols=True)

@@ -1,0 +1,143 @@
+"""``fabric.devices: auto`` and ``threads_per_rank: auto``: how a run is placed on a machine.
+
+The machine is given to ``place`` as numbers (cores, available memory, GPUs), so these tests
+say what every machine would get, whatever runs them. The equality of a default-devices run
+with a 1-rank run is ``tests/test_federation.py::test_two_processes_match_one_process``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fl_lightning.cli import main
+from fl_lightning.config import DataConfig, FabricConfig, ModelConfig
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.machine import (GB, Footprint, Machine, dataset_facts, parameter_count, physical_cores,
+                                             place, resolve_threads)
+
+SMALL = Footprint(parameters=100_000, data_bytes=10 * 2**20)
+PLENTY = 256 * GB
+
+
+def machine(cores=8, memory=PLENTY, gpus=0) -> Machine:
+    return Machine(cores=cores, memory=memory, gpus=gpus)
+
+
+@pytest.mark.parametrize("cores,cohort,want", [(8, 10, 8), (8, 3, 3), (2, 10, 2), (1, 10, 1), (64, 1, 1)])
+def test_default_is_one_rank_per_core_up_to_the_cohort(cores, cohort, want):
+    placed = place(FabricConfig(accelerator="cpu"), cohort, False, SMALL, machine(cores))
+    assert (placed.devices, placed.threads) == (want, 1)
+    assert placed.line.startswith(f"fit: {want} rank(s) x 1 thread(s) on cpu (auto: {cores} physical core(s), "
+                                  f"cohort {cohort}")
+    assert placed.strategy == ("ddp_fork" if want > 1 else None)
+
+
+def test_default_takes_fewer_ranks_when_memory_is_short_and_says_so():
+    room = 3 * SMALL.per_rank + SMALL.per_rank // 2  # three ranks fit, four do not
+    placed = place(FabricConfig(accelerator="cpu"), 10, False, SMALL, machine(8, room))
+    assert placed.devices == 3
+    assert "lowered to 3 by memory" in placed.line and "\n" not in placed.line
+
+
+def test_default_refuses_when_one_rank_does_not_fit():
+    with pytest.raises(ConfigError) as err:
+        place(FabricConfig(accelerator="cpu"), 10, False, SMALL, machine(8, SMALL.per_rank // 2))
+    assert err.value.key == "fabric.devices" and "one rank needs" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_explicit_devices_win():
+    placed = place(FabricConfig(accelerator="cpu", devices=5), 2, False, SMALL, machine(cores=2))
+    assert placed.devices == 5 and "as configured" in placed.line
+    one = place(FabricConfig(accelerator="cpu", devices=1, threads_per_rank=3), 10, False, SMALL, machine())
+    assert (one.devices, one.threads, one.strategy) == (1, 3, None)
+    # an explicit strategy is kept
+    ddp = place(FabricConfig(accelerator="cpu", strategy="ddp"), 10, False, SMALL, machine(cores=4))
+    assert (ddp.devices, ddp.strategy) == (4, None)
+    assert ddp.apply(FabricConfig(accelerator="cpu", strategy="ddp")).strategy == "ddp"
+
+
+def test_explicit_devices_that_do_not_fit_are_refused_in_one_line():
+    room = 2 * SMALL.per_rank + 1
+    with pytest.raises(ConfigError) as err:
+        place(FabricConfig(accelerator="cpu", devices=4), 10, False, SMALL, machine(8, room))
+    message = str(err.value)
+    assert err.value.key == "fabric.devices" and "\n" not in message
+    assert message.startswith("fabric.devices: 4 rank(s) need about") and "--fabric.devices 2 or fewer" in message
+
+
+def test_sequential_methods_take_one_rank_and_every_core_whatever_devices_says():
+    auto = place(FabricConfig(accelerator="cpu"), 10, True, SMALL, machine(cores=6))
+    assert (auto.devices, auto.threads) == (1, 6) and "sequential-client" in auto.line
+    explicit = place(FabricConfig(accelerator="cpu", devices=3), 10, True, SMALL, machine(cores=6))
+    assert (explicit.devices, explicit.threads) == (3, 6)  # rank 0 trains with the same threads
+    pinned = place(FabricConfig(accelerator="cpu", threads_per_rank=1), 10, True, SMALL, machine(cores=6))
+    assert pinned.threads == 1
+    assert resolve_threads(None, True, False, 6) is None  # null: Lightning's rule
+
+
+def test_a_run_started_from_python_takes_one_rank():
+    placed = place(FabricConfig(accelerator="cpu"), 10, False, SMALL, machine(8), launchable=False)
+    assert placed.devices == 1 and "started from Python" in placed.line
+
+
+@pytest.mark.parametrize("accelerator", ["auto", "cuda", "gpu"])
+def test_default_on_a_gpu_node_is_every_visible_gpu(accelerator):
+    placed = place(FabricConfig(accelerator=accelerator), 10, False, SMALL, machine(cores=32, gpus=4))
+    assert (placed.devices, placed.threads, placed.strategy) == (4, 1, None) and " on gpu " in placed.line
+    few = place(FabricConfig(accelerator=accelerator), 2, False, SMALL, machine(cores=32, gpus=4))
+    assert few.devices == 2
+    # CPU accelerator on a GPU node: cores
+    assert place(FabricConfig(accelerator="cpu"), 10, False, SMALL, machine(cores=6, gpus=4)).devices == 6
+
+
+def test_footprint_counts_the_model_without_building_it():
+    model = ModelConfig(name="cnn")
+    classes, shape, data_bytes = dataset_facts(DataConfig(name="digits"))
+    assert (classes, shape) == (10, (1, 8, 8)) and data_bytes == 1_797 * 64 * 4
+    from fl_lightning.elastic.models import build_model
+
+    real = build_model("cnn", classes, shape)
+    assert parameter_count(model, classes, shape) == sum(t.numel() for t in real.state_dict().values())
+    synthetic = DataConfig(name="synthetic", options={"image_size": 16, "channels": 3, "num_train": 100,
+                                                      "num_test": 20, "num_classes": 7})
+    assert dataset_facts(synthetic) == (7, (3, 16, 16), 120 * 3 * 16 * 16 * 4)
+
+
+def test_physical_cores_is_at_most_the_cpus_this_process_may_use():
+    import os
+
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_fabric_options_parse_auto_and_refuse_bad_values_in_one_line(tmp_path, capsys):
+    from fl_lightning.cli import shared_parser
+
+    parser = shared_parser()
+    cfg = parser.parse_args(["fit"])
+    assert cfg.fit.fabric.devices == "auto" and cfg.fit.fabric.threads_per_rank == "auto"
+    cfg = parser.parse_args(["fit", "--fabric.devices", "3", "--fabric.threads_per_rank", "2"])
+    assert cfg.fit.fabric.devices == 3 and cfg.fit.fabric.threads_per_rank == 2
+    for args, key in ((["--fabric.devices", "0"], "fabric.devices"), (["--fabric.devices", "most"], "fabric.devices"),
+                      (["--fabric.threads_per_rank", "-1"], "fabric.threads_per_rank")):
+        assert main(["fit", "--out_dir", str(tmp_path / "runs"), *args]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {key}:"), lines
+    assert not (tmp_path / "runs").exists()
+
+
+def test_set_threads_follows_the_rule(spec_factory):
+    """In a rank: auto is 1 thread for client-parallel methods, every core for sequential ones."""
+    from lightning.fabric import Fabric
+
+    from fl_lightning.federation.builder import set_threads
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    before = torch.get_num_threads()
+    try:
+        set_threads(fabric, FabricConfig(accelerator="cpu"), sequential=True)
+        assert torch.get_num_threads() == physical_cores()
+        set_threads(fabric, FabricConfig(accelerator="cpu"), sequential=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
