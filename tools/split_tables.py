@@ -64,7 +64,12 @@ def cost_figures(run, whole=None) -> dict:
     traffic = [r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in rows]
     cuts = [r["cut"] for r in rows if "cut" in r]
     labels = [r["sufficient"] for r in rows if "sufficient" in r]
+    last = max((r["round"] for r in rows), default=0)
     return {"params": mean(params), "macs": mean(macs), "bytes": mean(traffic),
+            "cut_hist": [mean(c == k for c in cuts) for k in range(3)],
+            "probe_p1": mean(r["probe_loss_p1"] for r in rows if "probe_loss_p1" in r),
+            "probe_ref": mean(r["probe_loss_ref"] for r in rows if "probe_loss_ref" in r),
+            "prompt_norm": mean(r["prompt_norm"] for r in rows if "prompt_norm" in r and r["round"] == last),
             "seconds": mean(r.get("client_seconds", r.get("seconds", 0.0)) for r in rows),
             "total_macs": float(sum(macs)), "total_bytes": float(sum(traffic)),
             "cut": mean(cuts), "p1": mean(c == 0 for c in cuts), "sufficient": mean(labels)}
@@ -86,6 +91,18 @@ def root_tables(root: Path, reference: str) -> dict:
               f"{pm([c['cut'] for c in costs], 1.0, 2)} | {pm([c['p1'] for c in costs], 1.0, 2)} | "
               f"{pm([c['sufficient'] for c in costs], 1.0, 2)} |")
     print_paired(accuracy, reference, "method")
+    adaptive = {m: c for m, c in cost.items() if any(np.isfinite(x["probe_p1"]) for x in c.values())}
+    if adaptive:
+        print("\nSplit decisions (share of client rounds at each candidate), calibration probe losses and the "
+              "clients' prompt norms in the last round:\n")
+        print("| method | at p1 / p_ref / deepest | probe loss p1 | probe loss p_ref | p1 sufficient | prompt norm |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for method, seeds in adaptive.items():
+            c = list(seeds.values())
+            hist = " / ".join(f"{np.mean([x['cut_hist'][k] for x in c]):.2f}" for k in range(3))
+            print(f"| {method} | {hist} | {pm([x['probe_p1'] for x in c], 1.0, 3)} | "
+                  f"{pm([x['probe_ref'] for x in c], 1.0, 3)} | {pm([x['sufficient'] for x in c], 1.0, 2)} | "
+                  f"{pm([x['prompt_norm'] for x in c], 1.0, 3)} |")
     print("\nClient cost per client and round (Table 5):\n")
     print("| method | client params (K) | client MACs (G) | traffic (MB) | client time (s) "
           "| run total client MACs (T) | run total traffic (GB) |")
