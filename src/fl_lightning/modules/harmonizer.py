@@ -69,8 +69,10 @@ class InterfaceHarmonizer(nn.Module):
         if pooled.shape[1] != self.widths[depth]:
             raise ValueError(f"depth {depth} carries width {self.widths[depth]}, got {pooled.shape[1]}")
         norm = self.norms[depth]
-        pooled = F.batch_norm(pooled, norm.running_mean, norm.running_var, training=norm.training and len(pooled) > 1,
-                              momentum=norm.momentum, eps=norm.eps)
+        if norm.training and len(pooled) == 1:  # one row has no batch statistics: use the running ones
+            pooled = F.batch_norm(pooled, norm.running_mean, norm.running_var, training=False, eps=norm.eps)
+        else:
+            pooled = norm(pooled)
         padded = F.pad(pooled, (0, self.in_width - pooled.shape[1]))
         embedding = self.depth_embedding.weight[depth].expand(len(padded), -1)
         return F.normalize(self.projector(torch.cat([padded, embedding], dim=1)), dim=1)
