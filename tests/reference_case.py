@@ -26,6 +26,9 @@ from fl_lightning.runtime.client_data import ClientData
 DATA_ROOT = Path(__file__).parent / "data" / "reference"
 TRAIN = LocalTrainConfig(epochs=1, batch_size=32, lr=0.05, momentum=0.9, weight_decay=0.0)
 HEAD = ("fc.weight", "fc.bias")
+# A model without batch norm or dropout (as the originals' networks of FedGH and FedAS): a
+# one-block ViT of width 8 on 2x2 patches of 4x4 pixels.
+VIT = ModelConfig(name="vit", kwargs={"patch_size": 4, "embed_dim": 8, "depth": 1, "num_heads": 2})
 
 
 def make_spec(out_dir, algorithm, *, train: LocalTrainConfig = TRAIN, num_clients: int = 8,
@@ -50,7 +53,7 @@ class BatchRecorder:
     came from (the first index of the shard identifies the client)."""
 
     def __init__(self):
-        self.batches: List[tuple] = []  # (shard key, x, y)
+        self.batches: List[tuple] = []  # (shard key, batch size, x, y)
 
     @contextlib.contextmanager
     def recording(self):
@@ -60,7 +63,7 @@ class BatchRecorder:
         def epoch(data, generator):
             key = tuple(data.indices[:4].tolist()) + (len(data.indices),)
             for x, y in original(data, generator):
-                recorder.batches.append((key, x.clone(), y.clone()))
+                recorder.batches.append((key, data.batch_size, x.clone(), y.clone()))
                 yield x, y
 
         ClientData.epoch = epoch
@@ -82,7 +85,9 @@ def federation(spec: RunSpec) -> Federation:
 
 def run_one_round(spec: RunSpec):
     """Our side: the loop's round 0. Returns the federation, the initial global state, the
-    round's cohort, and the batches each client trained on (in order), keyed by client."""
+    round's cohort, and the batches each client's shard yielded (in order), keyed by client:
+    ``batches[c]`` those of ``train.batch_size``, ``batches[(c, b)]`` those of another size
+    ``b`` (an algorithm's own pass, e.g. FedAS's alignment)."""
     fed = federation(spec)
     alg, ctx = fed.algorithm, fed.ctx
     initial = {k: v.clone() for k, v in alg.global_state.items()}
@@ -92,8 +97,9 @@ def run_one_round(spec: RunSpec):
         fed.run_round(0)
     by_client: Dict[int, list] = {c: [] for c in cohort}
     keys = {shard_key(ctx.shards[c]): c for c in range(ctx.num_clients)}
-    for key, x, y in recorder.batches:
-        by_client.setdefault(keys[key], []).append((x, y))
+    for key, size, x, y in recorder.batches:
+        client = keys[key] if size == spec.train.batch_size else (keys[key], size)
+        by_client.setdefault(client, []).append((x, y))
     return fed, initial, cohort, by_client
 
 

@@ -52,3 +52,37 @@ def test_fedbabu_round_matches_reference(tmp_path, source):
     assert max_abs_diff(ours, golden["global"], keys) < TOL
     for key in ("fc.weight", "fc.bias"):  # the head never moves
         assert torch.equal(ours[key], initial[key])
+
+
+# -- FedGH ---------------------------------------------------------------------------------------
+def test_fedgh_round_matches_pfllib(tmp_path):
+    """Local training of the whole model from the initial body and global header, the
+    prototypes (class means of the trained body's representations), and the server's header
+    step on them, against PFLlib's clientGH/FedGH on a network without batch norm."""
+    from fl_lightning.algorithms.fedgh import FedGH
+    from fl_lightning.algorithms.head_body import class_prototypes, find_classifier
+
+    from reference_case import VIT
+
+    golden = load("fedgh", "pfllib.pt")
+    case = golden["case"]
+    spec = make_spec(tmp_path, FedGH(server_lr=case["server_lr"], server_batch_size=case["server_batch_size"]),
+                     model=VIT, train=replace(TRAIN, lr=case["lr"], momentum=0.0))
+    fed, initial, cohort, batches = run_one_round(spec)
+    assert_same_case(case, initial, cohort, batches)
+    alg, ctx = fed.algorithm, fed.ctx
+    header = list(golden["header"])
+    assert max_abs_diff(alg.global_state, golden["header"], header) < TOL
+    assert max_abs_diff(alg.global_state, initial, header) > 1e-3  # the header did move
+    _, classifier = find_classifier(alg.worker)
+    for client in cohort:
+        body = golden["bodies"][client]
+        assert max_abs_diff(alg.store.states[client], body, list(body)) < TOL
+        alg.worker.load_state_dict({**initial, **body})
+        shard = ctx.shards[client]
+        prototypes, counts = class_prototypes(alg.worker, classifier, shard.dataset, shard.indices, 10,
+                                              TRAIN.batch_size, batch_stats=True)
+        theirs = golden["prototypes"][client]
+        assert sorted(theirs) == [c for c in range(10) if counts[c] > 0]
+        for c, proto in theirs.items():
+            assert float((prototypes[c] - proto).abs().max()) < TOL

@@ -43,13 +43,17 @@ def add_repo(path: str, sub: str = "") -> Path:
     return repo
 
 
-def stub_modules(*names: str) -> None:
-    """Empty stand-ins for packages a reference imports only for I/O or logging (never for
-    the numbers compared), so that it imports without them."""
+def stub_modules(*names: str, **attrs) -> None:
+    """Empty stand-ins for packages a reference imports only for I/O, logging, plotting or
+    options it leaves off (never for the numbers compared), so that it imports without them;
+    ``attrs`` maps ``"module.name"`` to the stand-in of a name imported from one."""
     import types
 
     for name in names:
         sys.modules.setdefault(name, types.ModuleType(name))
+    for dotted, value in attrs.items():
+        module, attr = dotted.rsplit(".", 1)
+        setattr(sys.modules[module], attr, value)
 
 
 def out_dir(method: str) -> Path:
@@ -156,3 +160,45 @@ def check_same_function(initial, case_batches) -> None:
         diff = (ours(x) - plain(x)).abs().max().item()
     assert diff < 1e-6, f"plain copy differs from the project's CNN by {diff}"
     del copy
+
+
+# -- the BN-free case: the project's tiny ViT as a body and a head -------------------------------
+class SplitViT(nn.Module):
+    """``base``: the project's ViT's timm network with an identity classifier (its output is
+    what enters the classifier: the class token after the final norm); ``head``: the classifier.
+    The forward is the project's ViT's forward."""
+
+    def __init__(self, initial: Dict[str, torch.Tensor], model_kwargs: dict):
+        super().__init__()
+        from fl_lightning.elastic.models import build_model
+
+        ours = build_model("vit", 10, (1, 8, 8), **model_kwargs)
+        ours.load_state_dict(initial)
+        vit = ours.vit
+        self.head = vit.head
+        vit.head = nn.Identity()
+        self.base = vit
+        x = torch.randn(3, 1, 8, 8)
+        check = build_model("vit", 10, (1, 8, 8), **model_kwargs)
+        check.load_state_dict(initial)
+        with torch.no_grad():
+            assert (check(x) - self(x)).abs().max() < 1e-6
+
+    def forward(self, x):
+        return self.head(self.base(x))
+
+
+def vit_to_ours(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        if k.startswith("head."):
+            out["vit." + k] = v.detach().clone()
+        elif k.startswith("base."):
+            out["vit." + k[len("base."):]] = v.detach().clone()
+        else:
+            raise KeyError(k)
+    return out
+
+
+def model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return vit_to_ours(model.state_dict())
