@@ -94,7 +94,7 @@ def run_one_round(spec: RunSpec):
     cohort = list(alg.plan(0).cohort)
     recorder = BatchRecorder()
     with recorder.recording():
-        fed.run_round(0)
+        fed.round_row, fed.client_rows = fed.run_round(0)
     by_client: Dict[int, list] = {c: [] for c in cohort}
     keys = {shard_key(ctx.shards[c]): c for c in range(ctx.num_clients)}
     for key, size, x, y in recorder.batches:

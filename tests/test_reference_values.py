@@ -86,3 +86,33 @@ def test_fedgh_round_matches_pfllib(tmp_path):
         assert sorted(theirs) == [c for c in range(10) if counts[c] > 0]
         for c, proto in theirs.items():
             assert float((prototypes[c] - proto).abs().max()) < TOL
+
+
+# -- FedAS ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["authors", "pfllib"])
+def test_fedas_round_matches_reference(tmp_path, source):
+    """Alignment of the global body to the client's prototypes, local training, Fisher trace and
+    the Fisher-weighted aggregate, against the authors' clientAS/FedAS (one client per round)
+    and PFLlib's (two), on a network without batch norm."""
+    from fl_lightning.algorithms.fedas import FedAS
+
+    from reference_case import VIT
+
+    golden = load("fedas", f"{source}.pt")
+    case = golden["case"]
+    spec = make_spec(tmp_path, FedAS(), model=VIT, train=replace(TRAIN, lr=case["lr"], momentum=0.0),
+                     clients_per_round=len(case["cohort"]))
+    fed, initial, cohort, batches = run_one_round(spec)
+    assert_same_case(case, initial, cohort, batches)
+    for client in cohort:  # the alignment batches too
+        for (x, y), (xs, ys) in zip(batches[(client, 16)], case["align_batches"][client]):
+            assert torch.equal(x, xs[:len(x)]) and torch.equal(y, ys[:len(y)])
+    alg = fed.algorithm
+    fisher = {row["client"]: row["fisher_trace"] for row in fed.client_rows}
+    for client in cohort:
+        assert fisher[client] == pytest.approx(golden["fisher"][client], rel=TOL)
+        local = golden["locals"][client]
+        assert max_abs_diff(alg.store.states[client], local, list(local)) < TOL
+    keys = list(golden["global"])
+    assert max_abs_diff(alg.global_state, golden["global"], keys) < TOL
+    assert max_abs_diff(alg.global_state, initial, keys) > 1e-3
