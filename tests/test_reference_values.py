@@ -116,3 +116,36 @@ def test_fedas_round_matches_reference(tmp_path, source):
     keys = list(golden["global"])
     assert max_abs_diff(alg.global_state, golden["global"], keys) < TOL
     assert max_abs_diff(alg.global_state, initial, keys) > 1e-3
+
+
+# -- FedMut --------------------------------------------------------------------------------------
+def test_fedmut_round_and_mutations_match_the_authors_code(tmp_path):
+    """Round 0 (local training from the initial model, the plain mean) and the models sent in
+    round 1 against the authors' LocalUpdate_FedMut/Aggregation/mutation_spread. The signs come
+    from different generators, so per tensor each of our two clients must hold one of the
+    authors' two mutated values (``w_g + 4 g`` or ``w_g - 4 g``), and not the same one."""
+    from fl_lightning.algorithms.fedmut import FedMut
+    from fl_lightning.runtime.plan import ClientTask
+
+    golden = load("fedmut", "authors.pt")
+    case = golden["case"]
+    spec = make_spec(tmp_path, FedMut(alpha=case["alpha"], mutate_buffers=True))
+    fed, initial, cohort, batches = run_one_round(spec)
+    assert_same_case(case, initial, cohort, batches)
+    alg = fed.algorithm
+    keys = float_keys(alg.global_state)
+    assert max_abs_diff(alg.global_state, golden["global"], keys) < TOL
+    plan = alg.plan(1)
+    assert len(plan.tasks) == 2
+    sent = []
+    for task in plan.tasks:
+        sent.append({k: v.clone() for k, v in alg.route(ClientTask(task.client), plan).module.state_dict().items()})
+    plus, minus = golden["mutated"]
+    for key in keys:
+        picks = []
+        for state in sent:
+            d = [float((state[key] - ref[key]).abs().max()) for ref in (plus, minus)]
+            assert min(d) < TOL, key
+            picks.append(d.index(min(d)))
+        assert sorted(picks) == [0, 1], key  # balanced: one client each way
+        assert float((plus[key] - minus[key]).abs().max()) > 0 or key.endswith("num_batches_tracked")
