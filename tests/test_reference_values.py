@@ -149,3 +149,20 @@ def test_fedmut_round_and_mutations_match_the_authors_code(tmp_path):
             picks.append(d.index(min(d)))
         assert sorted(picks) == [0, 1], key  # balanced: one client each way
         assert float((plus[key] - minus[key]).abs().max()) > 0 or key.endswith("num_batches_tracked")
+
+
+# -- ScaleFL -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kd_active", [True, False])
+def test_scalefl_objective_matches_the_authors_kdloss(kd_active):
+    """The client objective of three exits and its gradients with respect to every exit's
+    logits (the teacher not detached), against the authors' KDLoss and train.py weighting."""
+    from fl_lightning.modules.scalefl_client import scalefl_loss
+
+    golden = load("scalefl", "authors.pt")
+    logits = [z.clone().requires_grad_() for z in golden["logits"]]
+    loss = scalefl_loss(logits, golden["target"], golden["gamma"], golden["temperature"], kd_active=kd_active)
+    loss.backward()
+    expected = golden["results"][kd_active]
+    assert abs(float(loss) - float(expected["loss"])) < TOL
+    for z, g in zip(logits, expected["grads"]):
+        assert float((z.grad - g).abs().max()) < TOL
