@@ -9,7 +9,6 @@ each client (recorded here and replayed into the reference code by the adapter).
 from __future__ import annotations
 
 import contextlib
-import copy
 from pathlib import Path
 from typing import Dict, List, Optional
 

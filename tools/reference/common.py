@@ -147,8 +147,6 @@ def plain_model(initial: Dict[str, torch.Tensor], head_name: str = "head") -> Ti
 
 def check_same_function(initial, case_batches) -> None:
     """Our CNN and the plain copy give the same logits on a recorded batch."""
-    import copy
-
     from fl_lightning.elastic.models import build_model
 
     ours = build_model("cnn", 10, (1, 8, 8), channels=[4, 8])
@@ -159,7 +157,6 @@ def check_same_function(initial, case_batches) -> None:
     with torch.no_grad():
         diff = (ours(x) - plain(x)).abs().max().item()
     assert diff < 1e-6, f"plain copy differs from the project's CNN by {diff}"
-    del copy
 
 
 # -- the BN-free case: the project's tiny ViT as a body and a head -------------------------------
