@@ -227,3 +227,44 @@ def test_heterofl_extraction_matches_split_model():
         for key, value in theirs.items():
             assert ours[key].shape == value.shape, (rate, key)
             assert torch.equal(ours[key], value), (rate, key)
+
+
+# -- MultiSFL ------------------------------------------------------------------------------------
+def test_multisfl_round_matches_the_authors_code(tmp_path):
+    """One round of the authors' MultiSFL.main (knowledge replay off, their default): each
+    branch's split training (their union_train) from the initial model, the master as the plain
+    mean of the branches, the branches pulled to the master with weights 1 and 10, and each
+    branch's decayed label statistic."""
+    from fl_lightning.algorithms.multisfl import MultiSFL
+
+    golden = load("multisfl", "authors.pt")
+    case = golden["case"]
+    spec = make_spec(tmp_path, MultiSFL(replay=False), train=replace(TRAIN, lr=case["lr"], momentum=case["momentum"]))
+    fed, initial, cohort, batches = run_one_round(spec)
+    assert_same_case(case, initial, cohort, batches)
+    alg = fed.algorithm
+    keys = float_keys(alg.global_state)
+    assert max_abs_diff(alg.global_state, golden["master"], keys) < TOL
+    assert max_abs_diff(alg.global_state, initial, keys) > 1e-3
+    for branch, theirs in enumerate(golden["branches"]):
+        assert max_abs_diff(alg.branches[branch], theirs, keys) < TOL
+    for branch, (distribution, weight) in enumerate(zip(golden["distributions"], golden["weights"])):
+        assert torch.allclose(alg.distribution[branch], distribution, atol=TOL)
+        assert float(alg.distribution_weight[branch]) == pytest.approx(weight)
+
+
+def test_multisfl_replay_requirement_matches_select_helpers():
+    """The examples of each class the assistants must provide (``max(C, floor(budget n))``
+    shared over the classes below the mean of the branch statistic by their deficit, rounded
+    down) and what the greedy pass over the other clients provides, against the authors'
+    selectHelpers (their candidate order is Python's shuffle, ours a seeded permutation: the
+    per-class totals do not depend on it while the supply suffices)."""
+    from fl_lightning.algorithms.multisfl import choose_assistants, replay_requirement
+
+    replay = load("multisfl", "authors.pt")["replay"]
+    need = replay_requirement(replay["distribution"], replay["client_examples"], replay["budget"])
+    assert need.tolist() == replay["provided"].tolist()
+    assert int(need.sum()) > 0
+    chosen = choose_assistants(need, replay["counts"], replay["client"], torch.Generator().manual_seed(0))
+    assert sum(give for _, give in chosen).tolist() == replay["provided"].tolist()
+    assert all(helper != replay["client"] for helper, _ in chosen)
