@@ -268,3 +268,43 @@ def test_multisfl_replay_requirement_matches_select_helpers():
     chosen = choose_assistants(need, replay["counts"], replay["client"], torch.Generator().manual_seed(0))
     assert sum(give for _, give in chosen).tolist() == replay["provided"].tolist()
     assert all(helper != replay["client"] for helper, _ in chosen)
+
+
+# -- FIARSE --------------------------------------------------------------------------------------
+def test_fiarse_round_matches_the_authors_code(tmp_path):
+    """One round of the authors' Server.simulation_exp: each participant's global magnitude
+    threshold (topk over every convolution and linear parameter) and mask, its local training
+    with the mask re-evaluated at every step and the masked gradient (Worker.local_training),
+    and the server's mean over the clients that changed each position (global step 1)."""
+    from fl_lightning.algorithms.fiarse import FIARSE
+    from fl_lightning.elastic.magnitude_masks import MaskFamily, group_keys
+
+    golden = load("fiarse", "authors.pt")
+    case = golden["case"]
+    alg = FIARSE(fractions=case["fractions"], threshold="global", gradient="masked", weighting="uniform",
+                 support="changed", server_lr=1.0, weight_decay=0.0, recalibrate_bn=False)
+    trained = {}
+    commit = alg.commit
+
+    def keep(acc, task, result, plan):
+        trained[task.client] = {k: v.detach().clone() for k, v in result.update.module.state_dict().items()}
+        commit(acc, task, result, plan)
+
+    alg.commit = keep
+    spec = make_spec(tmp_path, alg, train=replace(TRAIN, lr=case["lr"], momentum=0.0))
+    fed, initial, cohort, batches = run_one_round(spec)
+    assert_same_case(case, initial, cohort, batches)
+    family = MaskFamily(initial, group_keys(fed.ctx.model, "global"))
+    keys = golden["mask_keys"]
+    assert sorted(family.keys) == sorted(keys)
+    for client in cohort:
+        theirs = golden["masks"][client]
+        thresholds = family.thresholds(case["fractions"][client])
+        assert all(float(thresholds[k]) == float(theirs["threshold"]) for k in keys)
+        masks = family.masks(initial, thresholds)
+        assert int(sum(m.sum() for m in masks.values())) == int(theirs["mask"].sum())
+        local = golden["locals"][client]
+        assert max_abs_diff(trained[client], local, list(local)) < TOL
+    state = fed.algorithm.global_state
+    assert max_abs_diff(state, golden["global"], float_keys(state)) < TOL
+    assert max_abs_diff(state, initial, keys) > 1e-3
