@@ -69,16 +69,76 @@ def test_print_config_is_complete_and_runnable(tmp_path, capsys):
 OVERLAY_BASE = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 
+def leaves(tree, prefix=()):
+    """(key path, value) of every leaf of a YAML mapping (lists and empty mappings are leaves)."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from leaves(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def plain(value):
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
-def test_every_shipped_config_parses(path):
-    """Full configs parse alone; overlays (first line '# overlay') on top of a FEAST config."""
+def test_every_shipped_config_parses_to_the_values_it_holds(path):
+    """Full configs parse alone; overlays (first line '# overlay') on top of a FEAST config.
+    Every value the file sets is the value the parsed config holds (nothing dropped, renamed
+    or coerced to something else), and the algorithm's checks accept it."""
     parser = build_parser()
     configs = ["--config", str(path)]
     if path.read_text().startswith("# overlay"):
         configs = ["--config", str(OVERLAY_BASE)] + configs
     cfg = parser.parse_args(["fit", *configs])
+    parsed = cfg.fit.as_dict()
+    written = yaml.safe_load(path.read_text())
+    assert written, path
+    for keys, value in leaves(written):
+        held = parsed
+        for key in keys:
+            assert isinstance(held, dict) and key in held, (keys, "missing from the parsed config")
+            held = held[key]
+        assert plain(held) == plain(value), (keys, held, value)
     args = parser.instantiate(cfg).fit
     args.algorithm.check(args.train)
+
+
+FEAST_PAPER = {"feast_cifar100": ("cifar100", "train", 4500, 500, False),
+               "feast_cinic10": ("cinic10", "valid", 81000, 9000, True),
+               "feast_tinyimagenet": ("tinyimagenet", "train", 9000, 1000, True)}
+
+
+@pytest.mark.parametrize("name", sorted(FEAST_PAPER))
+def test_feast_paper_configs_hold_the_papers_protocol(name):
+    """Sec. 4.1 and Supp. A/B/E.1: 100 clients, 10 per round, one local epoch of batch 64, 4000
+    rounds, Zipf(1.2) budgets over 25M-1500M MACs capped at 600M for allocation, gamma 1,
+    alpha_eff 0.45, RandAugment(2, 6) with alternating Mixup 0.4 / CutMix 1.0, SGD lr 0.025 with
+    momentum 0.9, weight decay 1e-4, cosine, clipping at 10; the full rule with rho_KD 0.5,
+    routing on; the shipped CIFAR-100 cache (retargeted on the other data sets)."""
+    from fl_lightning.algorithms import Feast
+
+    parser = build_parser()
+    args = parser.instantiate(parser.parse_args(["fit", "--config", f"configs/{name}.yaml"])).fit
+    dataset, source, val, calib, retarget = FEAST_PAPER[name]
+    assert (args.data.name, args.data.server_source, args.data.val_size, args.data.calib_size) == \
+        (dataset, source, val, calib)
+    assert list(args.data.randaugment) == [2, 6]
+    p = args.partition
+    assert (p.method, p.num_clients, p.alpha_eff, p.gamma) == ("gamma_dirichlet", 100, 0.45, 1.0)
+    assert (p.budgets.zipf_s, p.budgets.b_min, p.budgets.b_max, p.budgets.b_cap) == (1.2, 25e6, 1500e6, 600e6)
+    assert (args.federation.rounds, args.federation.clients_per_round) == (4000, 10)
+    t = args.train
+    assert (t.epochs, t.batch_size, t.lr, t.momentum, t.weight_decay, t.grad_clip, t.lr_schedule) == \
+        (1, 64, 0.025, 0.9, 1e-4, 10.0, "cosine")
+    assert args.model.name == "ofa_resnet" and args.model.kwargs == {"block": "basic_pair"}
+    a = args.algorithm
+    assert isinstance(a, Feast)
+    assert (a.cache_path, a.retarget, a.routing, a.rule, a.rho_kd) == \
+        ("configs/caches/feast_cifar100.json", retarget, True, "full", 0.5)
+    assert (a.mixup_alpha, a.cutmix_alpha, a.mix_schedule) == (0.4, 1.0, "alternate")
+    assert args.seed == 4508837 and args.eval.every == 20
 
 
 def test_partition_command_writes_report(tmp_path, capsys):

@@ -204,11 +204,49 @@ def test_seed_accounting_and_least_reachable(cache):
     assert acc.least_reachable_clients(cache, [25e6] * 7, genes, 4) == 0
 
 
-def test_paper_comparison_lists_the_published_figures(cache):
+def comparison_rows(text):
+    """{row name: (here, paper)} of :func:`format_paper_comparison`'s table (cells hold no spaces)."""
+    out = {}
+    for line in text.splitlines()[1:]:
+        *name, here, paper = line.split()
+        out[" ".join(name)] = (here, paper)
+    return out
+
+
+def test_paper_comparison_prints_the_computed_figures_beside_the_published_ones(cache):
+    """Each 'here' cell equals the figure recomputed by hand for the chosen seed (envelopes
+    counted from layer shapes, reductions by plain arithmetic); the 'paper' cells are the
+    published figures."""
     cost = cost_model(FEAST_DEEPFEDNAS)
     routed = acc.analytic_routed_counter(cost, cache)
     budgets = zipf_budgets(100, CHOSEN_SEED).tolist()
     comm = acc.communication(cost.full_params(), [routed(cache.affordable(b)) for b in budgets])
-    text = acc.format_paper_comparison(comm, acc.analytic_footprints(cost, cache), afford=(31, 6, 63))
-    for figure in ("8.17M", "6.8x", "0.33/0.50M", "11.78/35.60M", "31/6/63"):
-        assert figure in text
+    counts = [len(affordable(cache, b)) for b in budgets]
+    afford = (counts.count(1), counts.count(2), sum(c >= 3 for c in counts))
+    rows = comparison_rows(acc.format_paper_comparison(comm, acc.analytic_footprints(cost, cache), afford=afford,
+                                                       least_reachable=9))
+    full = basic_pair_params(64, [(128, 32, 9), (256, 64, 9), (512, 128, 9), (1024, 256, 9)], 100)
+    p = [envelope_params(affordable(cache, b)) for b in budgets]
+    ratios = sorted(full / x for x in p)
+    expected = {
+        "clients affording 1 / 2 / >=3": ("/".join(map(str, afford)), "31/6/63"),
+        "least-reachable position: clients": ("9", "11"),
+        "full supernet parameters": (f"{full / 1e6:.2f}M", "55.68M"),
+        "mean routed parameters": (f"{sum(p) / 100 / 1e6:.2f}M", "8.17M"),
+        "traffic reduction": (f"{100 * full / sum(p):.1f}x", "6.8x"),
+        "client reduction mean": (f"{sum(ratios) / 100:.1f}x", "43.8x"),
+        "client reduction median": (f"{(ratios[49] + ratios[50]) / 2:.1f}x", "22.9x"),
+        "client reduction max": (f"{ratios[-1]:.1f}x", "111.0x"),
+    }
+    published = dict(zip(acc.PAPER_ANCHORS, ("0.33/0.50M", "0.72/2.41M", "4.02/10.02M", "7.99/20.61M", "11.78/35.60M")))
+    for anchor, paper in published.items():
+        specs = affordable(cache, anchor)
+        largest = max(range(len(cache)), key=lambda j: (cache.macs[j] <= anchor, cache.macs[j]))
+        assert cache.specs[largest] == specs[-1]
+        here = f"{cache.params[largest] / 1e6:.2f}/{envelope_params(specs) / 1e6:.2f}M"
+        expected[f"deployed/routed params at {anchor / 1e6:g}M MACs"] = (here, paper)
+    assert rows == expected
+    # the figures the replication matches to the printed digit (Supp. E.4; Table 9's full envelope)
+    assert rows["clients affording 1 / 2 / >=3"][0] == "31/6/63"
+    assert rows["full supernet parameters"][0] == "55.68M"
+    assert rows[f"deployed/routed params at {acc.PAPER_ANCHORS[-1] / 1e6:g}M MACs"][0].endswith("/35.60M")

@@ -286,3 +286,61 @@ def test_feast_on_two_ranks_matches_one_rank(tmp_path):
     a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.ckpt")["model"]
     b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last.ckpt")["model"]
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-5
+
+
+def test_routed_but_untrained_positions_enter_the_denominator_of_eq_7(spec_factory, tmp_path):
+    """Eq. 7 by hand: every position's new value is sum_i n_i theta_i[u] / sum_i n_i over the
+    cohort clients whose routed envelope holds u, whether or not the client's variants
+    activated u. With no weight decay a routed position a client never activated comes back
+    with the value it was sent, and it still weighs in: the result is not the mean over the
+    clients that trained it."""
+    from fl_lightning.elastic.regions import LeadingSlice
+
+    class Recording(Feast):
+        def plan(self, round_idx):
+            self.before = {k: v.detach().clone() for k, v in self.global_state.items()}
+            self.returned = []
+            return super().plan(round_idx)
+
+        def commit(self, acc, task, result, plan):
+            local = result.update.module.state_dict()
+            self.returned.append((float(result.num_samples), {
+                global_key: (region, local[local_key].detach().to(torch.float64).clone())
+                for local_key, (global_key, region) in result.update.regions.items()}))
+            super().commit(acc, task, result, plan)
+
+    spec = feast_spec(spec_factory, tmp_path, "eq7")
+    spec.algorithm = Recording(cache=small_cache(tmp_path), mix_schedule="none")
+    spec.train = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=0.0, grad_clip=10.0)
+    spec.federation = FederationConfig(rounds=1, clients_per_round=6)  # budgets afford 1, 1, 1, 4, 5, 6 variants
+    run_fit(spec)
+    algorithm = spec.algorithm
+    before = {k: v.to(torch.float64) for k, v in algorithm.before.items() if v.is_floating_point()}
+    after = load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")["model"]
+    assert len(algorithm.returned) == 6
+    checked = differ = 0
+    for key, old in before.items():
+        num, den = torch.zeros_like(old), torch.zeros_like(old)
+        trained_num, trained_den = torch.zeros_like(old), torch.zeros_like(old)
+        for n, values in algorithm.returned:
+            if key not in values:
+                continue
+            region, value = values[key]
+            assert isinstance(region, LeadingSlice)  # routing copies leading slices
+            box = tuple(slice(0, size) for size in value.shape)
+            num[box] += n * value
+            den[box] += n
+            trained = value != old[box]
+            trained_num[box] += torch.where(trained, n * value, torch.zeros_like(value))
+            trained_den[box] += torch.where(trained, torch.full_like(value, n), torch.zeros_like(value))
+        expected = torch.where(den > 0, num / den.clamp_min(1e-300), old)
+        # one float32 rounding of the float64 quotient (sums of six terms in another order)
+        torch.testing.assert_close(after[key].to(torch.float64), expected, rtol=2 ** -23, atol=1e-30, msg=key)
+        # positions trained by some client and returned untouched by another routing client
+        mixed = (trained_den > 0) & (trained_den < den)
+        if mixed.any():
+            trainers_only = trained_num[mixed] / trained_den[mixed]
+            apart = (after[key].to(torch.float64)[mixed] - trainers_only).abs() > 1e-4 * trainers_only.abs()
+            checked, differ = checked + int(mixed.sum()), differ + int(apart.sum())
+    assert checked > 1000, "the test needs routed positions that some routing clients did not train"
+    assert differ > 0.9 * checked  # a trainers-only denominator would give another model

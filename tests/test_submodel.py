@@ -217,3 +217,141 @@ def test_hasfl_resume_is_bit_exact(spec_factory):
     for key, value in last_model(whole).items():
         assert torch.equal(value, last_model(part)[key]), key
     assert [c["p"] for c in rows(whole, "clients.jsonl")] == [c["p"] for c in rows(part, "clients.jsonl")]
+
+
+def hand_allocation(h, caps, p_min, gamma, coverage, eps):
+    """Eq. (6) and the coverage guarantee in plain Python floats."""
+    h_bar = sum(h) / len(h)
+    top = max(caps)
+    return [cap if coverage and cap == top else min(cap, p_min + gamma * x / (h_bar + eps)) for x, cap in zip(h, caps)]
+
+
+@pytest.mark.parametrize("ema", ["adapt", "round"])
+def test_hasfl_estimates_and_widths_recomputed_by_hand_from_the_log(spec_factory, ema):
+    """H_hat -> H_tilde -> p, recomputed from the logged H_hat over 9 rounds with a warm-up of 2,
+    adaptation every 3 and rescaling every 4 completed rounds (adaptation after rounds 2, 5, 8;
+    rescaling after 4 and 8). With ``ema: adapt`` (Algorithm 1) only the adaptation rounds'
+    estimates enter the average; with ``ema: round`` every round's do. The widths each round
+    trains are the ones allocated after the previous adaptation step."""
+    beta, p_min, gamma, eps = 0.7, 0.4, 0.25, 1e-8
+    t_warm, t_adapt, t_norm, rounds = 2, 3, 4, 9
+    spec = spec_factory(name=f"hand_{ema}", algorithm=HASFL(p_min=p_min, gamma=gamma, beta=beta, t_warm=t_warm,
+                                                            t_adapt=t_adapt, t_norm=t_norm, eps=eps, ema=ema,
+                                                            caps=CAPS),
+                        federation=FederationConfig(rounds=rounds, clients_per_round=3))
+    run_fit(spec)
+    metrics, clients = rows(spec, "metrics.jsonl"), rows(spec, "clients.jsonl")
+    assert [m["round"] for m in metrics] == list(range(rounds))
+    n = len(CAPS)
+    h = [1.0] * n
+    widths = list(CAPS)  # warm-up at the caps
+    adapted_after, reallocated = [], False
+    for r, m in enumerate(metrics):
+        cohort = [c for c in clients if c["round"] == r]
+        assert len(cohort) == 3
+        for c in cohort:  # the width trained this round is the last allocation
+            assert c["p"] == pytest.approx(widths[c["client"]], abs=1e-12), (r, c["client"])
+            reallocated |= c["p"] != c["p_max"]
+        hats = {int(k.split("/")[1]): v for k, v in m.items() if k.startswith("H_hat/")}
+        assert sorted(hats) == sorted(c["client"] for c in cohort)
+        done = r + 1
+        adapt = done >= t_warm and (done - t_warm) % t_adapt == 0
+        if adapt or ema == "round":
+            for c, value in hats.items():
+                h[c] = beta * h[c] + (1 - beta) * value
+        if done % t_norm == 0:
+            mean = sum(h) / n
+            h = [x / mean for x in h]
+        if adapt:
+            widths = hand_allocation(h, CAPS, p_min, gamma, True, eps)
+            adapted_after.append(done)
+        assert [m[f"H_tilde/{c}"] for c in range(n)] == pytest.approx(h, rel=1e-12, abs=0), r
+        assert m["H_bar"] == pytest.approx(sum(h) / n, rel=1e-12)
+        assert [m[f"p/{c}"] for c in range(n)] == pytest.approx(widths, abs=1e-12), r
+    assert adapted_after == [2, 5, 8]
+    assert reallocated, "the test needs an allocation that differs from the caps"
+    if ema == "adapt":  # round 0 is warm-up and round 1's estimates wait for the adaptation step
+        assert all(metrics[0][f"H_tilde/{c}"] == 1.0 for c in range(n))
+
+
+def test_hasfl_ema_schedules_differ_and_the_option_is_checked(spec_factory):
+    from fl_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="algorithm.ema"):
+        HASFL(ema="sometimes").check(None)
+    h = {}
+    for ema in ("adapt", "round"):
+        spec = spec_factory(name=f"sched_{ema}", algorithm=HASFL(t_warm=2, t_adapt=2, ema=ema, caps=CAPS),
+                            federation=FederationConfig(rounds=2, clients_per_round=3))
+        run_fit(spec)
+        h[ema] = [rows(spec, "metrics.jsonl")[0][f"H_tilde/{c}"] for c in range(len(CAPS))]
+    assert h["adapt"] == [1.0] * len(CAPS)  # no adaptation step after round 0
+    assert sum(v != 1.0 for v in h["round"]) == 3  # the cohort's estimates entered the average
+
+
+@pytest.mark.parametrize("policy", ["uniform", "heterofl"])
+def test_uniform_and_heterofl_width_of_every_client_in_every_round(spec_factory, policy):
+    """Uniform trains min(0.5, p_max), HeteroFL p_max, for every client of every round (all six
+    clients sampled every round, caps covering every tier)."""
+    algorithm = Uniform(caps=CAPS) if policy == "uniform" else HeteroFL(caps=CAPS)
+    spec = spec_factory(name=policy, algorithm=algorithm, federation=FederationConfig(rounds=2, clients_per_round=6))
+    run_fit(spec)
+    clients = rows(spec, "clients.jsonl")
+    assert len(clients) == 12
+    for c in clients:
+        cap = CAPS[c["client"]]
+        assert c["p_max"] == cap
+        assert c["p"] == (min(0.5, cap) if policy == "uniform" else cap), c
+    assert json.loads((Path(spec.out_dir) / spec.name / "caps.json").read_text()) == CAPS
+    # with drawn caps, the seed's draw is what every client is held to
+    drawn = spec_factory(name=policy + "_drawn", algorithm=Uniform() if policy == "uniform" else HeteroFL(),
+                         federation=FederationConfig(rounds=1, clients_per_round=6))
+    run_fit(drawn)
+    caps = draw_caps(6, drawn.seed).tolist()
+    assert json.loads((Path(drawn.out_dir) / drawn.name / "caps.json").read_text()) == caps
+    for c in rows(drawn, "clients.jsonl"):
+        cap = caps[c["client"]]
+        assert c["p_max"] == cap and c["p"] == (min(0.5, cap) if policy == "uniform" else cap)
+
+
+HASFL_RANKS = """
+import sys
+from fl_lightning.algorithms import HASFL
+from fl_lightning.config import *
+from fl_lightning.federation.builder import RunSpec
+from fl_lightning.federation.loop import run_fit
+
+devices, name = int(sys.argv[1]), sys.argv[2]
+run_fit(RunSpec(name=name, out_dir=sys.argv[3], seed=0,
+                algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=[1.0, 0.5, 0.25, 0.75, 1.0, 0.5]),
+                data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
+                model=ModelConfig(name="cnn"), train=LocalTrainConfig(batch_size=16, lr=0.05),
+                federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
+                fabric=FabricConfig(accelerator="cpu", devices=devices, threads_per_rank=1,
+                                    strategy="ddp" if devices > 1 else "auto")))
+"""
+
+
+def test_hasfl_on_two_ranks_equals_one_rank(tmp_path):
+    """Each rank estimates its own clients; HAS-FL's all-reduce of the estimates makes H_tilde,
+    the widths and hence the model identical to one rank's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hasfl_ranks.py"
+    script.write_text(HASFL_RANKS)
+
+    def run(devices, name):
+        done = subprocess.run([sys.executable, str(script), str(devices), name, str(tmp_path)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return load_checkpoint(tmp_path / name / "checkpoints" / "last.ckpt")
+
+    one, two = run(1, "one"), run(2, "two")
+    for part in ("model", "algorithm"):
+        assert one[part].keys() == two[part].keys()
+        for key, value in one[part].items():
+            assert torch.equal(value, two[part][key]), (part, key)
+    assert not torch.equal(one["algorithm"]["h_tilde"], torch.ones(6, dtype=torch.float64))
+    metrics = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert all(sum(k.startswith("H_hat/") for k in m) == 4 for m in metrics)

@@ -210,6 +210,7 @@ def test_tool_prints_the_tables_it_has_runs_for(tiny_runs, tmp_path, capsys):
     r_new = matched_rounds(1, feast.proxy, scalefl.proxy)
     assert f"--federation.rounds {r_new} " in out  # the rerun command of the matched horizon
     assert "Table 3 skipped" in out and "Table 11 skipped" in out
+    assert f"| ScaleFL | {len(scalefl.points)} depth-width levels |" in out and "| FEAST |" in out
     assert figure.stat().st_size > 0
 
 
@@ -234,3 +235,37 @@ def test_sweep_tables_count_each_seed_once(tiny_runs, tmp_path, capsys):
     table = out[out.index("Table 11"):]
     rows = [line.split("|")[1:4] for line in table.splitlines() if line.startswith("| 1.2 ") or line.startswith("| 0.8 ")]
     assert [[c.strip() for c in row] for row in rows] == [["0.8", "FEAST", "1"], ["1.2", "FEAST", "1"]]
+
+
+def test_table_4_deployment_ranges_on_hand_made_runs():
+    """Per method: the structure, the number of points (a range when seeds differ) and the
+    smallest-to-largest MACs over its runs, in order of first appearance."""
+    from types import SimpleNamespace
+
+    from fl_lightning.analysis.serving import Point
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+
+    def run(method, kind, macs):
+        return SimpleNamespace(method=method, kind=kind, points=[Point(f"p{j}", m, None, None) for j, m in enumerate(macs)])
+
+    runs = [run("ScaleFL", "scalefl", [35e6, 120e6, 300e6, 555e6]),
+            run("FEAST", "feast", [25e6, 40e6, 596e6]),
+            run("FIARSE", "fiarse", [9e6, 100e6]),
+            run("FEAST", "feast", [24e6, 50e6, 90e6, 590e6]),  # another seed's cache: 4 points, 24M
+            run("HeteroFL", "heterofl", []),  # nothing measured: left out
+            run("HeteroFL", "heterofl", [2e6, 8e6, 34e6, 137e6, 550e6])]
+    rows = supernet_tables.deployment_ranges(runs)
+    assert [(r["method"], r["structure"], sorted(r["counts"]), r["low"], r["high"]) for r in rows] == [
+        ("ScaleFL", "depth-width levels", [4], 35e6, 555e6),
+        ("FEAST", "cached variants", [3, 4], 24e6, 596e6),
+        ("FIARSE", "mask grid points", [2], 9e6, 100e6),
+        ("HeteroFL", "width tiers", [5], 2e6, 550e6)]
+    text = supernet_tables.table4(runs)
+    assert "| FEAST | 3-4 cached variants | 24.00M-596.00M |" in text
+    assert "| HeteroFL | 5 width tiers | 2.00M-550.00M |" in text
+    assert supernet_tables.table4([]).startswith("Table 4 skipped")

@@ -11,7 +11,15 @@ For each run it reads ``summary.json`` (test accuracies of the best-validation c
 - the gamma table (Table 13): population accuracy and accuracy at the largest variant, per
   run, with the run's gamma;
 
-then draws every run's accuracy against MACs (Fig. 3) on one log-x plot.
+then draws every run's accuracy against MACs (Fig. 3) on one log-x plot. With
+``--extractions`` (the JSON that ``python -m fl_lightning extract --run RUN --budget B`` prints,
+one file per budget, or JSON lines) it also prints
+
+- the post-hoc extraction table (Supp. Table 6): each extracted subnet's test accuracy minus the
+  first run's cached-variant curve, linearly interpolated in MACs at the subnet's MACs, and the
+  mean absolute gap over the low end (requested budgets up to ``--low_end``, 52M: the paper's 14
+  of 29 targets) and over the full range. Subnets outside the cache's MAC span are listed but
+  left out of the means (the curve is not defined there).
 """
 
 from __future__ import annotations
@@ -63,6 +71,63 @@ def gamma_table(runs) -> str:
     return "\n".join(lines)
 
 
+def load_extractions(paths) -> list:
+    """Extraction results: each file one JSON object (``extract``'s output) or JSON lines."""
+    out = []
+    for path in paths:
+        text = Path(path).read_text().strip()
+        try:
+            items = [json.loads(text)]
+        except json.JSONDecodeError:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        out.extend(items)
+    return out
+
+
+def extraction_gaps(run, extractions) -> list:
+    """Per extraction (sorted by MACs): budget, MACs, accuracy, the cached curve at its MACs
+    (linear between the two cached variants around it; None outside the cache's span) and the
+    gap (accuracy minus curve)."""
+    curve = sorted((m, a) for m, a in zip(run["macs"], run["accs"]) if a is not None)
+    rows = []
+    for e in sorted(extractions, key=lambda e: e["macs"]):
+        macs, acc = float(e["macs"]), float(e["test_acc"])
+        reference = None
+        for (m0, a0), (m1, a1) in zip(curve, curve[1:]):
+            if m0 <= macs <= m1:
+                reference = a0 if m1 == m0 else a0 + (a1 - a0) * (macs - m0) / (m1 - m0)
+                break
+        if reference is None and len(curve) == 1 and macs == curve[0][0]:
+            reference = curve[0][1]
+        rows.append({"budget": float(e.get("budget", macs)), "macs": macs, "acc": acc, "reference": reference,
+                     "gap": None if reference is None else acc - reference})
+    return rows
+
+
+def mean_abs_gap(rows, low_end=None):
+    """Mean |gap| over the rows inside the cache's span (and with budget <= ``low_end``)."""
+    gaps = [abs(r["gap"]) for r in rows if r["gap"] is not None and (low_end is None or r["budget"] <= low_end)]
+    return (sum(gaps) / len(gaps), len(gaps)) if gaps else (None, 0)
+
+
+def extraction_table(run, extractions, low_end: float = 52e6) -> str:
+    rows = extraction_gaps(run, extractions)
+    lines = [f"Post-hoc extraction (Supp. Table 6), {run['name']}: test accuracy % against the interpolated "
+             "cached-variant curve",
+             f"{'budget':>9} {'MACs':>9} {'acc %':>7} {'curve %':>8} {'gap pp':>7}"]
+    for r in rows:
+        curve = "   -   " if r["reference"] is None else f"{100 * r['reference']:8.2f}"
+        gap = "  (out of span)" if r["gap"] is None else f"{100 * r['gap']:+7.2f}"
+        lines.append(f"{r['budget'] / 1e6:8.2f}M {r['macs'] / 1e6:8.2f}M {100 * r['acc']:7.2f} {curve:>8} {gap}")
+    for title, bound in ((f"low end (budget <= {low_end / 1e6:g}M)", low_end), ("full range", None)):
+        mean, n = mean_abs_gap(rows, bound)
+        spread = [r["macs"] for r in rows if r["gap"] is not None and (bound is None or r["budget"] <= bound)]
+        span = f"{min(spread) / 1e6:.2f}M-{max(spread) / 1e6:.2f}M" if spread else "-"
+        value = "-" if mean is None else f"{100 * mean:.2f}"
+        lines.append(f"mean |gap| {title}: {value} pp over {n} subnets ({span})")
+    return "\n".join(lines)
+
+
 def plot(runs, out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -82,13 +147,17 @@ def plot(runs, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--anchors", nargs="*", type=float, default=None,
                         help="MAC anchors (default: five points across the first run's cache)")
     parser.add_argument("--plot", type=Path, default=Path("runs/feast_accuracy_vs_macs.png"))
-    args = parser.parse_args()
+    parser.add_argument("--extractions", nargs="*", type=Path, default=None,
+                        help="extract results (JSON or JSON lines) of the first run: Supp. Table 6")
+    parser.add_argument("--low_end", type=float, default=52e6,
+                        help="largest requested budget of Supp. Table 6's low end (MACs)")
+    args = parser.parse_args(argv)
     finished = [path for path in args.runs if (path / "summary.json").is_file() and (path / "cache.json").is_file()]
     for path in sorted(set(args.runs) - set(finished)):
         print(f"skipped {path}: not a finished FEAST run (no summary.json and cache.json)", file=sys.stderr)
@@ -102,6 +171,9 @@ def main() -> None:
     print(rule_table(runs, anchors))
     print()
     print(gamma_table(runs))
+    if args.extractions:
+        print()
+        print(extraction_table(runs[0], load_extractions(args.extractions), args.low_end))
     plot(runs, args.plot)
     print(f"\nsaved {args.plot}")
 

@@ -11,6 +11,8 @@ FEAST runs' round count; baseline runs with more rounds are its equal-compute re
 
 Prints, where the runs exist (otherwise one line saying what is missing):
 
+- Table 4 (Supp.): each method's native deployment structure, its number of operating points
+  and their MAC range (smallest to largest point);
 - Table 1: population accuracy under largest-affordable serving per method; Δbest is FEAST
   minus the strongest baseline (paired over seeds);
 - Table 3: the transfers and FEAST at the budget anchors;
@@ -161,6 +163,39 @@ def anchor_header(anchors) -> List[str]:
 
 
 # -- tables -----------------------------------------------------------------------------------
+
+STRUCTURE = {"feast": "cached variants", "transfer": "cached variants", "heterofl": "width tiers",
+             "scalefl": "depth-width levels", "fiarse": "mask grid points"}
+"""What a method's operating points are, by adapter (Supp. Table 4's deployment structure)."""
+
+
+def deployment_ranges(runs: List[ServingRun]) -> List[dict]:
+    """Supp. Table 4: per method, in order of first appearance, the structure, the number of
+    native operating points (a range when runs differ) and the smallest and largest point's
+    MACs over all its runs."""
+    out: Dict[str, dict] = {}
+    for run in runs:
+        macs = [float(p.macs) for p in run.points]
+        if not macs:
+            continue
+        row = out.setdefault(run.method, {"method": run.method, "structure": STRUCTURE.get(run.kind, run.kind),
+                                          "counts": set(), "low": min(macs), "high": max(macs)})
+        row["counts"].add(len(macs))
+        row["low"], row["high"] = min(row["low"], min(macs)), max(row["high"], max(macs))
+    return list(out.values())
+
+
+def table4(runs: List[ServingRun]) -> str:
+    rows = []
+    for r in deployment_ranges(runs):
+        lo, hi = min(r["counts"]), max(r["counts"])
+        count = str(lo) if lo == hi else f"{lo}-{hi}"
+        rows.append([r["method"], f"{count} {r['structure']}", f"{human(r['low'])}-{human(r['high'])}"])
+    if not rows:
+        return "Table 4 skipped: no run has measured operating points."
+    return "\n".join(["Table 4 (Supp.): native deployment structures and MAC ranges (served MACs per example)", "",
+                      table(["method", "deployment structure", "MAC range"], rows)])
+
 
 def table1(groups: Dict[tuple, Group]) -> str:
     rows, notes = [], []
@@ -435,7 +470,7 @@ def main(argv=None) -> int:
     for g in groups.values():
         for note in g.notes:
             print(f"note {note}")
-    sections = [table1(groups), table3(runs, args.anchors), table5(groups), table8(groups),
+    sections = [table4(runs), table1(groups), table3(runs, args.anchors), table5(groups), table8(groups),
                 sweep_table(runs, "s", ("FEAST",), "Table 11: FEAST across the Zipf exponent s, test accuracy (%) at "
                                                    "the anchors and the first-to-last change (points)", args.anchors),
                 sweep_table(runs, "alpha", ("FEAST", "FIARSE"), "Table 12: FEAST and FIARSE across the label skew, "

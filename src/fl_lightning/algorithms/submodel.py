@@ -532,15 +532,22 @@ class HASFL(SubmodelAlgorithm):
     - Estimate, for each client trained this round (parameters only):
       ``H_hat = ||m * (D_i - D_bar)||^2 / (||m * D_bar||^2 + eps)`` with ``D_i`` the client's
       update, ``D_bar`` the coordinate-wise aggregate's change, ``m`` the client's coordinates.
-    - EMA ``H_tilde <- beta H_tilde + (1 - beta) H_hat`` for the clients trained (every round),
+    - EMA ``H_tilde <- beta H_tilde + (1 - beta) H_hat`` for the clients trained,
       ``H_tilde(0) = 1``; every ``t_norm`` rounds all estimates are rescaled to unit mean.
+      With ``ema: adapt`` (the paper's Algorithm 1, lines 20-31) the EMA takes only the
+      estimates of the rounds that end an adaptation step; ``ema: round`` takes every round's.
     - Widths: ``p_max`` for the first ``t_warm`` rounds; then, recomputed every ``t_adapt``
       rounds, ``p = min(p_max, p_min + gamma H_tilde / (H_bar + eps))`` with ``H_bar`` the mean
       over all clients; with ``coverage``, clients whose cap is the federation's largest get it.
+
+    An adaptation step ends the completed round ``done`` (1-based count) when
+    ``done >= t_warm`` and ``(done - t_warm) % t_adapt == 0``; the new widths apply from the
+    next round on.
     """
 
     def __init__(self, p_min: float = 0.4, gamma: float = 0.25, beta: float = 0.9, t_warm: int = 10,
-                 t_adapt: int = 5, t_norm: int = 20, coverage: bool = True, eps: float = 1e-8, **kwargs):
+                 t_adapt: int = 5, t_norm: int = 20, coverage: bool = True, eps: float = 1e-8,
+                 ema: Literal["adapt", "round"] = "adapt", **kwargs):
         """
         Args:
             p_min: base width of the allocation rule.
@@ -551,11 +558,16 @@ class HASFL(SubmodelAlgorithm):
             t_norm: rounds between rescalings of the estimates to unit mean.
             coverage: the coverage guarantee (clients with the largest cap train at it).
             eps: stabiliser of the ratios.
+            ema: when the estimates enter the moving average: adapt (only in the rounds that
+                end an adaptation step, after the warm-up: the paper's Algorithm 1, where the
+                estimate and its EMA sit inside the every-t_adapt block) or round (every round,
+                warm-up included: about t_adapt times more updates, so H_tilde follows recent
+                rounds more closely and drifts further between rescalings).
         """
         super().__init__(**kwargs)
         self.p_min, self.gamma, self.beta = float(p_min), float(gamma), float(beta)
         self.t_warm, self.t_adapt, self.t_norm = int(t_warm), int(t_adapt), int(t_norm)
-        self.coverage, self.eps = bool(coverage), float(eps)
+        self.coverage, self.eps, self.ema = bool(coverage), float(eps), ema
 
     def check(self, train):
         super().check(train)
@@ -570,6 +582,8 @@ class HASFL(SubmodelAlgorithm):
                 raise ConfigError(f"algorithm.{key}", f"must be >= 1, got {getattr(self, key)}")
         if self.t_warm < 0:
             raise ConfigError("algorithm.t_warm", f"must be >= 0, got {self.t_warm}")
+        if self.ema not in ("adapt", "round"):
+            raise ConfigError("algorithm.ema", f"must be adapt or round, got {self.ema!r}")
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -586,6 +600,10 @@ class HASFL(SubmodelAlgorithm):
 
     def widths_for(self, round_idx, cohort):
         return {c: float(self.widths[c]) for c in cohort}
+
+    def adapts_after(self, done: int) -> bool:
+        """Whether the round that completes ``done`` rounds ends an adaptation step."""
+        return done >= self.t_warm and (done - self.t_warm) % self.t_adapt == 0
 
     # -- estimation -------------------------------------------------------------------------
     def commit(self, acc, task, result, plan):
@@ -612,11 +630,13 @@ class HASFL(SubmodelAlgorithm):
         h_hat, trained = reduced["h_hat"].cpu(), reduced["trained"].cpu() > 0
         self._h_hat = h_hat
         super().finish_round(new_state, sums, plan, owned)
-        self.h_tilde = torch.where(trained, self.beta * self.h_tilde + (1 - self.beta) * h_hat, self.h_tilde)
         done = plan.round_idx + 1  # rounds completed
+        adapting = self.adapts_after(done)
+        if adapting or self.ema == "round":
+            self.h_tilde = torch.where(trained, self.beta * self.h_tilde + (1 - self.beta) * h_hat, self.h_tilde)
         if done % self.t_norm == 0:
             self.h_tilde = self.h_tilde / self.h_tilde.mean().clamp_min(self.eps)
-        if done >= self.t_warm and (done - self.t_warm) % self.t_adapt == 0:
+        if adapting:
             self.widths = self.allocate()
         figures = {"H_bar": float(self.h_tilde.mean())}
         for task in plan.tasks:

@@ -1,0 +1,55 @@
+"""tools/feast_report.py's post-hoc extraction table (Supp. Table 6) on a hand-made run and
+hand-made extraction results, the gaps worked out by hand."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import feast_report as tool  # noqa: E402
+
+# cached curve (MACs, accuracy), given out of order and with one variant not scored:
+# 10M 50%, 20M 60%, 40M 80%
+RUN = {"name": "toy", "macs": [40e6, 10e6, 30e6, 20e6], "accs": [0.8, 0.5, None, 0.6]}
+EXTRACTIONS = [
+    {"budget": 60e6, "macs": 40e6, "test_acc": 0.80},  # on the last cached point: gap 0
+    {"budget": 16e6, "macs": 15e6, "test_acc": 0.57},  # curve 55% (halfway 10M-20M): +2 pp
+    {"budget": 30e6, "macs": 30e6, "test_acc": 0.66},  # curve 70% (halfway 20M-40M): -4 pp
+    {"budget": 90e6, "macs": 50e6, "test_acc": 0.90},  # beyond the cache: no curve
+]
+
+
+def test_gaps_against_the_interpolated_cached_curve():
+    rows = tool.extraction_gaps(RUN, EXTRACTIONS)
+    assert [r["macs"] for r in rows] == [15e6, 30e6, 40e6, 50e6]
+    assert [r["reference"] for r in rows[:3]] == pytest.approx([0.55, 0.70, 0.80], abs=1e-12)
+    assert [r["gap"] for r in rows[:3]] == pytest.approx([0.02, -0.04, 0.0], abs=1e-12)
+    assert rows[3]["reference"] is None and rows[3]["gap"] is None
+    # low end: budgets up to 35M (the 16M and 30M subnets); full range: the three inside the span
+    assert tool.mean_abs_gap(rows, 35e6) == pytest.approx((0.03, 2), abs=1e-12)
+    assert tool.mean_abs_gap(rows) == pytest.approx((0.02, 3), abs=1e-12)
+    assert tool.mean_abs_gap(rows, 1e6) == (None, 0)
+
+
+def test_report_prints_table_6_from_saved_files(tmp_path, capsys):
+    run = tmp_path / "toy"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"final": {
+        "test_acc": 0.6, **{f"test_variant{j:02d}_acc": a for j, a in enumerate(RUN["accs"]) if a is not None}}}))
+    (run / "cache.json").write_text(json.dumps({"variants": [{"macs": m} for m in RUN["macs"]]}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"partition": {"gamma": 1.0},
+                                                     "algorithm": {"init_args": {"rule": "full"}}}))
+    single = tmp_path / "e0.json"
+    single.write_text(json.dumps(EXTRACTIONS[0], indent=2))  # extract's own output
+    lines = tmp_path / "rest.jsonl"
+    lines.write_text("\n".join(json.dumps(e) for e in EXTRACTIONS[1:]))
+    tool.main([str(run), "--plot", str(tmp_path / "plot.png"), "--extractions", str(single), str(lines),
+               "--low_end", "35e6"])
+    out = capsys.readouterr().out
+    assert "mean |gap| low end (budget <= 35M): 3.00 pp over 2 subnets (15.00M-30.00M)" in out
+    assert "mean |gap| full range: 2.00 pp over 3 subnets (15.00M-40.00M)" in out
+    assert "(out of span)" in out and (tmp_path / "plot.png").is_file()
