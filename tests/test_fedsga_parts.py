@@ -80,14 +80,24 @@ def test_depth_embedding_changes_the_projection():
     assert torch.allclose(h.project(z, 0), h.project(z, 2))
 
 
-def test_narrow_interfaces_are_zero_padded():
+def test_narrow_interfaces_are_standardized_then_zero_padded():
+    """Each channel of the pooled interface standardized with the batch's (biased) statistics of
+    its depth, then zero-padded to the widest depth; read in evaluation mode, the running ones."""
     torch.manual_seed(0)
     h = InterfaceHarmonizer([2, 6], num_classes=3, projection_dim=4)
-    z = torch.randn(4, 2, 3, 3)
-    wide = torch.cat([z, torch.zeros(4, 4, 3, 3)], dim=1)
+    z = torch.randn(4, 2, 3, 3) + 3.0
+    pooled = pool_interface(z)
+    standard = (pooled - pooled.mean(0)) / torch.sqrt(pooled.var(0, unbiased=False) + 1e-5)
+    wide = torch.cat([standard, torch.zeros(4, 4)], dim=1)
     embedding = h.depth_embedding.weight[0].expand(4, -1)
-    expected = F.normalize(h.projector(torch.cat([pool_interface(wide), embedding], 1)), dim=1)
-    assert torch.allclose(h.project(z, 0), expected)
+    expected = F.normalize(h.projector(torch.cat([wide, embedding], 1)), dim=1)
+    assert torch.allclose(h.project(z, 0), expected, atol=1e-6)
+    running_mean = 0.1 * pooled.mean(0)  # one batch of momentum 0.1 from zero mean, unit variance
+    running_var = 0.9 + 0.1 * pooled.var(0, unbiased=True)
+    h.eval()
+    read = torch.cat([(pooled - running_mean) / torch.sqrt(running_var + 1e-5), torch.zeros(4, 4)], dim=1)
+    assert torch.allclose(h.project(z, 0), F.normalize(h.projector(torch.cat([read, embedding], 1)), dim=1),
+                          atol=1e-6)
     with pytest.raises(ValueError):
         h.project(torch.randn(4, 6), 0)
 
@@ -177,8 +187,9 @@ def test_probe_loss_is_the_prototype_classifier_cross_entropy():
     z, y = torch.randn(5, 6), torch.tensor([0, 1, 1, 3, 0])
     assert h.probe_loss(z, y, 1) == pytest.approx(math.log(4))  # no prototypes yet
     h.update_prototypes(F.normalize(torch.randn(3, 3), dim=1), torch.tensor([0, 1, 2]))
-    with torch.no_grad():
-        feats = h.project(z, 1)
+    with torch.no_grad():  # the probe reads the harmonizer as it is: running statistics
+        feats = h.eval().project(z, 1)
+    h.train()
     sims = feats @ h.prototypes[:3].t() / 0.5
     known = torch.tensor([0, 1, 2, 4])  # the example of class 3 has no prototype: not scored
     expected = F.cross_entropy(sims[known], y[known])
