@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_lightning.algorithms.fednas import (ARCH_STREAM, DeepFedNAS, SuperFedNAS, sandwich_roles,
+from fl_lightning.algorithms.fednas import (ARCH_STREAM, DeepFedNAS, PathSearch, SuperFedNAS, sandwich_roles,
                                             uniform_architecture)
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
@@ -28,6 +28,9 @@ MODEL = ModelConfig(name="ofa_resnet", kwargs={"width_scale": 0.0625, "max_extra
 DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
                   val_size=40, calib_size=32)
 BUDGETS = BudgetConfig(b_min=1e5, b_max=3e6, b_cap=2e6)
+# unconstrained DeepFedNAS's path over the complete supernet, searched cheaply (the narrowed
+# supernet's effectiveness is far above FEAST's ceilings, hence rho 1)
+SMALL_PATH = PathSearch(targets=8, population=16, generations=10, rho=1.0)
 
 
 def build_global_model_for_cache():
@@ -49,6 +52,8 @@ def small_cache(tmp_path) -> str:
 
 def transfer_spec(spec_factory, tmp_path, name, cls, rounds=2, per_round=3, **kwargs):
     cache = kwargs.pop("cache", None) or small_cache(tmp_path)
+    if cls is DeepFedNAS:
+        kwargs.setdefault("path", SMALL_PATH)
     return spec_factory(
         name=name, algorithm=cls(cache=cache, mix_schedule="none", **kwargs), data=DATA, model=MODEL,
         partition=PartitionConfig(method="iid", num_clients=6, budgets=BUDGETS),
@@ -189,16 +194,18 @@ def test_superfednas_unconstrained_ignores_budgets(spec_factory, tmp_path):
 
 
 @pytest.mark.parametrize("constrained", [False, True])
-def test_deepfednas_walks_the_cached_pareto_path(spec_factory, tmp_path, constrained):
-    """Per round and client: the max role trains the last (most MACs) cached variant of its pool,
-    the min role the first of the cache, everyone else pool[randint(|pool|)] from the
-    (seed, 51, round, client) generator; the pool is the whole cache or the affordable prefix.
-    Over the rounds every variant of the path is visited and the max role rotates through
-    the least-tracked clients."""
+def test_deepfednas_walks_the_pareto_path(spec_factory, tmp_path, constrained):
+    """Per round and client: the max role trains the last (most MACs) architecture of its pool,
+    the min role the path's first, everyone else pool[randint(|pool|)] from the
+    (seed, 51, round, client) generator; the path is the complete-supernet path (unconstrained)
+    or the variant cache, the pool the whole path or the affordable prefix (constrained).
+    Over the rounds every architecture of the path is visited and the max role rotates
+    through the least-tracked clients."""
     spec = transfer_spec(spec_factory, tmp_path, f"dfn_{constrained}", DeepFedNAS, rounds=1, constrained=constrained)
     run_fit(spec)
     algorithm = spec.algorithm
-    cache, n = algorithm.cache, len(algorithm.cache.specs)
+    path = algorithm.cache if constrained else algorithm.path
+    n = len(path.specs)
     visited = set()
     for round_idx in range(60):
         largest_before = algorithm.largest.clone()
@@ -208,21 +215,58 @@ def test_deepfednas_walks_the_cached_pareto_path(spec_factory, tmp_path, constra
             pool = algorithm.sets[task.client] if constrained else list(range(n))
             role = task.options["role"]
             if role == "max":
-                assert task.spec == cache.specs[pool[-1]]
+                assert task.spec == path.specs[pool[-1]]
                 assert largest_before[task.client] == min(largest_before[c] for c in plan.cohort)
             elif role == "min":
-                assert task.spec == cache.specs[0]
+                assert task.spec == path.specs[0]
             else:
                 generator = torch.Generator().manual_seed(derive_seed(spec.seed, ARCH_STREAM, round_idx, task.client))
-                assert task.spec == cache.specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]]
-            assert task.options["macs"] == cache.macs[cache.specs.index(task.spec)]
+                assert task.spec == path.specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]]
+            assert task.options["macs"] == path.macs[path.specs.index(task.spec)]
             if constrained:
                 assert task.options["macs"] <= algorithm.budgets[task.client]
-            visited.add(cache.specs.index(task.spec))
+            visited.add(path.specs.index(task.spec))
         assert sorted(t.options["role"] for t in plan.tasks) == ["max", "min", "random"]
         algorithm.track(plan)
     reachable = set().union(*map(set, algorithm.sets)) if constrained else set(range(n))
     assert visited == reachable
+
+
+def test_unconstrained_deepfednas_samples_the_complete_supernet(spec_factory, tmp_path):
+    """FEAST Supp. E.2: "The unconstrained variants sample from the complete expanded
+    supernet". Unconstrained DeepFedNAS's path runs from the supernet's smallest architecture to
+    its largest (MAC-sorted, the interior one searched architecture per equidistant MAC
+    target, each within its target), not only over the variant cache: the max role trains the
+    whole supernet, and random-role clients draw architectures beyond the cache's largest. The
+    path is saved with the run."""
+    from fl_lightning.elastic.search.cache import segment_targets
+
+    spec = transfer_spec(spec_factory, tmp_path, "dfn_complete", DeepFedNAS, rounds=1)
+    run_fit(spec)
+    algorithm = spec.algorithm
+    model, cost, cache = algorithm.ctx.model, algorithm.cost, algorithm.cache
+    top, bottom = cost.spec_macs(model.max_spec()), cost.spec_macs(model.min_spec())
+    assert cache.macs[-1] < top  # the case is one where the cache does not reach the supernet's top
+
+    plans = []
+    for round_idx in range(40):
+        plans.append(algorithm.plan(round_idx))
+        algorithm.track(plans[-1])
+    tasks = [t for plan in plans for t in plan.tasks]
+    assert all(t.spec == model.max_spec() for t in tasks if t.options["role"] == "max")
+    assert all(t.spec == model.min_spec() for t in tasks if t.options["role"] == "min")
+    random_macs = [t.options["macs"] for t in tasks if t.options["role"] == "random"]
+    assert max(random_macs) > cache.macs[-1]
+
+    path = algorithm.path
+    assert path.specs[0] == model.min_spec() and path.specs[-1] == model.max_spec()
+    assert path.macs == sorted(path.macs) and len(set(path.specs)) == len(path.specs) > 2
+    targets = segment_targets(bottom, top, SMALL_PATH.targets)
+    for variant in path.variants[1:-1]:
+        assert variant.info["target"] in [round(t) for t in targets[1:-1]]
+        assert variant.macs <= variant.info["target"]
+    saved = VariantCache.load(Path(spec.out_dir) / "dfn_complete" / "path.json", model)
+    assert saved.specs == path.specs
 
 
 # -- runs -----------------------------------------------------------------------------------------
@@ -307,7 +351,9 @@ def test_resume_is_bit_exact(spec_factory, tmp_path):
 @pytest.mark.parametrize("kwargs,key", [({"maxnet_init": 0.0}, "algorithm.maxnet_init"),
                                         ({"maxnet_final": 1.5}, "algorithm.maxnet_final"),
                                         ({"maxnet_steps": 0}, "algorithm.maxnet_steps"),
-                                        ({"mixup_alpha": -1.0}, "algorithm.mixup_alpha")])
+                                        ({"mixup_alpha": -1.0}, "algorithm.mixup_alpha"),
+                                        ({"path": PathSearch(targets=1)}, "algorithm.path.targets"),
+                                        ({"path": PathSearch(rho=0.0)}, "algorithm.path.rho")])
 def test_bad_options_fail_with_the_key(kwargs, key):
     with pytest.raises(ConfigError) as error:
         DeepFedNAS(**kwargs).check(LocalTrainConfig())

@@ -105,6 +105,33 @@ def test_fedbabu_trains_the_body_and_never_the_head(spec_factory):
     assert all(r["bytes_up"] == r["bytes_down"] - head_bytes for r in clients)
 
 
+def test_fedbabu_finetunes_at_a_hundredth_of_the_training_rate_without_weight_decay(spec_factory, monkeypatch):
+    """The authors' personalization (analysis.ipynb of jhoon-oh/FedBABU) is SGD over body and
+    head at lr 1e-3 after training at 0.1, with the training momentum and no weight decay: by
+    default every client's fine-tuning optimizer gets ``train.lr / 100``, ``train.momentum``
+    and weight decay 0; the explicit options still override."""
+    import fl_lightning.modules.supervised as supervised
+
+    built = []
+
+    class Recording(supervised.SupervisedClient):
+        def __init__(self, model, lr, momentum=0.0, weight_decay=0.0):
+            built.append((lr, momentum, weight_decay))
+            super().__init__(model, lr, momentum, weight_decay)
+
+    monkeypatch.setattr(supervised, "SupervisedClient", Recording)
+    spec = spec_factory(name="babu_ft", algorithm=FedBABU(finetune_epochs=1), train=TRAIN,
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    fed = federation(spec)
+    alg = fed.algorithm
+    alg.personalized("test", 64)
+    assert len(built) == fed.ctx.num_clients
+    assert all(b == pytest.approx((TRAIN.lr / 100, TRAIN.momentum, 0.0), abs=0, rel=1e-12) for b in built)
+    assert FedBABU(finetune_lr=0.02).finetune_optimizer(TRAIN) == (0.02, TRAIN.momentum, 0.0)
+    assert FedBABU(finetune_lr_scale=1.0, finetune_weight_decay=None).finetune_optimizer(TRAIN) == \
+        (TRAIN.lr, TRAIN.momentum, TRAIN.weight_decay)
+
+
 # -- FedGH ---------------------------------------------------------------------------------------
 def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
     """The global header after round 0 equals SGD by hand, one cross-entropy step per
@@ -460,6 +487,8 @@ def test_resume_is_bit_exact(spec_factory, algorithm):
     (lambda: FedBABU(finetune_epochs=-1), "algorithm.finetune_epochs"),
     (lambda: FedBABU(finetune_part="body"), "algorithm.finetune_part"),
     (lambda: FedBABU(finetune_lr=0.0), "algorithm.finetune_lr"),
+    (lambda: FedBABU(finetune_lr_scale=0.0), "algorithm.finetune_lr_scale"),
+    (lambda: FedBABU(finetune_weight_decay=-1e-4), "algorithm.finetune_weight_decay"),
     (lambda: FedGH(server_lr=-0.1), "algorithm.server_lr"),
     (lambda: FedGH(server_epochs=0), "algorithm.server_epochs"),
     (lambda: FedGH(server_batch_size=0), "algorithm.server_batch_size"),

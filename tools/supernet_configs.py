@@ -126,6 +126,10 @@ def config_for(where: str, dataset: str, method: str, width: float | None = None
         # evaluated operating points must be FEAST's for the numbers to compare
         args = {k: v for k, v in (source["algorithm"].get("init_args") or {}).items() if k in accepted}
         args.update(algorithm.get("init_args") or {})
+        if "path" in accepted and "search" in args and not args.get("constrained", False):
+            # unconstrained DeepFedNAS's path over the complete supernet: searched as FEAST's cache
+            args["path"] = {k: v for k, v in args["search"].items()
+                            if k in ("population", "generations", "mutation", "seed")}
         cfg["algorithm"] = {"class_path": algorithm["class_path"], "init_args": args}
         return deep_update(cfg, overlay)
     if method == "heterofl":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Dict, Literal, Optional
+from typing import Dict, Literal, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,8 @@ class FedBABU(FedAvg):
     The global model is evaluated as it is (a random, fixed head on the learned body).
 
     Personalization (the paper's evaluation): each client fine-tunes the global model on its own
-    shard for ``finetune_epochs`` epochs, the whole network by default as in the paper, and the
+    shard for ``finetune_epochs`` epochs, the whole network by default as in the paper (SGD at a
+    hundredth of the training rate with its momentum and no weight decay, as the authors), and the
     mean accuracy of the fine-tuned models on the server's split is reported as ``ft_acc`` (and
     ``ft_loss``). It runs only where it is cheap enough: on the test split once the last round
     is done (the final and best-checkpoint figures) and in ``fl_lightning evaluate``.
@@ -37,19 +38,32 @@ class FedBABU(FedAvg):
     """
 
     def __init__(self, finetune_epochs: int = 5, finetune_part: FinetunePart = "full",
-                 finetune_lr: Optional[float] = None):
+                 finetune_lr: Optional[float] = None, finetune_lr_scale: float = 0.01,
+                 finetune_weight_decay: Optional[float] = 0.0):
         """
         Args:
             finetune_epochs: personalization epochs tau_f of each client's fine-tuning before
                 the ``ft_acc`` figure (0: no personalization figures).
             finetune_part: what fine-tuning updates: full (body and head, the paper's default)
                 or head (the head only).
-            finetune_lr: fine-tuning learning rate (None: train.lr), with train.momentum and
-                train.weight_decay.
+            finetune_lr: fine-tuning learning rate; None: ``finetune_lr_scale * train.lr``.
+            finetune_lr_scale: the fine-tuning rate as a fraction of train.lr when
+                ``finetune_lr`` is None; 0.01 as the authors' personalization (lr 1e-3 after
+                training at 0.1). Momentum is always train.momentum.
+            finetune_weight_decay: weight decay while fine-tuning (0.0, as the authors' fine-tuning
+                optimizer; None: train.weight_decay).
         """
         self.finetune_epochs = finetune_epochs
         self.finetune_part = finetune_part
         self.finetune_lr = finetune_lr
+        self.finetune_lr_scale = finetune_lr_scale
+        self.finetune_weight_decay = finetune_weight_decay
+
+    def finetune_optimizer(self, train) -> Tuple[float, float, float]:
+        """``(lr, momentum, weight_decay)`` of the personalization SGD for training config ``train``."""
+        lr = self.finetune_lr if self.finetune_lr is not None else self.finetune_lr_scale * train.lr
+        wd = self.finetune_weight_decay if self.finetune_weight_decay is not None else train.weight_decay
+        return lr, train.momentum, wd
 
     def check(self, train):
         epochs = self.finetune_epochs
@@ -60,6 +74,15 @@ class FedBABU(FedAvg):
         lr = self.finetune_lr
         if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ConfigError("algorithm.finetune_lr", f"must be a finite number > 0 (or null), got {lr!r}")
+        scale = self.finetune_lr_scale
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+                and scale > 0):
+            raise ConfigError("algorithm.finetune_lr_scale", f"must be a finite number > 0, got {scale!r}")
+        wd = self.finetune_weight_decay
+        if wd is not None and not (isinstance(wd, (int, float)) and not isinstance(wd, bool)
+                                   and math.isfinite(wd) and wd >= 0):
+            raise ConfigError("algorithm.finetune_weight_decay",
+                              f"must be a finite number >= 0 (or null), got {wd!r}")
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -111,7 +134,7 @@ class FedBABU(FedAvg):
             return self._finetuned[fingerprint]
         t = ctx.train
         cfg = replace(t, epochs=self.finetune_epochs, steps=None)
-        lr = self.finetune_lr if self.finetune_lr is not None else t.lr
+        lr, momentum, weight_decay = self.finetune_optimizer(t)
         dataset, indices = ctx.data.split(split)
 
         def finetuned(client: int):
@@ -121,7 +144,7 @@ class FedBABU(FedAvg):
             for p in self.head_params:
                 p.requires_grad_(True)
             torch.manual_seed(derive_seed(ctx.seed, FINETUNE_STREAM, client, 1))
-            module = SupervisedClient(self.worker, lr, t.momentum, t.weight_decay)
+            module = SupervisedClient(self.worker, lr, momentum, weight_decay)
             train_locally(ctx.fabric, module, ctx.shards[client], cfg,
                           torch.Generator().manual_seed(derive_seed(ctx.seed, FINETUNE_STREAM, client)))
             return self.worker

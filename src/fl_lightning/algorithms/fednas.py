@@ -9,8 +9,10 @@ Both keep their originals' round structure (SuperFedNAS's ``TS_all_random`` and 
   architecture from the method's sampler;
 - sampler of the other clients: SuperFedNAS draws uniformly from the whole architecture space
   (constrained: uniformly from the architectures within the client's budget, by rejection);
-  DeepFedNAS draws uniformly from the variant cache, its Pareto path (constrained: from the
-  cached variants the client affords);
+  DeepFedNAS draws uniformly from its Pareto path: unconstrained, a path over the complete
+  supernet (one fitness-optimal architecture per equidistant MAC target from the smallest
+  architecture's MACs to the largest's, FEAST Supp. E.2 "the complete expanded supernet");
+  constrained, the cached variants the client affords;
 - each client trains its one extracted subnet (``modules/single_architecture.py``) and returns
   it; the server aggregates with MaxNet's overlap-aware weights, the max role weighing
   ``c(t)`` (cosine from 0.9 to 0.125) and the others ``(1 - c(t)) / (K - 1)``
@@ -24,7 +26,10 @@ docs/fednas_transfers.md gives the originals' rules, how each is realized, and t
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
@@ -35,7 +40,8 @@ from fl_lightning.algorithms.feast import CacheSearch, Feast
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE, KAPPA_FB
+from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION,
+                                         SEARCH_POPULATION, extraction_rho)
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -94,6 +100,67 @@ def uniform_architecture(cost, generator: torch.Generator, budget: Optional[floa
     return None
 
 
+@dataclass
+class PathSearch:
+    """How unconstrained DeepFedNAS's Pareto path over the complete supernet is built (the
+    DeepFedNAS cache generator's equidistant targets between the supernet's absolute MAC
+    bounds, one genetic search per target)."""
+
+    targets: int = 60
+    """MAC targets from the smallest architecture's MACs to the largest's, both included
+    (DeepFedNAS's ``run_subnet_cache_generation.sh``: ``--num_samples 60``)."""
+    population: int = SEARCH_POPULATION
+    """Genetic-search population per target (DeepFedNAS's script: 256)."""
+    generations: int = SEARCH_GENERATIONS
+    """Genetic-search generations per target (DeepFedNAS's script: 512)."""
+    mutation: float = SEARCH_MUTATION
+    """Mutation probability."""
+    seed: int = 0
+    """Search seed (target ``k`` is searched with ``seed + k``)."""
+    rho: Optional[float] = None
+    """Effectiveness ceiling rho_0 of every target; null: FEAST's cache ceilings (0.40 below
+    50M MACs, 0.31 above, Supp. B.1 / E.3)."""
+
+
+def pareto_path(model, input_shape, settings: PathSearch = PathSearch()):
+    """DeepFedNAS's Pareto path over the complete supernet, a MAC-sorted
+    :class:`~fl_lightning.elastic.search.cache.VariantCache`.
+
+    Targets: ``settings.targets`` equidistant MAC values from the supernet's smallest
+    architecture's MACs to its largest's. The two ends are those architectures themselves (the
+    complete space's extremes, which the min and max roles train); every interior target gets
+    the fitness-optimal architecture with ``MACs <= target`` and effectiveness at most
+    ``settings.rho`` (default FEAST's cache ceiling at that budget: 0.40 below 50M, 0.31 above); a target whose search finds no
+    feasible architecture is left out (as the DeepFedNAS generator leaves out a failed job), and
+    an architecture found twice is kept once."""
+    from fl_lightning.elastic.search.cache import Variant, VariantCache, segment_targets
+    from fl_lightning.elastic.search.cost import cost_model
+    from fl_lightning.elastic.search.genetic import InfeasibleError, search
+
+    cost = cost_model(model, input_shape)
+    low, high = model.min_spec(), model.max_spec()
+    targets = segment_targets(cost.spec_macs(low), cost.spec_macs(high), settings.targets)
+    found: Dict[object, object] = {}
+
+    def keep(spec, info):
+        found.setdefault(spec, Variant(spec, cost.spec_macs(spec), cost.spec_params(spec), info))
+
+    keep(low, {"target": round(targets[0]), "end": "smallest"})
+    for k, target in enumerate(targets[1:-1], start=1):
+        rho = settings.rho if settings.rho is not None else extraction_rho(target)
+        try:
+            spec, _, fit = search(model, target, rho, settings.population, settings.generations,
+                                  settings.mutation, seed=settings.seed + k, input_shape=cost.input_shape)
+        except InfeasibleError:
+            continue
+        keep(spec, {"target": round(target), "rho_limit": rho, "fitness": round(fit, 4)})
+    keep(high, {"target": round(targets[-1]), "end": "largest"})
+    provenance = {"path": "complete supernet", "targets": len(targets), "population": settings.population,
+                  "generations": settings.generations, "mutation": settings.mutation, "seed": settings.seed,
+                  "rho": settings.rho}
+    return VariantCache(list(found.values()), cost.input_shape, cost.num_classes, cost.model_options, provenance)
+
+
 def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
 
@@ -115,10 +182,11 @@ class _FedNASTransfer(Feast):
         Args:
             constrained: the budget-constrained variant of Table 3: every client trains only
                 architectures within its MAC budget (the max role its largest affordable cached
-                variant); false samples from the whole supernet (SuperFedNAS) or the whole
-                cache (DeepFedNAS) whatever the budgets.
+                variant); false samples from the complete supernet whatever the budgets
+                (SuperFedNAS: uniform architectures; DeepFedNAS: its Pareto path over the
+                whole space).
             cache: JSON file of cached variants: the evaluated operating points (FEAST's, so
-                the numbers compare) and DeepFedNAS's Pareto path; built by the genetic search
+                the numbers compare) and constrained DeepFedNAS's Pareto path; built by the genetic search
                 below and saved to the run directory when not given.
             retarget: reuse the cache file's architectures with MACs recomputed for this model
                 and input (as FEAST does on TinyImageNet).
@@ -362,35 +430,108 @@ class SuperFedNAS(_FedNASTransfer):
 
 class DeepFedNAS(_FedNASTransfer):
     """DeepFedNAS (Khan and Daneshtalab, 2026) transferred to FEAST's supernet: MaxNet's tracking
-    sandwich on the variant cache, its Pareto path (``TS_optimal_path``): the max role trains
-    the largest cached variant, the min role the smallest, every other client one cached
-    variant drawn uniformly; MaxNet aggregation.
+    sandwich on its Pareto path (``TS_optimal_path``): the max role trains the path's last
+    (most expensive) architecture, the min role its first, every other client one path
+    architecture drawn uniformly; MaxNet aggregation.
 
-    Constrained: the max role trains the client's largest affordable cached variant and the
-    others draw uniformly from the cached variants the client affords (the min role's smallest
-    cached variant is affordable by every client).
+    Unconstrained, the path covers the complete supernet (FEAST Supp. E.2: the unconstrained
+    variants "sample from the complete expanded supernet"): :func:`pareto_path`, from the
+    smallest architecture to the largest, built with ``path`` at set-up (``path.json`` in the
+    run directory). Constrained: the path is the variant cache; the max role trains the
+    client's largest affordable cached variant and the others draw uniformly from the cached
+    variants the client affords (the min role's smallest cached variant is affordable by every
+    client).
     """
 
     method = "DeepFedNAS"
 
-    def sampler_description(self) -> str:
-        where = "each client's affordable cached variants" if self.constrained else "the whole variant cache"
-        return f"uniform draws from {where} (the Pareto path), tracking sandwich (max / min roles)"
+    def __init__(self, constrained: bool = False, cache: Optional[str] = None, retarget: bool = False,
+                 search: CacheSearch = CacheSearch(), path: PathSearch = PathSearch(),
+                 maxnet_init: float = MAXNET_INIT, maxnet_final: float = MAXNET_FINAL,
+                 maxnet_steps: Optional[int] = None, mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0,
+                 mix_schedule: MixSchedule = "alternate", calib_batch_size: int = CALIB_BATCH_SIZE,
+                 calib_transform: Literal["train", "eval"] = "train", kappa: float = KAPPA_FB):
+        """
+        Args:
+            constrained: the budget-constrained variant of Table 3 (the path is then the
+                variant cache, restricted to what each client affords); false: the path over
+                the complete supernet, whatever the budgets.
+            cache: JSON file of cached variants (the evaluated operating points, FEAST's);
+                built by ``search`` and saved to the run directory when not given.
+            retarget: reuse the cache file's architectures with MACs recomputed for this model.
+            search: genetic-search settings of the variant cache when no cache file is given.
+            path: genetic-search settings of the unconstrained variant's Pareto path over the
+                complete supernet (unused when constrained).
+            maxnet_init: MaxNet coefficient c(0) (0.9).
+            maxnet_final: MaxNet coefficient once annealed (0.125).
+            maxnet_steps: rounds of the cosine anneal; null: rounds - 1.
+            mixup_alpha: Mixup's Beta parameter (0 disables).
+            cutmix_alpha: CutMix's Beta parameter (0 disables).
+            mix_schedule: how Mixup and CutMix alternate (alternate, random, mixup, cutmix, none).
+            calib_batch_size: batch size of BN recalibration on the server's calibration split.
+            calib_transform: image-level transform of the calibration images (train or eval).
+            kappa: forward-plus-backward factor of the reported training MACs (FEAST Eq. 26).
+        """
+        super().__init__(constrained=constrained, cache=cache, retarget=retarget, search=search,
+                         maxnet_init=maxnet_init, maxnet_final=maxnet_final, maxnet_steps=maxnet_steps,
+                         mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, mix_schedule=mix_schedule,
+                         calib_batch_size=calib_batch_size, calib_transform=calib_transform, kappa=kappa)
+        self.path_search = path
 
-    def pool(self, client: int) -> Sequence[int]:
-        return self.sets[client] if self.constrained else range(len(self.cache.specs))
+    def check(self, train) -> None:
+        super().check(train)
+        p = self.path_search
+        checks = [("targets", isinstance(p.targets, int) and p.targets >= 2, "must be an integer >= 2"),
+                  ("population", isinstance(p.population, int) and p.population >= 2, "must be an integer >= 2"),
+                  ("generations", isinstance(p.generations, int) and p.generations >= 1, "must be an integer >= 1"),
+                  ("mutation", _finite(p.mutation) and 0 <= p.mutation <= 1, "must be in [0, 1]"),
+                  ("rho", p.rho is None or (_finite(p.rho) and p.rho > 0), "must be null or > 0")]
+        for key, ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.path.{key}", f"{problem}, got {getattr(p, key)!r}")
+
+    def setup(self, ctx) -> None:
+        self.path = None
+        if not self.constrained:
+            from fl_lightning.elastic.search.cache import VariantCache
+
+            saved = Path(ctx.run_dir) / "path.json"
+            if ctx.resuming and saved.is_file():  # a resumed run samples the path it started with
+                self.path = VariantCache.load(saved, ctx.model)
+            else:
+                self.path = pareto_path(ctx.model, tuple(ctx.data.bundle.input_shape), self.path_search)
+        super().setup(ctx)
+
+    def artifacts(self) -> Dict[str, str]:
+        files = super().artifacts()
+        if self.path is not None:
+            files["path.json"] = json.dumps(self.path.to_dict(), indent=2)
+        return files
+
+    def sampler_description(self) -> str:
+        if self.constrained:
+            return ("uniform draws from each client's affordable cached variants (the Pareto path), "
+                    "tracking sandwich (max / min roles)")
+        return (f"uniform draws from a Pareto path over the complete supernet ({len(self.path.specs)} architectures, "
+                f"{self.path.macs[0] / 1e6:.1f}M-{self.path.macs[-1] / 1e6:.1f}M MACs), tracking sandwich "
+                f"(max / min roles)")
 
     def global_extremes(self):
-        return self.cache.specs[-1], self.cache.specs[0]
+        if self.constrained:
+            return self.cache.specs[-1], self.cache.specs[0]
+        return self.path.specs[-1], self.path.specs[0]
 
     def architecture(self, role: Role, client: int, round_idx: int):
-        pool = self.pool(client)
+        if self.constrained:
+            specs, pool, smallest = self.cache.specs, self.sets[client], self.cache.global_min()
+        else:
+            specs, pool, smallest = self.path.specs, range(len(self.path.specs)), 0
         if role == "max":
-            return self.cache.specs[pool[-1]], False
+            return specs[pool[-1]], False
         if role == "min":
-            return self.cache.specs[self.cache.global_min()], False
+            return specs[smallest], False
         generator = _generator(ARCH_STREAM, self.ctx.seed, round_idx, client)
-        return self.cache.specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]], False
+        return specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]], False
 
 
 def _finite(value) -> bool:
