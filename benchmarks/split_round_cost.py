@@ -28,14 +28,15 @@ MODELS = {
 }
 
 
-def make_spec(method: str, model: str, out_dir: str):
+def make_spec(method: str, model: str, out_dir: str, prompt_gradient: str = "task"):
     from fl_lightning.algorithms import FedSGA, SplitFed
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                      ModelConfig, PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
     name, kwargs, cut = MODELS[model]
-    algorithm = SplitFed(cut=cut) if method == "splitfed" else FedSGA(split_strategy="static")
+    algorithm = (SplitFed(cut=cut) if method == "splitfed"
+                 else FedSGA(split_strategy="static", prompt_gradient=prompt_gradient))
     return RunSpec(name=f"bench_{method}", out_dir=out_dir, seed=0, algorithm=algorithm,
                    data=DataConfig(name="synthetic", options={"num_train": 4000, "num_test": 200, "image_size": 32}),
                    partition=PartitionConfig(method="iid", num_clients=10),
@@ -45,13 +46,13 @@ def make_spec(method: str, model: str, out_dir: str):
                    eval=EvalConfig(every=1000), fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1))
 
 
-def federation(method: str, model: str, out_dir: str):
+def federation(method: str, model: str, out_dir: str, prompt_gradient: str = "task"):
     from lightning.fabric import Fabric
 
     from fl_lightning.federation.loop import Federation
     from fl_lightning.federation.run_dir import RunDir
 
-    spec = make_spec(method, model, out_dir)
+    spec = make_spec(method, model, out_dir, prompt_gradient)
     fed = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name))
     fed._open_outputs()
     return fed
@@ -89,10 +90,12 @@ def main() -> None:
     parser.add_argument("--method", choices=["splitfed", "fedsga"], default="splitfed")
     parser.add_argument("--model", choices=list(MODELS), default="resnet")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--prompt-gradient", choices=["task", "all"], default="task",
+                        help="FedSGA: keep the alignment gradient from the prompt (one more front backward) or not")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        fed = federation(args.method, args.model, tmp)
+        fed = federation(args.method, args.model, tmp, args.prompt_gradient)
         reference = fed.ctx.make_model()
         _, clients = fed.run_round(0)  # warm-up
         full, bare = [], []
