@@ -26,7 +26,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
-from fl_lightning.errors import ConfigError, RunError
+from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
 
 if TYPE_CHECKING:
@@ -206,8 +206,13 @@ def main(argv: Optional[list] = None) -> int:
         RUNNERS[command](args, resolved)
     except ConfigError as error:
         return _fail(str(error))
+    except Interrupted as error:
+        return _fail(str(error), status=130)
     except RunError as error:
         return _fail(str(error), status=1)
+    except KeyboardInterrupt:  # before the first round or after the last one
+        return _fail("interrupted; run the same command again (with --resume auto once a checkpoint exists)",
+                     status=130)
     return 0
 
 
