@@ -53,6 +53,9 @@ def inputs(tmp_path):
     (folder / "binary.yaml").write_bytes(bytes(range(256)) * 4)
     (folder / "a_file").write_text("keep me\n")
     (folder / "a_folder").mkdir()
+    (folder / "loop_a").symlink_to(folder / "loop_b")
+    (folder / "loop_b").symlink_to(folder / "loop_a")
+    (folder / "dangling").symlink_to(folder / "nowhere")
     return folder
 
 
@@ -66,7 +69,8 @@ def no_gpu(monkeypatch):
 
 def snapshot(root: Path) -> dict:
     """Every path under ``root`` with its bytes (folders as None)."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+    return {str(p.relative_to(root)): (os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes())
+            for p in sorted(root.rglob("*"))}
 
 
 def fails_cleanly(argv, capsys, key: str, root: Path) -> str:
@@ -113,6 +117,19 @@ FIT_CASES = [
     (["--out_dir", "{inputs}/a_file"], "out_dir"),
     (["--out_dir", "{inputs}/a_file/runs"], "out_dir"),
     (["--resume", "{tmp}/no_such.ckpt"], "resume"),
+    # what the operating system would refuse, named before anything is created
+    (["--name", "n" * 300], "name"),
+    (["--name", "sweep/" + "n" * 256 + "/a"], "name"),
+    (["--out_dir", "{tmp}/" + "d" * 256], "out_dir"),
+    (["--out_dir", "{tmp}/" + "/".join(["d" * 200] * 25)], "out_dir"),
+    (["--out_dir", ""], "out_dir"),
+    (["--out_dir", " "], "out_dir"),
+    (["--out_dir", "/proc/fl_lightning_runs"], "out_dir"),
+    (["--out_dir", "/proc/self"], "out_dir"),
+    (["--out_dir", "/sys/fl_lightning_runs"], "out_dir"),
+    (["--out_dir", "{inputs}/loop_a"], "out_dir"),
+    (["--out_dir", "{inputs}/loop_a/runs"], "out_dir"),
+    (["--out_dir", "{inputs}/dangling"], "out_dir"),
     # config files
     (["--config", "{inputs}/train5.yaml"], "train"),
     (["--config", "{inputs}/binary.yaml"], "config"),

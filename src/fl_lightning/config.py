@@ -290,6 +290,10 @@ def check_fabric_available(fabric: FabricConfig) -> None:
 def validate_run(name: str, out_dir: str, seed: int, checkpoint_every: int = 1,
                  stop_after: Optional[int] = None) -> None:
     """The top-level options of ``fit`` (the run's location is checked by ``RunDir.check``)."""
+    if not out_dir.strip():
+        raise ConfigError("out_dir", "must not be empty; write . for the working directory")
+    if any(ord(c) < 32 or c == "\x7f" for c in out_dir):
+        raise ConfigError("out_dir", f"must not hold control characters, got {out_dir!r}")
     if seed < 0 or seed >= 2**63:
         raise ConfigError("seed", f"must be an integer in [0, 2**63), got {seed}")
     if checkpoint_every < 1:

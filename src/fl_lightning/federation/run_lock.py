@@ -43,6 +43,9 @@ class RunLock:
         try:
             self.run_path.mkdir(parents=True, exist_ok=True)
             self._acquire()
+        except OSError as error:
+            self._remove_created()
+            raise ConfigError(self.key, f"cannot create {self.path} ({error.strerror or error})") from None
         except BaseException:
             self._remove_created()
             raise
@@ -85,6 +88,8 @@ class RunLock:
         for folder in self.created:
             try:
                 folder.rmdir()
+            except FileNotFoundError:  # removed already (a failed fresh run removes its folder)
+                continue
             except OSError:
                 break
         self.created = []
