@@ -7,6 +7,7 @@ import math
 from contextlib import nullcontext
 from pathlib import Path
 
+from fl_lightning.bounds import check_numbers
 from fl_lightning.config import check_fabric_available, validate, validate_run
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
@@ -39,6 +40,7 @@ def fit_command(args, config_yaml: str) -> dict:
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
     _check_data(args.data, args.partition)
     _check_model(args.model)
+    check_numbers("algorithm", method_record(args.algorithm, config_yaml)["init_args"])
     args.algorithm.check(args.train)
     run_dir = RunDir(args.out_dir, args.name)
     run_dir.check_writable()
