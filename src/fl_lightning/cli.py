@@ -264,26 +264,18 @@ def _instantiate(parser: ArgumentParser, cfg):
 
 def join_negative_values(argv: List[str]) -> List[str]:
     """``--train.lr -inf`` as ``--train.lr=-inf``: argparse reads a value that starts with '-' and
-    is not a plain negative integer (-inf, -1e-3, -.5) as an option of its own. Infinities and
-    NaN take YAML's spelling (``-.inf``), so that validation, not the parser, judges them."""
+    is not a plain negative integer (-inf, -1e-3, -.5) as an option of its own."""
     out: List[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         following = argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith("--") and "=" not in arg and following is not None and _is_number(following) \
-                and (following.startswith("-") or following.lower() in _YAML_SPECIALS):
+        if arg.startswith("--") and "=" not in arg and following is not None and following.startswith("-") \
+                and _is_number(following):
             arg, i = f"{arg}={following}", i + 1
-        if arg.startswith("--") and "=" in arg:
-            option, value = arg.split("=", 1)
-            arg = f"{option}={_YAML_SPECIALS.get(value.lower(), value)}"
         out.append(arg)
         i += 1
     return out
-
-
-_YAML_SPECIALS = {f"{sign}{word}": f"{sign}.{word[:3]}" for sign in ("", "+", "-") for word in ("inf", "infinity")}
-_YAML_SPECIALS.update({"nan": ".nan", "+nan": ".nan", "-nan": ".nan"})
 
 
 def _is_number(text: str) -> bool:
@@ -544,6 +536,8 @@ def describe_parse_error(message: str, parser: Optional[ArgumentParser] = None) 
     expected = re.match(r"Expected a (.+?)\. Got value: (.*)", first)
     if expected:
         wanted = _type_words(expected.group(1))
+        if wanted == "a number" and _is_number(expected.group(2)):  # inf, -inf, nan as typed
+            return key, f"must be a finite number, got {expected.group(2)}"
         verb = "must be" if wanted.startswith("one of") else "expected"
         return key, f"{verb} {wanted}, got {expected.group(2)!r}"
     if first.startswith("Does not validate against any of the Union subtypes"):
