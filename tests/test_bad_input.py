@@ -40,6 +40,9 @@ CONFIG_FILES = {
     "algorithm5.yaml": "algorithm: 5\n",
     "lr_inf.yaml": "train:\n  lr: .inf\n",
     "rounds_text.yaml": "federation:\n  rounds: ten\n",
+    "dup_key.yaml": "train:\n  lr: 0.1\n  epochs: 2\n  lr: 1000000.0\n",
+    "dup_section.yaml": "train:\n  lr: 0.1\nseed: 1\ntrain:\n  epochs: 2\n",
+    "dup_nested.yaml": "algorithm:\n  class_path: FedProx\n  init_args:\n    mu: 0.1\n    mu: 0.2\n",
 }
 
 
@@ -53,6 +56,10 @@ def inputs(tmp_path):
     (folder / "binary.yaml").write_bytes(bytes(range(256)) * 4)
     (folder / "a_file").write_text("keep me\n")
     (folder / "a_folder").mkdir()
+    (folder / "loop_a").symlink_to(folder / "loop_b")
+    (folder / "loop_b").symlink_to(folder / "loop_a")
+    (folder / "dangling").symlink_to(folder / "nowhere")
+    os.mkfifo(folder / "fifo")
     return folder
 
 
@@ -66,7 +73,14 @@ def no_gpu(monkeypatch):
 
 def snapshot(root: Path) -> dict:
     """Every path under ``root`` with its bytes (folders as None)."""
-    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+    def content(p: Path):
+        if p.is_symlink():
+            return os.readlink(p)
+        if p.is_fifo():
+            return "fifo"
+        return None if p.is_dir() else p.read_bytes()
+
+    return {str(p.relative_to(root)): content(p) for p in sorted(root.rglob("*"))}
 
 
 def fails_cleanly(argv, capsys, key: str, root: Path) -> str:
@@ -113,6 +127,19 @@ FIT_CASES = [
     (["--out_dir", "{inputs}/a_file"], "out_dir"),
     (["--out_dir", "{inputs}/a_file/runs"], "out_dir"),
     (["--resume", "{tmp}/no_such.ckpt"], "resume"),
+    # what the operating system would refuse, named before anything is created
+    (["--name", "n" * 300], "name"),
+    (["--name", "sweep/" + "n" * 256 + "/a"], "name"),
+    (["--out_dir", "{tmp}/" + "d" * 256], "out_dir"),
+    (["--out_dir", "{tmp}/" + "/".join(["d" * 200] * 25)], "out_dir"),
+    (["--out_dir", ""], "out_dir"),
+    (["--out_dir", " "], "out_dir"),
+    (["--out_dir", "/proc/fl_lightning_runs"], "out_dir"),
+    (["--out_dir", "/proc/self"], "out_dir"),
+    (["--out_dir", "/sys/fl_lightning_runs"], "out_dir"),
+    (["--out_dir", "{inputs}/loop_a"], "out_dir"),
+    (["--out_dir", "{inputs}/loop_a/runs"], "out_dir"),
+    (["--out_dir", "{inputs}/dangling"], "out_dir"),
     # config files
     (["--config", "{inputs}/train5.yaml"], "train"),
     (["--config", "{inputs}/binary.yaml"], "config"),
@@ -129,6 +156,42 @@ FIT_CASES = [
     (["--config", "{inputs}/missing.yaml"], "config"),
     (["--config", "{inputs}/a_folder"], "config"),
     (["--config=" "{inputs}/empty.yaml"], "config"),
+    # config files that are not regular files, or give a key twice
+    (["--config", "{inputs}/dup_key.yaml"], "train.lr"),
+    (["--config", "{inputs}/dup_section.yaml"], "train"),
+    (["--config", "{inputs}/dup_nested.yaml"], "algorithm.init_args.mu"),
+    (["--config", "/dev/zero"], "config"),
+    (["--config", "/dev/null"], "config"),
+    (["--config", "{inputs}/fifo"], "config"),
+    (["--train", "{inputs}/fifo"], "train"),
+    # numeric extremes: named by validation, never overflowing in numpy or torch
+    (["--train.lr", "-inf"], "train.lr"),
+    (["--train.lr", "-1e-3"], "train.lr"),
+    (["--train.lr", "nan"], "train.lr"),
+    (["--train.lr", "1e400"], "train.lr"),
+    (["--train.momentum", "nan"], "train.momentum"),
+    (["--train.batch_size", str(2**40)], "train.batch_size"),
+    (["--federation.rounds", "9" * 30], "federation.rounds"),
+    (["--eval.every", str(2**64)], "eval.every"),
+    (["--checkpoint_every", str(2**40)], "checkpoint_every"),
+    (["--partition.alpha", "1e400"], "partition.alpha"),
+    (["--partition.budgets.b_max", "inf"], "partition.budgets.b_max"),
+    (["--data.options", "{{num_train: .inf}}"], "data.options.num_train"),
+    (["--data.options", "{{num_train: 99999999999999999999}}"], "data.options.num_train"),
+    (["--model.kwargs", "{{width: 1e400}}"], "model.kwargs.width"),
+    (["--model.kwargs", "{{channels: [8, 99999999999999999999]}}"], "model.kwargs.channels[1]"),
+    (["--algorithm", "FedProx", "--algorithm.mu", "inf"], "algorithm.mu"),
+    (["--algorithm", "FedProx", "--algorithm.mu=-inf"], "algorithm.mu"),
+    # models that cannot be built or would not fit in memory
+    (["--model.kwargs", "{{width: 10000}}"], "model.kwargs"),
+    (["--model.name", "vit", "--model.kwargs", "{{embed_dim: 64, num_heads: 5}}"], "model.kwargs.num_heads"),
+    (["--algorithm", "Feast", "--model.name", "ofa_resnet", "--model.kwargs", "{{width_scale: 0.1}}"],
+     "model.kwargs.width_scale"),
+    (["--algorithm", "Feast", "--model.name", "ofa_resnet", "--algorithm.search.segments", "[]"],
+     "algorithm.search.segments"),
+    (["--algorithm", "HASFL", "--algorithm.tiers", "[0.5, 0.25, 1.0]"], "algorithm.tiers"),
+    (["--algorithm", "HASFL", "--algorithm.tiers", "[0.25, 0.25, 1.0]"], "algorithm.tiers"),
+    (["--algorithm", "FjORD", "--algorithm.tiers", "[1.0, 0.5]"], "algorithm.tiers"),
     # values and types
     (["--federation.rounds", "ten"], "federation.rounds"),
     (["--federation.rounds", "0"], "federation.rounds"),
@@ -614,3 +677,24 @@ def test_image_damaged_past_its_header_found_in_training_leaves_no_run_folder(tm
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: data.root:") and str(bad) in lines[0]
     assert not (out / "lazy").exists()
+
+
+def test_model_that_would_not_fit_in_memory_names_the_figure(tmp_path, capsys, monkeypatch):
+    from fl_lightning.federation import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10**6)
+    line = fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--fabric.accelerator", "cpu"], capsys,
+                         "model.name", tmp_path)
+    assert "MB of weights" in line and "1.0 MB free on cpu" in line
+
+
+def test_negative_value_after_a_space_is_read_as_a_value(tmp_path, capsys):
+    line = fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--train.lr", "-inf"], capsys, "train.lr",
+                         tmp_path)
+    assert "must be a finite number, got -inf" in line and "command" not in line
+
+
+def test_duplicate_key_names_the_file_and_lines(tmp_path, inputs, capsys):
+    line = fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--config", str(inputs / "dup_key.yaml")],
+                         capsys, "train.lr", tmp_path)
+    assert str(inputs / "dup_key.yaml") in line and "lines 2 and 4" in line

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
+from fl_lightning.bounds import check_numbers
 from fl_lightning.config import check_fabric_available, validate, validate_run
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
 from fl_lightning.errors import ConfigError
+from fl_lightning.federation.provenance import check_checkpoints, method_record
+from fl_lightning.federation.run_lock import RunLock, launching_process
 from fl_lightning.federation.run_dir import RunDir, check_resume_compatible, check_run_name, check_writable
 
 
@@ -36,21 +40,28 @@ def fit_command(args, config_yaml: str) -> dict:
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
     _check_data(args.data, args.partition)
     _check_model(args.model)
+    check_numbers("algorithm", method_record(args.algorithm, config_yaml)["init_args"])
     args.algorithm.check(args.train)
     run_dir = RunDir(args.out_dir, args.name)
-    resume_from = run_dir.resolve_resume(args.resume)
-    saved_config = run_dir.path / "config.yaml"
-    if resume_from is not None and saved_config.is_file():
-        check_resume_compatible(saved_config.read_text(), config_yaml)
     run_dir.check_writable()
     check_fabric_available(args.fabric)
-    spec = RunSpec(name=args.name, out_dir=args.out_dir, seed=args.seed, data=args.data,
-                   partition=args.partition, model=args.model, train=args.train,
-                   federation=args.federation, eval=args.eval, fabric=args.fabric,
-                   algorithm=args.algorithm, resume_from=str(resume_from) if resume_from else None,
-                   config_yaml=config_yaml, checkpoint_every=args.checkpoint_every,
-                   stop_after=args.stop_after)
-    summary = run_fit(spec)
+    with RunLock(run_dir.path) if launching_process() else nullcontext():
+        resume_from = run_dir.resolve_resume(args.resume)
+        saved_config = run_dir.path / "config.yaml"
+        if resume_from is not None and saved_config.is_file():
+            check_resume_compatible(saved_config.read_text(), config_yaml)
+        if resume_from is not None:  # every checkpoint the run will read, before any work
+            method = method_record(args.algorithm, config_yaml)
+            check_checkpoints([resume_from], method, key="resume", required=("model", "algorithm", "round", "best"))
+            if run_dir.best.exists():
+                check_checkpoints([run_dir.best], method, key="resume", required=("model",))
+        spec = RunSpec(name=args.name, out_dir=args.out_dir, seed=args.seed, data=args.data,
+                       partition=args.partition, model=args.model, train=args.train,
+                       federation=args.federation, eval=args.eval, fabric=args.fabric,
+                       algorithm=args.algorithm, resume_from=str(resume_from) if resume_from else None,
+                       config_yaml=config_yaml, checkpoint_every=args.checkpoint_every,
+                       stop_after=args.stop_after)
+        summary = run_fit(spec)
     if summary is not None:
         print(json.dumps(summary, indent=2))
     return summary

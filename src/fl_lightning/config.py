@@ -8,10 +8,10 @@ resolved configuration is saved next to each run. ``validate`` checks what types
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Union, get_args
 
+from fl_lightning.bounds import bounded, check_fields, check_numbers
 from fl_lightning.errors import ConfigError
 
 # Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. They
@@ -64,21 +64,21 @@ class DataConfig:
     """Where the server-held validation and calibration splits come from: train (carved out of
     the training pool before partitioning) or valid (the dataset's separate validation split,
     e.g. CINIC-10's valid/, so every training example goes to clients)."""
-    val_size: int = 0
+    val_size: int = bounded(0, ge=0)
     """Server-held examples for validation and checkpoint selection."""
-    calib_size: int = 0
+    calib_size: int = bounded(0, ge=0)
     """Server-held examples for batch-norm recalibration."""
 
 
 @dataclass
 class BudgetConfig:
-    zipf_s: float = 1.2
+    zipf_s: float = bounded(1.2, ge=0)
     """Zipf exponent of client budget ranks (FEAST Supp. A, Eq. 1)."""
-    b_min: float = 25e6
+    b_min: float = bounded(25e6, gt=0)
     """Smallest client budget in MACs (FEAST Supp. A, Eq. 2)."""
     b_max: float = 1500e6
     """Largest client budget in MACs."""
-    b_cap: float = 600e6
+    b_cap: float = bounded(600e6, gt=0)
     """Allocation cap: budgets above it get no more allocation weight (FEAST Eq. 1)."""
 
 
@@ -86,16 +86,16 @@ class BudgetConfig:
 class PartitionConfig:
     method: PartitionMethod = "dirichlet"
     """How training examples go to clients: iid, dirichlet, natural, gamma_dirichlet."""
-    num_clients: int = 20
+    num_clients: int = bounded(20, ge=1)
     """Number of clients N."""
-    alpha: float = 0.3
+    alpha: float = bounded(0.3, gt=0)
     """Dirichlet concentration (alpha_data for gamma_dirichlet)."""
-    alpha_eff: Optional[float] = None
+    alpha_eff: Optional[float] = bounded(None, gt=0)
     """If set, alpha (alpha_data) is chosen so that alpha_eff = alpha_data N_train / (K N)
     (FEAST Supp. Eq. 8; the paper matches alpha_eff = 0.45 across datasets)."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0)
     """gamma_dirichlet: expected data share proportional to min(budget, b_cap)^gamma."""
-    min_size: int = 10
+    min_size: int = bounded(10, ge=0)
     """A partition is redrawn while any client holds fewer examples than this."""
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     """Client MAC budgets (used by gamma_dirichlet and budget-aware algorithms)."""
@@ -111,39 +111,39 @@ class ModelConfig:
 
 @dataclass
 class LocalTrainConfig:
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Local epochs per round (ignored when ``steps`` is set)."""
-    steps: Optional[int] = None
+    steps: Optional[int] = bounded(None, ge=1)
     """Fixed number of local optimizer steps per round instead of epochs."""
-    batch_size: int = 32
+    batch_size: int = bounded(32, ge=1)
     """Local mini-batch size."""
-    lr: float = 0.05
+    lr: float = bounded(0.05, gt=0)
     """Initial local learning rate."""
-    momentum: float = 0.0
+    momentum: float = bounded(0.0, ge=0, lt=1)
     """SGD momentum."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """SGD weight decay."""
-    grad_clip: Optional[float] = None
+    grad_clip: Optional[float] = bounded(None, gt=0)
     """Clip the gradient's global L2 norm to this value before each step (None: no clipping)."""
     lr_schedule: LrSchedule = "constant"
     """Learning rate over rounds: constant, exponential (lr * decay^round), cosine (over all rounds)."""
-    lr_decay: float = 0.995
+    lr_decay: float = bounded(0.995, gt=0, le=1)
     """Per-round factor of the exponential schedule."""
 
 
 @dataclass
 class FederationConfig:
-    rounds: int = 50
+    rounds: int = bounded(50, ge=1)
     """Number of communication rounds."""
-    clients_per_round: int = 10
+    clients_per_round: int = bounded(10, ge=1)
     """Clients m sampled uniformly without replacement each round."""
 
 
 @dataclass
 class EvalConfig:
-    every: int = 5
+    every: int = bounded(5, ge=1)
     """Evaluate every this many rounds (and after the last round)."""
-    batch_size: int = 512
+    batch_size: int = bounded(512, ge=1)
     """Evaluation batch size."""
     test: TestSchedule = "every"
     """When to score the test set: every (at each evaluation, for curves; it never selects) or
@@ -175,52 +175,28 @@ class FabricConfig:
     default (cores / ranks)."""
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConfig,
              federation: FederationConfig, evaluation: EvalConfig, fabric: FabricConfig) -> None:
-    """Range and cross-field checks; raise ConfigError naming the first bad key."""
+    """Every field against the bounds declared with it (``bounded``; every number finite and
+    within range), then the rules that relate fields; raise ConfigError naming the first bad key."""
+    sections = {"data": data, "partition": partition, "train": train, "federation": federation,
+                "eval": evaluation, "fabric": fabric}
+    for prefix, section in sections.items():
+        check_fields(prefix, section)
     budgets = partition.budgets
-    checks = [
-        ("data.val_size", data.val_size >= 0, "must be >= 0"),
-        ("data.calib_size", data.calib_size >= 0, "must be >= 0"),
+    rules = [
         ("data.randaugment", data.randaugment is None or (len(data.randaugment) == 2 and data.randaugment[0] >= 1
                                                           and 0 <= data.randaugment[1] <= 30),
          "must be [num_ops >= 1, magnitude in 0..30] or null"),
-        ("partition.num_clients", partition.num_clients >= 1, "must be >= 1"),
-        ("partition.alpha", _finite(partition.alpha) and partition.alpha > 0, "must be a finite number > 0"),
-        ("partition.alpha_eff",
-         partition.alpha_eff is None or (_finite(partition.alpha_eff) and partition.alpha_eff > 0),
-         "must be a finite number > 0 or null"),
-        ("partition.gamma", _finite(partition.gamma) and partition.gamma >= 0, "must be a finite number >= 0"),
-        ("partition.min_size", partition.min_size >= 0, "must be >= 0"),
-        ("partition.budgets.zipf_s", _finite(budgets.zipf_s) and budgets.zipf_s >= 0, "must be a finite number >= 0"),
-        ("partition.budgets.b_min", _finite(budgets.b_min) and budgets.b_min > 0, "must be a finite number > 0"),
-        ("partition.budgets.b_max", _finite(budgets.b_max) and budgets.b_max >= budgets.b_min,
+        ("partition.budgets.b_max", budgets.b_max >= budgets.b_min,
          f"must be a finite number >= partition.budgets.b_min ({budgets.b_min:g})"),
-        ("partition.budgets.b_cap", _finite(budgets.b_cap) and budgets.b_cap > 0, "must be a finite number > 0"),
-        ("federation.rounds", federation.rounds >= 1, "must be >= 1"),
-        ("federation.clients_per_round", federation.clients_per_round >= 1, "must be >= 1"),
         ("federation.clients_per_round", federation.clients_per_round <= partition.num_clients,
          f"must be <= partition.num_clients ({partition.num_clients})"),
-        ("train.epochs", train.epochs >= 1, "must be >= 1"),
-        ("train.steps", train.steps is None or train.steps >= 1, "must be >= 1 or null"),
-        ("train.batch_size", train.batch_size >= 1, "must be >= 1"),
-        ("train.lr", _finite(train.lr) and train.lr > 0, "must be a finite number > 0"),
-        ("train.momentum", _finite(train.momentum) and 0 <= train.momentum < 1, "must be in [0, 1)"),
-        ("train.weight_decay", _finite(train.weight_decay) and train.weight_decay >= 0, "must be a finite number >= 0"),
-        ("train.grad_clip", train.grad_clip is None or (_finite(train.grad_clip) and train.grad_clip > 0),
-         "must be a finite number > 0 or null"),
         ("train.lr_schedule", train.lr_schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}"),
-        ("train.lr_decay", _finite(train.lr_decay) and 0 < train.lr_decay <= 1, "must be in (0, 1]"),
-        ("eval.every", evaluation.every >= 1, "must be >= 1"),
-        ("eval.batch_size", evaluation.batch_size >= 1, "must be >= 1"),
         ("eval.test", evaluation.test in get_args(TestSchedule), "must be every or final"),
         ("data.server_source", data.server_source in get_args(ServerSource), "must be train or valid"),
     ]
-    for key, ok, problem in checks:
+    for key, ok, problem in rules:
         if not ok:
             raise ConfigError(key, f"{problem}, got {_lookup(key, locals())!r}")
     validate_fabric_fields(fabric)
@@ -299,8 +275,14 @@ def check_fabric_available(fabric: FabricConfig) -> None:
 def validate_run(name: str, out_dir: str, seed: int, checkpoint_every: int = 1,
                  stop_after: Optional[int] = None) -> None:
     """The top-level options of ``fit`` (the run's location is checked by ``RunDir.check``)."""
+    if not out_dir.strip():
+        raise ConfigError("out_dir", "must not be empty; write . for the working directory")
+    if any(ord(c) < 32 or c == "\x7f" for c in out_dir):
+        raise ConfigError("out_dir", f"must not hold control characters, got {out_dir!r}")
     if seed < 0 or seed >= 2**63:
         raise ConfigError("seed", f"must be an integer in [0, 2**63), got {seed}")
+    check_numbers("checkpoint_every", checkpoint_every)
+    check_numbers("stop_after", stop_after)
     if checkpoint_every < 1:
         raise ConfigError("checkpoint_every", f"must be >= 1, got {checkpoint_every}")
     if stop_after is not None and stop_after < 1:

@@ -1,4 +1,5 @@
-"""The errors the CLI turns into one-line messages: ConfigError (exit 2) and RunError (exit 1)."""
+"""The errors the CLI turns into one-line messages: ConfigError (exit 2), RunError (exit 1) and
+Interrupted (exit 130, as a shell reports Ctrl-C)."""
 
 
 class ConfigError(ValueError):
@@ -19,3 +20,7 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (every client of a round diverged): one line, exit status 1."""
+
+
+class Interrupted(RunError):
+    """Ctrl-C (SIGINT) during a run: one line saying what the last checkpoint holds, exit status 130."""

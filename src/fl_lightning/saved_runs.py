@@ -10,6 +10,7 @@ from fl_lightning.config import FabricConfig
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
 from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state
+from fl_lightning.federation.provenance import check_method, load_algorithm_state, method_record
 from fl_lightning.federation.run_dir import RunDir
 from fl_lightning.runtime.context import RunContext
 
@@ -32,7 +33,8 @@ def load_run_spec(run: Path) -> RunSpec:
     args = load_fit_config(run / "config.yaml", key="run")
     return RunSpec(name=run.name, out_dir=str(run.parent), seed=args.seed, data=args.data,
                    partition=args.partition, model=args.model, train=args.train, federation=args.federation,
-                   eval=args.eval, fabric=args.fabric, algorithm=args.algorithm)
+                   eval=args.eval, fabric=args.fabric, algorithm=args.algorithm,
+                   config_yaml=(run / "config.yaml").read_text())
 
 
 def checkpoint_path(run: Path, checkpoint: str) -> Path:
@@ -51,8 +53,9 @@ def open_saved_run(run: Path, checkpoint: str, fabric_cfg: FabricConfig) -> Save
     fabric = make_fabric(fabric_cfg)
     fabric.launch()
     state = load_checkpoint(path, map_location=fabric.device, key="checkpoint", required=("model", "round"))
+    check_method(state, method_record(spec.algorithm, spec.config_yaml), path, key="checkpoint")
     ctx = build_context(spec, fabric, mode="evaluate")
     load_model_state(ctx.model, state["model"], path, key="checkpoint")
     if "algorithm" in state:  # per-client state (personalized methods) and server-side extras
-        spec.algorithm.load_state_dict(state["algorithm"])
+        load_algorithm_state(spec.algorithm, state["algorithm"], path, key="checkpoint")
     return SavedRun(spec, ctx, path, int(state.get("round", 0)))

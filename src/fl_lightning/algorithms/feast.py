@@ -115,6 +115,9 @@ class Feast(Algorithm):
         for key, ok, problem in checks:
             if not ok:
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr_path(self, key)!r}")
+        if not s.segments:
+            raise ConfigError("algorithm.search.segments", "must list at least one segment [low MACs, high MACs, "
+                                                           "count, rho_0]; the cache is searched per segment")
         for i, seg in enumerate(s.segments):
             if len(seg) != 4 or not all(math.isfinite(v) for v in seg) or not 0 < seg[0] <= seg[1] \
                     or int(seg[2]) < 1 or not 0 < seg[3] <= 1:

@@ -87,6 +87,8 @@ class SubmodelAlgorithm(FedAvg):
     def check(self, train) -> None:
         if not self.tiers or any(not 0 < t <= 1 for t in self.tiers):
             raise ConfigError("algorithm.tiers", f"must be widths in (0, 1], got {self.tiers}")
+        if any(a >= b for a, b in zip(self.tiers, self.tiers[1:])):
+            raise ConfigError("algorithm.tiers", f"must be distinct widths, smallest first, got {self.tiers}")
         if len(self.tier_probs) != len(self.tiers) or any(p < 0 for p in self.tier_probs) or sum(self.tier_probs) <= 0:
             raise ConfigError("algorithm.tier_probs", f"must be {len(self.tiers)} non-negative numbers with a positive sum")
         if self.caps_given is not None and any(not 0 < c <= 1 for c in self.caps_given):

@@ -19,6 +19,7 @@ from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, Federatio
 from fl_lightning.data.federated import FederatedData, build_federated_data
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError
+from fl_lightning.federation.memory import check_model_fits
 from fl_lightning.runtime.client_data import ClientData
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.seeding import derive_seed
@@ -96,6 +97,7 @@ def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"
     bundle = fed.bundle
     timings["data"] = time.perf_counter() - started
     started = time.perf_counter()
+    check_model_fits(spec.model.name, spec.model.kwargs, bundle.num_classes, bundle.input_shape, fabric.device)
     model = build_global_model(spec, fed).to(fabric.device)
     shards = [ClientData(bundle.train, idx, spec.train.batch_size, fabric.device) for idx in fed.clients]
     ctx = RunContext(

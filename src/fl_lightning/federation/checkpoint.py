@@ -8,9 +8,11 @@ path came from (``resume``, ``checkpoint``) and the file.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, RunError
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive format (the only one save_checkpoint writes)
 
@@ -26,16 +28,54 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive format (the only one save_che
 def save_checkpoint(state: Mapping[str, Any], path: Path) -> None:
     """Write to a temporary file in the same directory, then rename over ``path``.
 
-    A kill mid-write leaves the previous checkpoint intact (rename is atomic on POSIX).
+    A kill mid-write leaves the previous checkpoint intact (rename is atomic on POSIX). A write
+    that fails (disk full, Ctrl-C) removes the temporary file and keeps the previous checkpoint;
+    an operating-system error becomes a one-line ``RunError`` that says how much space the
+    save needs.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(dict(state), handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(dict(state), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise RunError(_save_problem(error, state, path)) from None
+        raise
+
+
+def _save_problem(error: OSError, state: Mapping[str, Any], path: Path) -> str:
+    kept = "the previous checkpoint is kept" if path.exists() else "no earlier checkpoint exists"
+    needed = f"about {_megabytes(_state_bytes(state))}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"{_megabytes(shutil.disk_usage(path.parent).free)} are free"
+        except OSError:
+            free = "the free space is unknown"
+        return (f"no space left on the device while saving {path}: the next save needs {needed} and {free}; "
+                f"{kept}. Free some space and run the same command with --resume auto")
+    return (f"cannot save {path} ({error.strerror or error}); the save needs {needed}; {kept}. "
+            "Fix the folder and run the same command with --resume auto")
+
+
+def _state_bytes(value: Any) -> int:
+    """Bytes of the tensors in a checkpoint's state (what torch.save writes, less a little framing)."""
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_state_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_state_bytes(v) for v in value)
+    return 0
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{max(nbytes, 1) / 2**10:.1f} KiB"
 
 
 def load_checkpoint(path: Path, map_location: Any = "cpu", key: str = "checkpoint",

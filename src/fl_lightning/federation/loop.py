@@ -23,11 +23,13 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from tqdm import tqdm
 
-from fl_lightning.errors import ConfigError, RunError
+from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
 from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.machine import hand_down, launched_by_command_line, placement_for, process_age
+from fl_lightning.federation.provenance import METHOD, check_method, load_algorithm_state, method_record
 from fl_lightning.federation.run_dir import JsonLines, RunDir
+from fl_lightning.federation.run_lock import LOCK
 from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
 from fl_lightning.runtime.plan import RoundPlan
 from fl_lightning.runtime.seeding import shard_for_rank
@@ -62,7 +64,8 @@ def run_fit(spec: RunSpec) -> dict:
 def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: bool = False) -> dict:
     """One rank's run. Forked ranks return a ConfigError or RunError instead of raising it, so
     that it reaches the launching process as the one-line error it is."""
-    fresh = not run_dir.path.exists()
+    # a folder holding nothing but this run's lock was created for this run
+    fresh = not run_dir.path.exists() or all(p.name == LOCK for p in run_dir.path.iterdir())
     try:
         return Federation(fabric, spec, run_dir, origin).run()
     except ConfigError as error:
@@ -92,11 +95,13 @@ class Federation:
         self.model, self.algorithm, self.fed = self.ctx.model, spec.algorithm, self.ctx.data
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         self.last_eval: tuple = (-1, {})  # (round, metrics) of the latest evaluate_round
+        self.method = method_record(self.algorithm, spec.config_yaml)
         if spec.resume_from:
             state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume",
                                     required=("model", "algorithm", "round", "best"))
+            check_method(state, self.method, spec.resume_from, key="resume")
             load_model_state(self.model, state["model"], spec.resume_from, key="resume")
-            self.algorithm.load_state_dict(state["algorithm"])
+            load_algorithm_state(self.algorithm, state["algorithm"], spec.resume_from, key="resume")
             self.start_round, self.best = int(state["round"]), dict(state["best"])
             if spec.stop_after is not None and spec.stop_after <= self.start_round:
                 raise ConfigError("stop_after", f"the run is already at round {self.start_round}; pass a larger value")
@@ -113,18 +118,24 @@ class Federation:
         end = rounds if spec.stop_after is None else min(rounds, spec.stop_after)
         bar = tqdm(range(self.start_round, end), initial=self.start_round, total=rounds, desc=spec.name,
                    unit="round", disable=not self.is_zero, dynamic_ncols=True)
-        for round_idx in bar:
-            row, clients = self.run_round(round_idx)
-            if (round_idx + 1) % spec.eval.every == 0 or round_idx + 1 == rounds:
-                row.update(self.evaluate_round(round_idx))
-                for key in ("test_acc", "val_acc"):
-                    if key in row:
-                        bar.set_postfix({key: f"{row[key]:.4f}"}, refresh=False)
-                        break
-            self._log_round(row, clients)
-            if (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end:
-                self._save_last(round_idx + 1)
-        bar.close()
+        round_idx = self.start_round
+        try:
+            for round_idx in bar:
+                row, clients = self.run_round(round_idx)
+                if (round_idx + 1) % spec.eval.every == 0 or round_idx + 1 == rounds:
+                    row.update(self.evaluate_round(round_idx))
+                    for key in ("test_acc", "val_acc"):
+                        if key in row:
+                            bar.set_postfix({key: f"{row[key]:.4f}"}, refresh=False)
+                            break
+                self._log_round(row, clients)
+                if (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end:
+                    self._save_last(round_idx + 1)
+        except KeyboardInterrupt:
+            in_progress = max(round_idx, self.last_saved or 0)  # a save may have just completed the round
+            raise Interrupted(f"interrupted in round {in_progress}, {self.checkpoint_held()}") from None
+        finally:
+            bar.close()
         self.fabric.barrier()
         summary = {"rounds_done": end, "rounds": rounds}
         if end == rounds:
@@ -170,9 +181,11 @@ class Federation:
         rows = all_gather_objects(fabric, rows)
         clients = [{"round": round_idx, "client": c, **rows[c]} for c in plan.cohort]
         if int(sums["round/committed"]) == 0:
+            self._log_clients(clients)
             reasons = "; ".join(f"client {r['client']}: {r['skipped']}" for r in clients[:3])
-            raise RunError(f"round {round_idx}: every client's update was non-finite ({reasons}); "
-                           f"the last checkpoint holds round {self.last_saved}. Lower train.lr or set train.grad_clip")
+            raise RunError(f"round {round_idx}: every client's update was non-finite ({reasons}; all in "
+                           f"{self.run_dir.clients.name}); {self.checkpoint_held(resume=False)}. Lower train.lr "
+                           "or set train.grad_clip")
         acc.load_tensors(sums)
         algorithm.finish_round(acc.result(), sums, plan, [t.client for t in owned])
         row = round_row(round_idx, plan.lr, clients, time.perf_counter() - started)
@@ -193,8 +206,7 @@ class Federation:
                 self.best = {"val_acc": out["val_acc"], "round": round_idx}
                 if self.is_zero:
                     # the algorithm's state too: personalized methods score per-client models
-                    save_checkpoint({"model": self.model.state_dict(), "algorithm": self.algorithm.state_dict(),
-                                     "round": round_idx + 1, "best": self.best}, self.run_dir.best)
+                    save_checkpoint(self._state(round_idx + 1), self.run_dir.best)
         if self.spec.eval.test == "every":
             out.update(self._split_metrics("test"))
         self.last_eval = (round_idx, dict(out))
@@ -221,16 +233,18 @@ class Federation:
         elif self.run_dir.best.exists():
             best = load_checkpoint(self.run_dir.best, map_location=self.fabric.device, key="checkpoint",
                                    required=("model",))
+            check_method(best, self.method, self.run_dir.best, key="checkpoint")
             load_model_state(self.model, best["model"], self.run_dir.best, key="checkpoint")
             if "algorithm" in best:
-                self.algorithm.load_state_dict(best["algorithm"])
+                load_algorithm_state(self.algorithm, best["algorithm"], self.run_dir.best, key="checkpoint")
             summary["best"] = {**self.best, **self._split_metrics("test")}
         return summary
 
     # -- outputs --------------------------------------------------------------------------------
     def _open_outputs(self) -> None:
         keep = self.start_round if self.spec.resume_from else None
-        self.last_saved = self.start_round
+        # rounds held by this folder's last.ckpt (None: no checkpoint yet, e.g. a fresh run)
+        self.last_saved = self.start_round if self.run_dir.last.exists() else None
         if self.is_zero:
             self.run_dir.create()
             (self.run_dir.path / "config.yaml").write_text(self.spec.config_yaml)
@@ -245,17 +259,32 @@ class Federation:
         round_idx = row["round"]
         self.fabric.log_dict({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "round"},
                              step=round_idx)
-        if not self.is_zero:
-            return
-        self.metrics.write(finite_or_null(row))
-        for client in clients:
-            self.client_log.write(finite_or_null(client))
+        if self.is_zero:
+            self.metrics.write(finite_or_null(row))
+        self._log_clients(clients)
+
+    def _log_clients(self, clients: List[dict]) -> None:
+        if self.is_zero:
+            for client in clients:
+                self.client_log.write(finite_or_null(client))
+
+    def checkpoint_held(self, resume: bool = True) -> str:
+        """What the run folder's last checkpoint holds, truthfully (there may be none yet). Rounds
+        are counted from 0, as in metrics.jsonl: a checkpoint after 5 rounds holds round 4."""
+        if self.last_saved is None:
+            return "no checkpoint has been written yet" + (", run the same command to start again" if resume else "")
+        held = f"the last checkpoint holds round {self.last_saved - 1}"
+        return held + (", resume with --resume auto" if resume else "")
 
     def _save_last(self, rounds_done: int) -> None:
         if self.is_zero:
-            save_checkpoint({"model": self.model.state_dict(), "algorithm": self.algorithm.state_dict(),
-                             "round": rounds_done, "best": self.best}, self.run_dir.last)
+            save_checkpoint(self._state(rounds_done), self.run_dir.last)
         self.last_saved = rounds_done
+
+    def _state(self, rounds_done: int) -> dict:
+        """What a checkpoint holds: weights, server state, progress and the method that wrote it."""
+        return {"model": self.model.state_dict(), "algorithm": self.algorithm.state_dict(), "round": rounds_done,
+                "best": self.best, METHOD: self.method}
 
 
 def round_row(round_idx: int, lr: float, clients: List[dict], seconds: float) -> dict:

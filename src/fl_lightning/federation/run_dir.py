@@ -6,6 +6,7 @@ written before any work starts, and refuse to resume a run under a different con
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path, PurePath
@@ -30,7 +31,8 @@ class RunDir:
     ``tensorboard/``, ``checkpoints/{last,best}.ckpt``, ``partition.pt`` and ``summary.json``."""
 
     def __init__(self, out_dir: str, name: str):
-        self.path = Path(out_dir) / name
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / name
         self.checkpoints = self.path / "checkpoints"
         self.last = self.checkpoints / LAST
         self.best = self.checkpoints / BEST
@@ -56,9 +58,11 @@ class RunDir:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
 
     def check_writable(self) -> None:
-        """Refuse, before any work and without creating anything, an output location that cannot
+        """Refuse, before any work and leaving nothing behind, an output location that cannot
         be written: ``out_dir`` (or a folder above it) is a file or read-only, or the run's own
         folder or its files cannot be replaced."""
+        check_path_limits(self.out_dir, "out_dir")
+        check_path_limits(self.path, "name")
         if self.path.parent.exists() and not self.path.parent.is_dir():
             raise ConfigError("out_dir", f"{self.path.parent} is a file, not a folder; choose another --out_dir")
         check_writable(self.path, "name" if self.path.exists() else "out_dir")
@@ -72,8 +76,11 @@ class RunDir:
 def check_writable(path: Path, key: str, folder: bool = True) -> None:
     """ConfigError unless ``path`` (a folder, or a file with ``folder=False``) can be created or
     replaced: it is of that kind and writable if it exists, else the nearest existing folder
-    above it is a writable folder. Creates nothing."""
+    above it is a writable folder in which folders can be made (not /proc or /sys), and no
+    step of the path is a symbolic link that leads nowhere. Leaves nothing behind."""
     path = Path(path)
+    check_path_limits(path, key)
+    _check_links(path, key)
     if path.exists():
         if folder and not path.is_dir():
             raise ConfigError(key, f"{path} is a file, not a folder; choose another --{key}")
@@ -82,6 +89,7 @@ def check_writable(path: Path, key: str, folder: bool = True) -> None:
         if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
             raise ConfigError(key, f"{path} is not writable; choose another --{key}")
         if folder:
+            _probe(path, key)
             return
     existing = path.parent
     while not existing.exists() and existing.parent != existing:
@@ -90,6 +98,58 @@ def check_writable(path: Path, key: str, folder: bool = True) -> None:
         raise ConfigError(key, f"{existing} is a file, not a folder; choose another --{key}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(key, f"{existing} is not writable; choose another --{key}")
+    _probe(existing, key)
+
+
+def check_path_limits(path: Path, key: str) -> None:
+    """The file system's limits on one name (usually 255 bytes) and on a whole path (4096)."""
+    path = Path(os.path.abspath(path))
+    existing = path
+    while not os.path.isdir(existing) and existing.parent != existing:
+        existing = existing.parent
+    name_max, path_max = _limit(existing, "PC_NAME_MAX", 255), _limit(existing, "PC_PATH_MAX", 4096)
+    for part in path.parts[1:]:
+        if len(os.fsencode(part)) > name_max:
+            raise ConfigError(key, f"a folder name of {len(os.fsencode(part))} bytes ({part[:20]}...) is longer than "
+                                   f"the {name_max} bytes this file system allows; choose a shorter --{key}")
+    if len(os.fsencode(str(path))) >= path_max:
+        raise ConfigError(key, f"{str(path)[:40]}... is {len(os.fsencode(str(path)))} bytes long, past the "
+                               f"{path_max} bytes this file system allows; choose a shorter --{key}")
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    try:
+        return int(os.pathconf(folder, name))
+    except (OSError, ValueError):
+        return default
+
+
+def _check_links(path: Path, key: str) -> None:
+    """Refuse a path through a symbolic link loop or a link whose target is missing."""
+    for step in [Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents]:
+        if not os.path.islink(step):
+            continue
+        try:
+            os.stat(step)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise ConfigError(key, f"{step} is a symbolic link loop; choose another --{key}") from None
+            raise ConfigError(key, f"{step} is a symbolic link to {os.readlink(step)}, which cannot be reached "
+                                   f"({error.strerror}); choose another --{key}") from None
+
+
+def _probe(folder: Path, key: str) -> None:
+    """Make and remove a folder in ``folder``: what permission bits cannot tell (a read-only or
+    virtual file system such as /proc or /sys) shows here."""
+    probe = folder / f".fl_lightning-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except FileExistsError:
+        return
+    except OSError as error:
+        raise ConfigError(key, f"cannot create folders in {folder} ({error.strerror or error}); "
+                               f"choose another --{key}") from None
+    probe.rmdir()
 
 
 def check_run_name(name: str, key: str = "name") -> None:

@@ -10,6 +10,7 @@ import inspect
 import math
 from typing import Any, Callable, Sequence
 
+from fl_lightning.bounds import check_numbers
 from fl_lightning.errors import ConfigError
 
 MODELS: dict[str, type] = {}
@@ -59,6 +60,10 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
         if key in _INT_LISTS and not (isinstance(value, (list, tuple)) and value
                                       and all(_is_int(v) and v >= 1 for v in value)):
             raise ConfigError(where, f"must be a non-empty list of integers >= 1, got {value!r}")
+    check_numbers("model.kwargs", kwargs)
+    rules = getattr(MODELS[name], "check_options", None)  # a model's cross-option rules
+    if rules is not None:
+        rules(**kwargs)
 
 
 def _is_int(value) -> bool:
@@ -76,7 +81,7 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int], **kwarg
         return MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kwargs)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as error:  # a combination of options the constructor refuses
+    except (TypeError, ValueError, AssertionError) as error:  # a combination of options the constructor refuses
         raise ConfigError("model.kwargs", f"{name} cannot be built with {kwargs}: {' '.join(str(error).split())}") from None
 
 

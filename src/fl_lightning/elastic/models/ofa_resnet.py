@@ -313,6 +313,25 @@ class OFAResNet(_ResNetBody, ElasticModel):
 
     spec_type = OFASpec
 
+    @classmethod
+    def check_options(cls, block: str = "basic_pair", stem_channels: Optional[int] = None,
+                      stage_channels: Optional[Sequence[int]] = None, width_scale: float = 1.0, **_) -> None:
+        """Rules between options, checked before anything is built: with ``basic_pair`` (the
+        DeepFedNAS construction FEAST searches and counts MACs on), ``width_scale`` must give
+        whole base channel counts."""
+        construction = CONSTRUCTIONS.get(block)
+        if block != "basic_pair" or construction is None:
+            return
+        stem = construction.stem_channels if stem_channels is None else stem_channels
+        stages = construction.stage_channels if stage_channels is None else stage_channels
+        fractional = [c for c in [stem, *stages] if not float(c * width_scale).is_integer()]
+        if fractional:
+            raise ConfigError("model.kwargs.width_scale",
+                              f"{width_scale} gives fractional base channels ({fractional[0]} x {width_scale} = "
+                              f"{fractional[0] * width_scale:g}); with block basic_pair the base channels "
+                              f"({stem}, {', '.join(map(str, stages))}) times width_scale must be whole numbers, "
+                              "e.g. 0.25 or 0.5")
+
     def __init__(self, num_classes: int = 100, input_shape: Sequence[int] = (3, 32, 32),
                  block: str = "basic_pair", stem_channels: Optional[int] = None,
                  stage_channels: Optional[Sequence[int]] = None,

@@ -170,6 +170,13 @@ class ViT(ElasticModel):
 
     spec_type = WidthSpec
 
+    @classmethod
+    def check_options(cls, variant: Optional[str] = None, embed_dim: int = 64, num_heads: int = 4, **_) -> None:
+        """Rules between options, checked before anything is built: the heads split the width."""
+        if variant is None and embed_dim % num_heads:
+            raise ConfigError("model.kwargs.num_heads", f"must divide embed_dim ({embed_dim}) into equal heads, "
+                                                        f"got {num_heads}")
+
     def __init__(self, num_classes: int, input_shape: Sequence[int], variant: Optional[str] = None,
                  patch_size: int = 4, embed_dim: int = 64, depth: int = 4, num_heads: int = 4,
                  mlp_ratio: float = 4.0, drop_path_rate: float = 0.0, global_pool: str = "token",
