@@ -16,6 +16,7 @@ from fl_lightning.federation.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 
 RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})
+VIT = ModelConfig(name="vit", kwargs={"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2})
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 
 
@@ -274,16 +275,17 @@ def test_two_ranks_equal_one_rank(tmp_path, method):
             assert torch.equal(value, two[part][key]), (part, key)
 
 
-@pytest.mark.parametrize("algorithm", [lambda: fedsga(), lambda: SplitFed(cut="layer2.1", version="v2")],
-                         ids=["fedsga", "splitfed_v2"])
-def test_resume_is_exact(spec_factory, algorithm):
+@pytest.mark.parametrize("algorithm, model", [(lambda: fedsga(), RESNET), (lambda: fedsga(), VIT),
+                                              (lambda: SplitFed(cut="layer2.1", version="v2"), RESNET)],
+                         ids=["fedsga", "fedsga_vit_token_prompts", "splitfed_v2"])
+def test_resume_is_exact(spec_factory, algorithm, model):
     fed = FederationConfig(rounds=4, clients_per_round=4)
-    whole = spec_factory(name="whole", algorithm=algorithm(), model=RESNET, train=TRAIN, federation=fed)
+    whole = spec_factory(name="whole", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)
     run_fit(whole)
-    part = spec_factory(name="part", algorithm=algorithm(), model=RESNET, train=TRAIN, federation=fed)
+    part = spec_factory(name="part", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)
     part.stop_after = 2
     run_fit(part)
-    resumed = spec_factory(name="part", algorithm=algorithm(), model=RESNET, train=TRAIN, federation=fed)
+    resumed = spec_factory(name="part", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)
     resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
     run_fit(resumed)
     for section in ("model", "algorithm"):
