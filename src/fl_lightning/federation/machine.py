@@ -231,8 +231,9 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
             if fits is not None and fits < devices:
                 devices = max(1, fits)
                 why += f", lowered to {devices} by memory"
-        if not gpu and fits is not None and fits < 1:
-            raise ConfigError("fabric.devices", f"one rank needs {need}, but {have}")
+        if not gpu and fits is not None and fits < 1:  # no rank count helps: the model or data is too big
+            key = "model.kwargs" if BYTES_PER_PARAMETER * footprint.parameters >= footprint.data_bytes else "data.name"
+            raise ConfigError(key, f"one rank needs {need}, but {have}")
     # Several CPU ranks on one node are forked from this process once it has imported and
     # checked everything: re-running the command per rank (Fabric's ddp launcher) would repeat
     # several seconds of imports before the first round. The ranks compute exactly as under ddp.
