@@ -50,6 +50,10 @@ def main(argv=None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     args = parser.parse_args(argv)
+    for key in ("before", "after"):
+        if not getattr(args, key).is_dir():
+            print(f"error: {key}: {getattr(args, key)} is not a folder", file=sys.stderr)
+            return 2
     before, after = runs(args.before), runs(args.after)
     if not before:
         print(f"error: no run folder under {args.before}", file=sys.stderr)

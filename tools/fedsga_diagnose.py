@@ -89,6 +89,9 @@ def main(argv=None) -> int:
         print(f"| {run.name} | {100 * r['running']:.1f} | {100 * r['unprompted']:.1f} | "
               f"{100 * r['prompted']:.1f} |" if "prompted" in r else
               f"| {run.name} | {100 * r['running']:.1f} | {100 * r['unprompted']:.1f} | – |")
+    if not rows:
+        print("error: runs: none of the given folders is a finished run", file=sys.stderr)
+        return 2
     both = [r for r in rows.values() if "prompted" in r]
     if both:
         gap = sum(r["unprompted"] - r["prompted"] for r in both) / len(both)

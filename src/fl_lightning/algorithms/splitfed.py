@@ -292,13 +292,13 @@ class SplitFed(FedAvg):
         from fl_lightning.runtime.collectives import all_reduce_sum
 
         trained = bool(owned)
+        tensors = self._server_tensors()
         values = {}
-        for name, tensor in self._server_tensors().items():
+        for name, tensor in tensors.items():
             buffer = self._server_momentum.get(name) if trained else None
             values[f"momentum/{name}"] = (buffer.to(torch.float64) if buffer is not None
                                           else torch.zeros_like(tensor, dtype=torch.float64))
         reduced = all_reduce_sum(self.ctx.fabric, values)
-        tensors = self._server_tensors()
         self._server_momentum = {name: reduced[f"momentum/{name}"].to(t.dtype) for name, t in tensors.items()}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
