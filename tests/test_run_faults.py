@@ -153,10 +153,11 @@ def test_disk_full_during_fit_is_one_line(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------------------------------
 
 
-def _start_fit(argv: list, env_extra: dict = None) -> subprocess.Popen:
+def _start_fit(argv: list, new_session: bool = False) -> subprocess.Popen:
+    """``new_session``: the fit and the ranks it forks form their own process group, as a job does."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.Popen([sys.executable, "-m", "fl_lightning", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
 
 
 def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -188,14 +189,20 @@ def test_second_fit_in_the_same_folder_is_refused_and_a_stale_lock_does_not_bloc
     assert not (out / "r" / "run.lock").exists()
 
 
-def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("devices, target", [(1, "launcher"), (2, "launcher"), (2, "job")])
+def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path, devices, target):
+    """``launcher``: ``kill -INT`` of the fit process; ``job``: a terminal's Ctrl-C, which reaches
+    the launcher and its forked ranks together."""
     out = tmp_path / "runs"
     rounds = 10
-    # one rank: with several forked CPU ranks the interrupt is not yet one line (docs/runtime.md)
-    argv = tiny_fit(out, "r", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", "1", rounds=rounds)
-    run = _start_fit(argv)
+    argv = tiny_fit(out, "r", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", str(devices),
+                    rounds=rounds)
+    run = _start_fit(argv, new_session=True)
     _wait_for(out / "r" / "checkpoints" / "last.ckpt", run)
-    run.send_signal(signal.SIGINT)
+    if target == "job":
+        os.killpg(run.pid, signal.SIGINT)
+    else:
+        run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -209,7 +216,9 @@ def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path):
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
 
     assert main([*argv, "--resume", "auto"]) == 0
-    assert main(tiny_fit(out, "whole", "--data.val_size", "0", "--eval.every", "1000", rounds=rounds)) == 0
+    whole_argv = tiny_fit(out, "whole", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", "1",
+                          rounds=rounds)
+    assert main(whole_argv) == 0
     resumed = load_checkpoint(out / "r" / "checkpoints" / "last.ckpt")["model"]
     whole = load_checkpoint(out / "whole" / "checkpoints" / "last.ckpt")["model"]
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)

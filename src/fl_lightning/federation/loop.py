@@ -24,6 +24,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 from tqdm import tqdm
 
 from fl_lightning.errors import ConfigError, Interrupted, RunError
+from fl_lightning.federation import interrupts
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
 from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.machine import hand_down, launched_by_command_line, placement_for, process_age
@@ -55,7 +56,15 @@ def run_fit(spec: RunSpec) -> dict:
     logger = TensorBoardLogger(root_dir=str(run_dir.path), name="tensorboard", version="")
     fabric = make_fabric(spec.fabric, loggers=[logger])
     forked = spec.fabric.strategy in ("ddp_fork", "ddp_notebook", "ddp_spawn")
-    result = fabric.launch(_fit, spec, run_dir, origin, forked)
+    if not forked:
+        return fabric.launch(_fit, spec, run_dir, origin, forked)
+    with interrupts.forwarded_to_ranks() as interrupted:
+        try:
+            result = fabric.launch(_fit, spec, run_dir, origin, forked)
+        except Exception:
+            if interrupted():  # a rank ended without its answer: the CLI's generic interrupt line
+                raise KeyboardInterrupt from None
+            raise
     if isinstance(result, (ConfigError, RunError)):  # raised on rank 0 of forked ranks
         raise result
     return result
@@ -66,6 +75,8 @@ def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: 
     that it reaches the launching process as the one-line error it is."""
     # a folder holding nothing but this run's lock was created for this run
     fresh = not run_dir.path.exists() or all(p.name == LOCK for p in run_dir.path.iterdir())
+    if forked:
+        interrupts.take_once_on_rank()
     try:
         return Federation(fabric, spec, run_dir, origin).run()
     except ConfigError as error:
@@ -79,6 +90,10 @@ def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: 
     except RunError as error:
         if forked:
             return error
+        raise
+    except BaseException:
+        if forked and interrupts.requested():  # before the round loop, or a collective its peers left
+            return Interrupted("interrupted; run the same command again (with --resume auto once a checkpoint exists)")
         raise
 
 
@@ -131,7 +146,9 @@ class Federation:
                 self._log_round(row, clients)
                 if (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end:
                     self._save_last(round_idx + 1)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Exception) as error:
+            if not isinstance(error, KeyboardInterrupt) and not interrupts.requested():
+                raise
             in_progress = max(round_idx, self.last_saved or 0)  # a save may have just completed the round
             raise Interrupted(f"interrupted in round {in_progress}, {self.checkpoint_held()}") from None
         finally:
