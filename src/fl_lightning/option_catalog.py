@@ -8,6 +8,7 @@ milliseconds. ``tests/test_cli.py`` checks the catalog against the imported regi
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 from typing import Dict, List
 
@@ -95,10 +96,12 @@ def _catalog(sources: List[Path], registrar: str, fixed: set) -> Dict[str, List[
     return dict(sorted(found.items()))
 
 
+@functools.lru_cache(maxsize=None)  # read once per process, not once per subcommand
 def model_options() -> Dict[str, List[str]]:
     return _catalog(MODEL_SOURCES, "register_model", MODEL_FIXED)
 
 
+@functools.lru_cache(maxsize=None)
 def dataset_options() -> Dict[str, List[str]]:
     return _catalog(DATASET_SOURCES, "register", DATASET_FIXED)
 
