@@ -35,6 +35,15 @@ def test_gaps_against_the_interpolated_cached_curve():
     assert tool.mean_abs_gap(rows, 1e6) == (None, 0)
 
 
+def test_rule_table_serves_the_largest_variant_within_each_anchor():
+    """Table 2's anchors follow Tables 1 and 3: a client of budget B gets the largest cached
+    variant of at most B MACs (18M: the 10M variant, not the nearer 20M one; 5M: none)."""
+    table = tool.rule_table([{**RUN, "rule": "full", "population": 0.7}], [5e6, 10e6, 18e6, 45e6])
+    row = table.splitlines()[-1].split()
+    assert row[:2] == ["toy", "full"]
+    assert row[2:] == ["-", "50.00", "50.00", "80.00", "70.00"]
+
+
 def test_report_prints_table_6_from_saved_files(tmp_path, capsys):
     run = tmp_path / "toy"
     run.mkdir()

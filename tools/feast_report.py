@@ -6,8 +6,9 @@
 For each run it reads ``summary.json`` (test accuracies of the best-validation checkpoint),
 ``cache.json`` (the variants' MACs) and ``config.yaml`` (rule, gamma) and prints
 
-- the training-rule table (Table 2): accuracy of the cached variant nearest each anchor MAC
-  value, per run, with the run's rule;
+- the training-rule table (Table 2): at each MAC anchor, the accuracy of the largest cached
+  variant whose MACs are at most the anchor (the variant a client of that budget is served; the
+  same rule as ``tools/supernet_tables.py``'s Tables 1 and 3), per run, with the run's rule;
 - the gamma table (Table 13): population accuracy and accuracy at the largest variant, per
   run, with the run's gamma;
 
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from fl_lightning.analysis.serving_controls import anchor_accuracy
+
 
 def load_run(path: Path) -> dict:
     summary = json.loads((path / "summary.json").read_text())
@@ -45,19 +48,17 @@ def load_run(path: Path) -> dict:
             "gamma": (config.get("partition") or {}).get("gamma")}
 
 
-def nearest(values, target) -> int:
-    return min(range(len(values)), key=lambda j: abs(values[j] - target))
-
-
 def pct(value) -> str:
     return "   -  " if value is None else f"{100 * value:6.2f}"
 
 
 def rule_table(runs, anchors) -> str:
     header = f"{'run':<32} {'rule':<11}" + "".join(f"{a / 1e6:>9.2f}M" for a in anchors) + "  population"
-    lines = ["Training rule (Table 2): test accuracy % of the cached variant nearest each MAC anchor", header]
+    lines = ["Training rule (Table 2): test accuracy % of the largest cached variant within each MAC anchor",
+             header]
     for run in runs:
-        cells = "".join(f"{pct(run['accs'][nearest(run['macs'], a)]):>10}" for a in anchors)
+        accs = [float("nan") if a is None else a for a in run["accs"]]
+        cells = "".join(f"{pct(anchor_accuracy(run['macs'], accs, a)):>10}" for a in anchors)
         lines.append(f"{run['name']:<32} {run['rule']:<11}{cells}  {pct(run['population']):>10}")
     return "\n".join(lines)
 
