@@ -18,7 +18,7 @@ from fl_lightning.analysis.serving import (RunFormatError, ServingRun, largest_a
                                            training_proxy)
 from fl_lightning.analysis.serving_controls import (anchor_accuracy, client_wins, density_control,
                                                    end_to_end_change, horizon_overrides, matched_rounds,
-                                                   scaled_anchors)
+                                                   range_ends, scaled_anchors)
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -194,6 +194,16 @@ def test_heterofl_hook_reads_a_tier_artifact_and_other_folders_are_refused(tiny_
         load_run(tmp_path)
 
 
+def test_shared_range_ends_from_the_first_anchor_up():
+    """Sec. 4.2: the smallest point of at least the first anchor and the largest point (points
+    given out of order; one just below the anchor by rounding counts as inside)."""
+    macs = [600.0, 20.0, 25.0 * (1 - 1e-12), 229.0]
+    accs = [0.72, 0.30, 0.60, 0.70]
+    assert range_ends(macs, accs, 25.0) == pytest.approx((0.60, 0.72))
+    assert range_ends(macs, accs, 100.0) == pytest.approx((0.70, 0.72))
+    assert range_ends(macs, accs, 700.0) is None
+
+
 def test_tool_prints_the_tables_it_has_runs_for(tiny_runs, tmp_path, capsys):
     sys.path.insert(0, str(TOOLS))
     try:
@@ -210,6 +220,11 @@ def test_tool_prints_the_tables_it_has_runs_for(tiny_runs, tmp_path, capsys):
     r_new = matched_rounds(1, feast.proxy, scalefl.proxy)
     assert f"--federation.rounds {r_new} " in out  # the rerun command of the matched horizon
     assert "Table 3 skipped" in out and "Table 11 skipped" in out
+    low = scaled_anchors(float(feast.point_macs.min()), float(feast.point_macs.max()))[0]
+    ends = range_ends(feast.point_macs, feast.point_accs, low)
+    ranges = out[out.index("Sec. 4.2"):out.index("Table 3")]
+    feast_row = next(line for line in ranges.splitlines() if line.startswith("| FEAST |"))
+    assert f"| {100 * (ends[1] - ends[0]):.2f} |" in feast_row
     assert f"| ScaleFL | {len(scalefl.points)} depth-width levels |" in out and "| FEAST |" in out
     assert figure.stat().st_size > 0
 

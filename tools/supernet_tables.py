@@ -15,6 +15,8 @@ Prints, where the runs exist (otherwise one line saying what is missing):
   and their MAC range (smallest to largest point);
 - Table 1: population accuracy under largest-affordable serving per method; Δbest is FEAST
   minus the strongest baseline (paired over seeds);
+- Sec. 4.2's ranges: per method, the accuracy change from its smallest to its largest point
+  across the shared range (points of at least the first anchor, the paper's 25M);
 - Table 3: the transfers and FEAST at the budget anchors;
 - Table 5: the serving-density control against each fixed-tier baseline;
 - Tables 7-8: the training proxies, the matched horizon R' and, once the reruns exist, their
@@ -38,7 +40,8 @@ import numpy as np
 from fl_lightning.analysis.feast_accounting import human
 from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
-                                                   horizon_command, matched_rounds, same_population, scaled_anchors)
+                                                   horizon_command, matched_rounds, range_ends, same_population,
+                                                   scaled_anchors)
 
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
 TIERED = ("HeteroFL", "ScaleFL")
@@ -226,6 +229,26 @@ def table1(groups: Dict[tuple, Group]) -> str:
            "(paired over seeds)", "",
            table(["setting", *BASELINES, "FEAST", "Δbest"], rows)]
     return "\n".join(out + [""] + notes if notes else out)
+
+
+def ranges_table(groups: Dict[tuple, Group], given_anchors) -> str:
+    """Sec. 4.2: each method's smallest-to-largest accuracy change (points) over the shared range,
+    from the first anchor up, with the accuracies at both ends; mean ± std over seeds."""
+    parts = []
+    for setting, g in groups.items():
+        runs = g.all_runs()
+        if not runs:
+            continue
+        low = anchors_for(runs, given_anchors)[0]
+        rows = []
+        for method, seeds in g.original.items():
+            ends = [e for e in (range_ends(r.point_macs, r.point_accs, low) for r in seeds.values()) if e is not None]
+            rows.append([method, str(len(seeds)), pm([e[0] for e in ends]), pm([e[1] for e in ends]),
+                         pm([e[1] - e[0] for e in ends])])
+        parts.append(f"{label(setting)} (shared range from {human(low)})\n\n"
+                     + table(["method", "seeds", "smallest point", "largest point", "change"], rows))
+    return "Sec. 4.2: smallest-to-largest accuracy (%) across the shared range and its change (points)\n\n" \
+        + "\n\n".join(parts)
 
 
 def table3(runs: List[ServingRun], given_anchors) -> str:
@@ -470,7 +493,7 @@ def main(argv=None) -> int:
     for g in groups.values():
         for note in g.notes:
             print(f"note {note}")
-    sections = [table4(runs), table1(groups), table3(runs, args.anchors), table5(groups), table8(groups),
+    sections = [table4(runs), table1(groups), ranges_table(groups, args.anchors), table3(runs, args.anchors), table5(groups), table8(groups),
                 sweep_table(runs, "s", ("FEAST",), "Table 11: FEAST across the Zipf exponent s, test accuracy (%) at "
                                                    "the anchors and the first-to-last change (points)", args.anchors),
                 sweep_table(runs, "alpha", ("FEAST", "FIARSE"), "Table 12: FEAST and FIARSE across the label skew, "

@@ -162,6 +162,19 @@ def anchor_row(run: ServingRun, anchors: Sequence[float]) -> List[Optional[float
     return [anchor_accuracy(run.point_macs, run.point_accs, a) for a in anchors]
 
 
+def range_ends(point_macs: Sequence[float], point_accs: Sequence[float], low: float) -> Optional[tuple]:
+    """Sec. 4.2's shared range: (accuracy of the smallest point of at least ``low`` MACs, that of
+    the largest point); None when no point is that large (the same 1e-9 slack as the anchors)."""
+    macs = np.asarray(point_macs, dtype=np.float64)
+    accs = np.asarray(point_accs, dtype=np.float64)
+    inside = [j for j in range(len(macs)) if macs[j] >= low * (1 - 1e-9)]
+    if not inside:
+        return None
+    smallest = min(inside, key=lambda i: (macs[i], i))
+    largest = max(inside, key=lambda i: (macs[i], i))
+    return float(accs[smallest]), float(accs[largest])
+
+
 def end_to_end_change(row: Sequence[Optional[float]]) -> Optional[float]:
     """Accuracy at the last anchor minus at the first (the 25M-to-596M change)."""
     if row[0] is None or row[-1] is None:
@@ -171,4 +184,4 @@ def end_to_end_change(row: Sequence[Optional[float]]) -> Optional[float]:
 
 __all__ = ["population_accuracy", "client_wins", "same_population", "compare_clients", "nearest_points",
            "density_control", "density_runs", "matched_rounds", "horizon_overrides", "horizon_command",
-           "spans_paper", "scaled_anchors", "anchor_accuracy", "anchor_row", "end_to_end_change"]
+           "spans_paper", "scaled_anchors", "anchor_accuracy", "anchor_row", "range_ends", "end_to_end_change"]
