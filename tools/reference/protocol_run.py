@@ -104,6 +104,19 @@ class DictOutput(nn.Module):
         return {"output": self.net(x)}
 
 
+def pfllib_args(p: "Protocol", algorithm: str, **extra):
+    """The protocol's initial model wrapped as PFLlib's body/head pair, and the ``args`` its
+    clients and servers read (our training settings; PFLlib's names)."""
+    net = p.make()
+    net.load_state_dict(p.initial)
+    model = BaseHead(net)
+    t = p.train
+    args = SimpleNamespace(model=model, algorithm=algorithm, dataset="mnist_subset", device="cpu", save_folder_name="-",
+                           num_classes=10, batch_size=t.batch_size, local_learning_rate=t.lr, local_epochs=t.epochs,
+                           few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False, **extra)
+    return model, args
+
+
 # -- FedGH (PFLlib) -----------------------------------------------------------------------------
 def run_fedgh(repo, p: Protocol, rounds, every, opts, log):
     common.add_repo(repo, "system")
@@ -111,13 +124,8 @@ def run_fedgh(repo, p: Protocol, rounds, every, opts, log):
     from flcore.clients.clientgh import clientGH
     from flcore.servers.servergh import FedGH as ServerGH
 
-    net = p.make()
-    net.load_state_dict(p.initial)
-    model = BaseHead(net)
+    model, args = pfllib_args(p, "FedGH")
     t = p.train
-    args = SimpleNamespace(model=model, algorithm="FedGH", dataset="mnist_subset", device="cpu", save_folder_name="-",
-                           num_classes=10, batch_size=t.batch_size, local_learning_rate=t.lr, local_epochs=t.epochs,
-                           few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False)
     clients = []
     for c in range(p.num_clients):
         cl = clientGH(args, id=c, train_samples=len(p.shards[c]), test_samples=0, train_slow=False, send_slow=False)
@@ -231,14 +239,8 @@ def run_fedas(repo, p: Protocol, rounds, every, opts, log):
     from flcore.servers.serverbase import Server
     from flcore.servers.serveras import FedAS as ServerAS
 
-    net = p.make()
-    net.load_state_dict(p.initial)
-    model = BaseHead(net)
+    model, args = pfllib_args(p, "FedAS", privacy=False, dp_sigma=0.0, yxy_hyper=20, wo_local=False)
     t = p.train
-    args = SimpleNamespace(model=model, algorithm="FedAS", dataset="mnist_subset", device="cpu", save_folder_name="-",
-                           num_classes=10, batch_size=t.batch_size, local_learning_rate=t.lr, local_epochs=t.epochs,
-                           few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False, privacy=False,
-                           dp_sigma=0.0, yxy_hyper=20, wo_local=False)
     clients = {}
     for c in range(p.num_clients):
         cl = clientAS(args, id=c, train_samples=len(p.shards[c]), test_samples=0, train_slow=False, send_slow=False)
