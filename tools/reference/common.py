@@ -56,6 +56,17 @@ def stub_modules(*names: str, **attrs) -> None:
         setattr(sys.modules[module], attr, value)
 
 
+def pfllib_args(model: nn.Module, algorithm: str, dataset: str, batch_size: int, lr: float, epochs: int = 1,
+                **extra):
+    """The ``args`` PFLlib's clients and servers read, from our training settings (its names);
+    ``extra``: the method's own fields."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=model, algorithm=algorithm, dataset=dataset, device="cpu", save_folder_name="-",
+                           num_classes=10, batch_size=batch_size, local_learning_rate=lr, local_epochs=epochs,
+                           few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False, **extra)
+
+
 def out_dir(method: str) -> Path:
     d = reference_case.DATA_ROOT / method
     d.mkdir(parents=True, exist_ok=True)

@@ -80,10 +80,8 @@ def run(repo, case, authors):
     from flcore.servers.serveras import FedAS as ServerAS
 
     model = common.SplitViT(case["initial"], case["model"])
-    args = SimpleNamespace(model=model, algorithm="FedAS", dataset="digits", device="cpu", save_folder_name="-",
-                           num_classes=10, batch_size=TRAIN.batch_size, local_learning_rate=case["lr"],
-                           local_epochs=1, few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False,
-                           privacy=False, dp_sigma=0.0, yxy_hyper=20, wo_local=False)
+    args = common.pfllib_args(model, "FedAS", "digits", TRAIN.batch_size, case["lr"], privacy=False, dp_sigma=0.0,
+                              yxy_hyper=20, wo_local=False)
     clients = {}
     for client in case["cohort"]:
         c = clientAS(args, id=client, train_samples=case["sizes"][client], test_samples=0,

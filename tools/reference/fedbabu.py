@@ -63,10 +63,7 @@ def pfllib(repo, case):
     from flcore.servers.serverbase import Server
 
     model = common.plain_model(case["initial"], head_name="head")
-    args = SimpleNamespace(model=model, algorithm="FedBABU", dataset="digits", device="cpu", save_folder_name="-",
-                           num_classes=10, batch_size=TRAIN.batch_size, local_learning_rate=case["lr"],
-                           local_epochs=1, few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False,
-                           fine_tuning_epochs=0)
+    args = common.pfllib_args(model, "FedBABU", "digits", TRAIN.batch_size, case["lr"], fine_tuning_epochs=0)
     uploaded, weights = [], []
     for client in case["cohort"]:
         c = clientBABU(args, id=client, train_samples=case["sizes"][client], test_samples=0,

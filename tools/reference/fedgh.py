@@ -51,9 +51,7 @@ def pfllib(repo, case):
     from flcore.servers.servergh import FedGH as ServerGH
 
     model = common.SplitViT(case["initial"], case["model"])
-    args = SimpleNamespace(model=model, algorithm="FedGH", dataset="digits", device="cpu", save_folder_name="-",
-                           num_classes=10, batch_size=TRAIN.batch_size, local_learning_rate=case["lr"],
-                           local_epochs=1, few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False)
+    args = common.pfllib_args(model, "FedGH", "digits", TRAIN.batch_size, case["lr"])
     head = copy.deepcopy(model.head)
     server = SimpleNamespace(head=head, opt_h=torch.optim.SGD(head.parameters(), lr=case["server_lr"]),
                              CEloss=nn.CrossEntropyLoss(), batch_size=case["server_batch_size"], device="cpu")

@@ -111,10 +111,7 @@ def pfllib_args(p: "Protocol", algorithm: str, **extra):
     net.load_state_dict(p.initial)
     model = BaseHead(net)
     t = p.train
-    args = SimpleNamespace(model=model, algorithm=algorithm, dataset="mnist_subset", device="cpu", save_folder_name="-",
-                           num_classes=10, batch_size=t.batch_size, local_learning_rate=t.lr, local_epochs=t.epochs,
-                           few_shot=0, learning_rate_decay_gamma=1.0, learning_rate_decay=False, **extra)
-    return model, args
+    return model, common.pfllib_args(model, algorithm, "mnist_subset", t.batch_size, t.lr, t.epochs, **extra)
 
 
 # -- FedGH (PFLlib) -----------------------------------------------------------------------------
@@ -199,7 +196,6 @@ def run_fedmut(repo, p: Protocol, rounds, every, opts, log):
     for r in range(rounds):  # the body of FedMut()'s loop
         w_old = copy.deepcopy(net_glob.state_dict())
         idxs_users = np.random.choice(range(m), m, replace=False)
-        losses = []
         for i, idx in enumerate(idxs_users):
             net_glob.load_state_dict(w_locals[i])
             local = LocalUpdate_FedMut(args=args, dataset=[(torch.zeros(1), 0)], idxs=[0])
