@@ -344,3 +344,33 @@ def test_routed_but_untrained_positions_enter_the_denominator_of_eq_7(spec_facto
             checked, differ = checked + int(mixed.sum()), differ + int(apart.sum())
     assert checked > 1000, "the test needs routed positions that some routing clients did not train"
     assert differ > 0.9 * checked  # a trainers-only denominator would give another model
+
+
+@pytest.mark.parametrize("rule", ["max_only", "full"])
+def test_trained_and_routed_data_mass_per_round(spec_factory, tmp_path, rule):
+    """The logged share of routed data mass that the clients trained. With the max-only rule
+    a client trains exactly its largest affordable variant, so the share is
+    sum_i n_i P(max_i) / sum_i n_i P_i with both counts taken from the extracted networks;
+    the full rule also trains the minimum and intermediates, all inside the envelope."""
+    import json
+
+    from fl_lightning.elastic.envelope import routed_param_count
+    from fl_lightning.elastic.macs import count_params
+
+    spec = feast_spec(spec_factory, tmp_path, f"mass_{rule}", rule=rule)
+    spec.federation = FederationConfig(rounds=2, clients_per_round=6)  # budgets afford 1, 1, 1, 4, 5, 6 variants
+    run_fit(spec)
+    algorithm = spec.algorithm
+    rows = [json.loads(line) for line in (Path(spec.out_dir) / spec.name / "metrics.jsonl").read_text().splitlines()]
+    model, sizes = algorithm.ctx.model, algorithm.ctx.client_sizes
+    routed = sum(sizes[c] * routed_param_count(model, algorithm.variants_of(c)) for c in range(6))
+    largest = sum(sizes[c] * count_params(model.extract(algorithm.variants_of(c)[-1]).module) for c in range(6))
+    assert largest < routed, "the test needs envelopes larger than their largest variant"
+    for row in rows:
+        share = row["mass/trained_frac"]
+        if rule == "max_only":
+            assert share == pytest.approx(largest / routed, rel=1e-12)
+        else:
+            assert largest / routed < share <= 1.0
+        assert {k for k in row if k.startswith("mass/trained_frac/")} >= {"mass/trained_frac/stem",
+                                                                          "mass/trained_frac/classifier"}

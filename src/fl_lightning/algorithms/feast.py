@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Optional, get_args
+from typing import Dict, List, Literal, Optional, Tuple, get_args
 
 import torch
 
@@ -147,6 +147,9 @@ class Feast(Algorithm):
         self.served = sorted({s[-1] for s in self.sets})
         self.routed_params = accounting.client_routed_params(ctx.model, self.cache, self.sets)
         self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
+        self.mass_group_names, self.mass_groups = parameter_groups(ctx.model)
+        # Per group, the examples x parameters routed to clients and the part their rule trained.
+        self._mass = torch.zeros(2, len(self.mass_group_names), dtype=torch.float64, device=ctx.fabric.device)
         description = self.describe_population()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(description)
@@ -216,6 +219,7 @@ class Feast(Algorithm):
             mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
                                      schedule=self.mix_schedule, generator=_generator(MIXING_STREAM, *key))
         sets = self.sets[task.client]
+        track_gradient_support(routed.module)
         return FeastClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                            variants=[(self.cache.specs[j], self.cache.macs[j]) for j in sets],
                            global_min=self.cache.specs[self.cache.global_min()], rho_kd=self.rho_kd,
@@ -224,15 +228,39 @@ class Feast(Algorithm):
 
     def commit(self, acc, task, result, plan) -> None:
         self._forward_macs += result.module.forward_macs()
+        if result.update is not None:
+            self._count_mass(result.update, float(result.num_samples))
         super().commit(acc, task, result, plan)
 
+    def _count_mass(self, update, num_samples: float) -> None:
+        """Eq. 7 weighs every routed position by the client's examples, whether the client's
+        rule trained it or not; count both masses. A position counts as trained when some
+        pass of the round gave it a nonzero gradient (weight decay alone also moves the
+        inactive slices of a routed tensor, so a changed value is not the test)."""
+        touched = update.module.__dict__.pop("_feast_touched", {})
+        for local_key, (global_key, region) in update.regions.items():
+            group = self.mass_groups.get(global_key)
+            if group is None:  # BN statistics and counters: not trained parameters
+                continue
+            self._mass[0, group] += num_samples * region.numel()
+            if local_key in touched:
+                self._mass[1, group] += num_samples * float(touched[local_key].sum())
+
     def round_tensors(self) -> Dict[str, torch.Tensor]:
-        value = self._forward_macs.clone()
+        out = {"feast/forward_macs": self._forward_macs.clone(), "feast/mass": self._mass.clone()}
         self._forward_macs.zero_()
-        return {"feast/forward_macs": value}
+        self._mass.zero_()
+        return out
 
     def round_metrics(self, sums) -> Dict[str, float]:
-        return {"train_macs": float(sums["feast/forward_macs"]) * self.kappa}
+        out = {"train_macs": float(sums["feast/forward_macs"]) * self.kappa}
+        routed, trained = sums["feast/mass"].double().cpu()
+        if routed.sum() > 0:
+            out["mass/trained_frac"] = float(trained.sum() / routed.sum())
+            for name, r, t in zip(self.mass_group_names, routed.tolist(), trained.tolist()):
+                if r > 0:
+                    out[f"mass/trained_frac/{name}"] = t / r
+        return out
 
     # -- evaluation -----------------------------------------------------------------------------
     def calibrated_subnet(self, spec) -> torch.nn.Module:
@@ -291,6 +319,35 @@ class Feast(Algorithm):
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {}
+
+
+def track_gradient_support(module: torch.nn.Module) -> None:
+    """Record, per parameter of ``module``, the positions that ever receive a nonzero gradient
+    (kept on the module as ``_feast_touched`` until the server counts them)."""
+    def recorder(seen: torch.Tensor):
+        def hook(param: torch.Tensor) -> None:
+            seen.logical_or_(param.grad != 0)
+        return hook
+
+    touched = {}
+    for name, param in module.named_parameters():
+        touched[name] = torch.zeros_like(param, dtype=torch.bool)
+        param.register_post_accumulate_grad_hook(recorder(touched[name]))
+    module.__dict__["_feast_touched"] = touched
+
+
+def parameter_groups(model) -> Tuple[List[str], Dict[str, int]]:
+    """The supernet's trainable parameters grouped as stem, each stage and classifier:
+    (group names in model order, parameter name -> group index)."""
+    names: List[str] = []
+    groups: Dict[str, int] = {}
+    for key, _ in model.named_parameters():
+        parts = key.split(".")
+        name = ".".join(parts[:2]) if parts[0] == "stages" else parts[0]
+        if name not in names:
+            names.append(name)
+        groups[key] = names.index(name)
+    return names, groups
 
 
 def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Generator:
