@@ -9,6 +9,7 @@ each client (recorded here and replayed into the reference code by the adapter).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -114,3 +115,14 @@ def load(method: str, name: str):
 
 def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], keys) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in keys)
+
+
+def batch_digest(x: torch.Tensor, y: torch.Tensor) -> str:
+    """SHA-256 of a batch's inputs (as float32) and labels (as int64), shapes included: what a
+    golden file stores instead of the batches themselves, to stay small."""
+    h = hashlib.sha256()
+    for t, dtype in ((x, torch.float32), (y, torch.int64)):
+        t = t.detach().to("cpu", dtype).contiguous()
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
