@@ -6,7 +6,8 @@
 Writes PNGs: ``fig4_hbar_pbar.png`` (H_bar and p_bar over rounds, HAS-FL), ``fig5_allocations.png``
 (final HAS-FL allocation per client grouped by cap tier), ``fig6_acc_vs_capacity.png`` (final
 accuracy against average capacity, every policy and seed), ``fig3_curves.png`` (test accuracy
-and training loss over rounds, mean over seeds), and with ``--widths`` ``fig2_cost.png``
+over rounds, a panel per policy, a line per seed), ``fig8_test_loss.png`` (test loss over
+rounds, mean and seeds per policy), and with ``--widths`` ``fig2_cost.png``
 (parameters and MACs per width for the CNN and the LSTM, relative to full width).
 """
 
@@ -84,24 +85,52 @@ def run_figures(root: Path, out: Path) -> None:
     ax.set_xlabel("average capacity"), ax.set_ylabel("final test accuracy (%)"), ax.legend(fontsize=7)
     fig.tight_layout(), fig.savefig(out / "fig6_acc_vs_capacity.png", dpi=120), plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for policy, seeds in runs.items():
-        curves = defaultdict(list)
-        losses = defaultdict(list)
-        for run in seeds.values():
-            for m in run["metrics"]:
-                losses[m["round"]].append(m["train_loss"])
-                if m.get("test_acc") is not None:
-                    curves[m["round"]].append(100 * m["test_acc"])
-        r = sorted(curves)
-        axes[0].plot(r, [np.mean(curves[k]) for k in r], label=policy)
-        r = sorted(losses)
-        axes[1].plot(r, [np.mean(losses[k]) for k in r], label=policy)
-    axes[0].set_ylabel("test accuracy (%)"), axes[1].set_ylabel("training loss"), axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("round"), ax.legend(fontsize=7)
+    fig3_curves(runs, out)
+    fig8_test_loss(runs, out)
+
+
+def evaluated(run, key: str):
+    """(rounds, values) of an evaluation figure of one run (rounds where it was logged)."""
+    rows = [m for m in run["metrics"] if m.get(key) is not None]
+    return [m["round"] for m in rows], [m[key] for m in rows]
+
+
+def fig3_curves(runs: dict, out: Path) -> None:
+    """Fig. 3: test accuracy over rounds, one panel per policy, one line per seed (the
+    rise-and-decline of Uniform and the oscillation of FjORD are per-seed shapes a mean hides)."""
+    policies = list(runs)
+    cols = min(3, len(policies))
+    rows = -(-len(policies) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), sharex=True, sharey=True, squeeze=False)
+    for ax, policy in zip(axes.flat, policies):
+        for seed, run in sorted(runs[policy].items()):
+            r, acc = evaluated(run, "test_acc")
+            ax.plot(r, [100 * a for a in acc], lw=1, label=f"seed {seed}")
+        ax.set_title(policy, fontsize=9), ax.legend(fontsize=6)
+    for ax in axes[-1]:
+        ax.set_xlabel("round")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)")
+    for ax in list(axes.flat)[len(policies):]:
+        ax.set_visible(False)
     fig.tight_layout(), fig.savefig(out / "fig3_curves.png", dpi=120), plt.close(fig)
 
+
+def fig8_test_loss(runs: dict, out: Path) -> None:
+    """Fig. 8: test loss over rounds, mean over seeds per policy (thin lines: seeds)."""
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, (policy, seeds) in enumerate(runs.items()):
+        color = f"C{i % 10}"
+        per_round = defaultdict(list)
+        for run in seeds.values():
+            r, loss = evaluated(run, "test_loss")
+            ax.plot(r, loss, color=color, lw=0.5, alpha=0.4)
+            for k, v in zip(r, loss):
+                per_round[k].append(v)
+        r = sorted(per_round)
+        ax.plot(r, [np.mean(per_round[k]) for k in r], color=color, lw=1.6, label=policy)
+    ax.set_xlabel("round"), ax.set_ylabel("test loss"), ax.set_yscale("log"), ax.legend(fontsize=7)
+    fig.tight_layout(), fig.savefig(out / "fig8_test_loss.png", dpi=120), plt.close(fig)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,11 +1,15 @@
 """Tables of the sub-model study from saved multi-seed runs (``<root>/<policy>_s<seed>``).
 
-    python tools/submodel_tables.py runs/submodel/digits [--reference hasfl] [--table4]
+    python tools/submodel_tables.py runs/submodel/digits [--reference hasfl] [--table3] [--table4] \
+        [--noise runs/submodel/digits_threads2]
 
 Prints, per policy, best (peak test accuracy over the evaluations) and final test accuracy and
 the average capacity (mean over rounds of the cohort's mean width; 1 for full-model methods)
-as mean +- std over seeds (Tables 2, 3, 5, 6), paired per-seed differences against the
-reference policy, and with ``--table4`` the capacity-confound correlations of the HAS-FL runs.
+as mean +- std over seeds (Tables 2, 5, 6), paired per-seed differences against the reference
+policy with their 95% intervals; with ``--table3`` the coverage ablation (peak-to-final drop
+and the largest width any client was given after warm-up); with ``--table4`` the
+capacity-confound correlations of the HAS-FL runs; with ``--noise`` the same seeds' runs under
+other arithmetic, the noise floor of one run.
 """
 
 from __future__ import annotations
@@ -25,7 +29,31 @@ def run_figures(run) -> dict:
     final = run["summary"]["final"]["test_acc"] if run["summary"] else (accs[-1] if accs else float("nan"))
     widths = [m["p_bar"] for m in run["metrics"] if "p_bar" in m]
     return {"best": max(accs) if accs else float("nan"), "final": final,
-            "p": float(np.mean(widths)) if widths else 1.0}
+            "p": float(np.mean(widths)) if widths else 1.0, "largest": largest_allocation(run)}
+
+
+def largest_allocation(run) -> float:
+    """The widest sub-model any client trained after HAS-FL's warm-up (Table 3's "largest
+    allocation in the federation"); 1 for full-model methods."""
+    warm = int(((run["config"].get("algorithm") or {}).get("init_args") or {}).get("t_warm", 10))
+    widths = [row["p"] for row in run["clients"] if "p" in row and row.get("round", 0) >= warm]
+    return float(max(widths)) if widths else 1.0
+
+
+def print_table3(figures: dict) -> None:
+    """Table 3: the coverage ablation with its peak-to-final drop (mean of the per-seed drops)."""
+    rows = [p for p in ("hasfl", "hasfl_nocov", "heterofl") if p in figures]
+    if not rows:
+        return
+    print("\nTable 3: coverage ablation (mean ± std over seeds; drop = final - best per seed)\n")
+    print("| configuration | seeds | best acc (%) | final acc (%) | peak→final Δ (points) | avg p | largest p |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in rows:
+        v = list(figures[name].values())
+        largest = [x["largest"] for x in v]
+        print(f"| {name} | {len(v)} | {pm([x['best'] for x in v])} | {pm([x['final'] for x in v])} | "
+              f"{pm([x['final'] - x['best'] for x in v])} | {pm([x['p'] for x in v], 1.0, 2)} | "
+              f"{min(largest):.2f}-{max(largest):.2f} |")
 
 
 def collect(root: Path) -> dict:
@@ -103,7 +131,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--reference", default="hasfl")
+    parser.add_argument("--table3", action="store_true")
     parser.add_argument("--table4", action="store_true")
+    parser.add_argument("--noise", type=Path, help="the same seeds run under other arithmetic")
     args = parser.parse_args(argv)
     runs = collect(args.root)
     figures = {policy: {s: run_figures(r) for s, r in seeds.items()} for policy, seeds in runs.items()}
@@ -115,6 +145,11 @@ def main(argv=None) -> int:
         print(f"| {policy} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
               f"{pm([v['p'] for v in vals], 1.0, 2)} |")
     print_paired(figures, args.reference, "policy")
+    if args.noise:
+        other = {p: {s: run_figures(r) for s, r in seeds.items()} for p, seeds in collect(args.noise).items()}
+        print_noise_floor(figures, other, "policy")
+    if args.table3:
+        print_table3(figures)
     if args.table4:
         for policy in [p for p in runs if p.startswith("hasfl")]:
             print(f"\nTable 4 ({policy}): correlations over the clients of each seed\n")
