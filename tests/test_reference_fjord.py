@@ -17,6 +17,8 @@ import torch
 
 from reference_case import TRAIN, load, make_spec, max_abs_diff, run_one_round
 
+from fl_lightning.config import ModelConfig
+
 TOL = 1e-5
 PARAMS = ("features.block0.conv.weight", "features.block0.bn.weight", "features.block0.bn.bias",
           "features.block1.conv.weight", "features.block1.bn.weight", "features.block1.bn.bias",
@@ -60,11 +62,12 @@ def test_fjord_width_rule_matches_the_ordered_dropout_layers(golden):
                 assert is_float_artefact(p, c) and theirs == ours + 1, (p, c, theirs, ours)
                 artefacts.append((p, c))
     assert artefacts == [(0.6000000000000001, c) for c in range(5, 65, 5)], artefacts
-    model = build_model("cnn", 10, (1, 8, 8), channels=[4, 8])
+    channels = golden["case"]["channels"]
+    model = build_model("cnn", 10, (1, 8, 8), channels=channels)
     ratios = list(widths["ratios"])
     for p in golden["case"]["tiers"]:
         row = widths["out"][ratios.index(p)]
-        assert model.stage_channels(WidthSpec.uniform(p, 2)) == (int(row[3]), int(row[7]))
+        assert model.stage_channels(WidthSpec.uniform(p, 2)) == tuple(int(row[c - 1]) for c in channels)
 
 
 @pytest.mark.parametrize("form", ["round", "step", "step_kd"])
@@ -78,7 +81,8 @@ def test_fjord_round_matches_the_flower_baseline(tmp_path, golden, form):
     case, theirs = golden["case"], golden[form]
     alg = FjORD(caps=case["caps"], tiers=case["tiers"], **case["cases"][form])
     train = replace(TRAIN, lr=case["lr"], momentum=case["momentum"], weight_decay=case["weight_decay"])
-    spec = make_spec(tmp_path, alg, num_clients=6, clients_per_round=3, partition="iid", train=train)
+    spec = make_spec(tmp_path, alg, num_clients=6, clients_per_round=3, partition="iid", train=train,
+                     model=ModelConfig(name="cnn", kwargs={"channels": case["channels"]}))
     trained, modules = {}, {}
     commit, client_module = alg.commit, alg.client_module
 
@@ -104,7 +108,7 @@ def test_fjord_round_matches_the_flower_baseline(tmp_path, golden, form):
     widths = {t.client: t.options["p"] for t in alg.plan(0).tasks}
     assert widths == theirs["widths"]
     if form == "round":
-        assert sorted(widths.values()) == [0.25, 0.5, 0.75]
+        assert sorted(widths.values()) == [0.2, 0.4, 0.6]
     else:
         assert widths == {c: case["caps"][c] for c in cohort}
         for client in cohort:  # several widths per client, each within its cap
@@ -121,7 +125,7 @@ def test_fjord_round_matches_the_flower_baseline(tmp_path, golden, form):
 
 
 def test_fjord_aggregation_matches_the_flower_strategy(golden):
-    """The server step alone: four clients with p_max 1, 1/2, 1/4, 1/2 and 100, 223, 57, 300
+    """The server step alone: four clients with p_max 1, 0.4, 0.2, 0.4 and 100, 223, 57, 300
     examples; every parameter is the example-weighted mean over the clients whose p_max
     sub-model holds it (the baseline's nested per-width averages), the rest keeps its value."""
     from fl_lightning.elastic.aggregation import SparseAccumulator
@@ -129,7 +133,7 @@ def test_fjord_aggregation_matches_the_flower_strategy(golden):
     from fl_lightning.elastic.specs import WidthSpec
 
     agg, initial = golden["aggregation"], golden["case"]["initial"]
-    model = build_model("cnn", 10, (1, 8, 8), channels=[4, 8])
+    model = build_model("cnn", 10, (1, 8, 8), channels=golden["case"]["channels"])
     model.load_state_dict(initial)
     acc = SparseAccumulator(model.state_dict(), dense=False)
     for p_max, examples, client in zip(agg["p_max"], agg["examples"], agg["clients"]):

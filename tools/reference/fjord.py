@@ -6,8 +6,9 @@ FjORD's authors S. Laskaridis and S. Horvath; the authors' own SamsungLabs/fjord
 ``/path/to/flower``: a checkout of adap/flower, or a folder holding its ``baselines/fjord`` as
 ``git archive`` extracts it (then ``--commit`` names the commit it was extracted from).
 
-Case: iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5 with caps 1/2, 1, 3/4), tiers
-(1/4, 1/2, 3/4, 1), the project's CNN (channels 4 and 8) built from the baseline's own ordered
+Case: iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5 with caps 0.6, 1, 0.8), the
+baseline's tiers (0.2, 0.4, 0.6, 0.8, 1), the project's CNN with channels 6 and 10 (so that
+``ceil`` differs from other roundings at these tiers) built from the baseline's own ordered
 dropout layers (``fjord/od/layers``: ``ODConv2d``, ``ODBatchNorm2d`` with one set of
 statistics per width, ``ODLinear`` with fixed classes) in its ``SequentialWithSampler``, SGD
 lr 0.05, momentum 0.9, weight decay 1e-4, one epoch of batch 32. For each of three forms of our
@@ -50,10 +51,13 @@ from torch import nn
 import common
 from reference_case import TRAIN, make_spec, run_one_round
 
+from fl_lightning.config import ModelConfig
+
 from fl_lightning.algorithms.submodel import FjORD
 
-CAPS = [0.25, 0.5, 0.25, 0.5, 1.0, 0.75]  # the round's cohort: clients 1, 4, 5 at 1/2, 1, 3/4
-TIERS = (0.25, 0.5, 0.75, 1.0)
+CAPS = [0.2, 0.6, 0.2, 0.4, 1.0, 0.8]  # the round's cohort: clients 1, 4, 5 at 0.6, 1, 0.8
+TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)  # the baseline's p_s (conf/common.yaml)
+CHANNELS = (6, 10)
 CASES = {"round": {}, "step": {"sample": "step"}, "step_kd": {"sample": "step", "distill": True}}
 WEIGHT_DECAY = 1e-4  # the baseline's default (momentum: ours, 0.9; the baseline's default is 0)
 RATIOS = [0.0625, 0.1, 0.125, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.6000000000000001, 0.7, 0.75, 0.8, 0.9, 1.0,
@@ -73,6 +77,12 @@ def train_config():
     return replace(TRAIN, weight_decay=WEIGHT_DECAY)
 
 
+def our_cnn():
+    from fl_lightning.elastic.models import build_model
+
+    return build_model("cnn", 10, (1, 8, 8), channels=list(CHANNELS))
+
+
 # -- our side ------------------------------------------------------------------------------------
 def record():
     """Our loop's round 0 in each form: the batches (the same in all three), the tiers, and the
@@ -81,7 +91,7 @@ def record():
     for name, kwargs in CASES.items():
         alg = FjORD(caps=CAPS, tiers=TIERS, **kwargs)
         spec = make_spec(tempfile.mkdtemp(), alg, num_clients=6, clients_per_round=3, partition="iid",
-                         train=train_config())
+                         train=train_config(), model=ModelConfig(name="cnn", kwargs={"channels": list(CHANNELS)}))
         modules, client_module = {}, alg.client_module
 
         def keep(routed, task, plan, _modules=modules, _make=client_module):
@@ -103,7 +113,7 @@ def record():
             for c in cohort:
                 assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                            for a, b in zip(batches[c], case["batches"][c]))
-    case.update({"caps": CAPS, "tiers": list(TIERS), "cases": CASES, "lr": TRAIN.lr, "momentum": TRAIN.momentum,
+    case.update({"caps": CAPS, "tiers": list(TIERS), "channels": list(CHANNELS), "cases": CASES, "lr": TRAIN.lr, "momentum": TRAIN.momentum,
                  "weight_decay": WEIGHT_DECAY})
     return case, draws
 
@@ -156,12 +166,13 @@ def baseline(repo):
 
 
 def od_cnn(fj, initial, p_s):
-    """The project's CNN (channels 4, 8) from the baseline's layers, holding ``initial``."""
+    """The project's CNN (channels 6, 10) from the baseline's layers, holding ``initial``."""
+    c0, c1 = CHANNELS
     net = fj.Sequential(
-        fj.ODConv2d(1, 4, 3, padding=1, bias=False), fj.create_bn_layer(True, list(p_s), num_features=4), nn.ReLU(),
+        fj.ODConv2d(1, c0, 3, padding=1, bias=False), fj.create_bn_layer(True, list(p_s), num_features=c0), nn.ReLU(),
         nn.MaxPool2d(2),
-        fj.ODConv2d(4, 8, 3, padding=1, bias=False), fj.create_bn_layer(True, list(p_s), num_features=8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), fj.ODLinear(8, 10, is_od=False))
+        fj.ODConv2d(c0, c1, 3, padding=1, bias=False), fj.create_bn_layer(True, list(p_s), num_features=c1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), fj.ODLinear(c1, 10, is_od=False))
     state = net.state_dict()
     for ours, theirs in OURS_TO_OD.items():
         state[theirs] = initial[ours].reshape(state[theirs].shape).clone()
@@ -175,10 +186,9 @@ def od_cnn(fj, initial, p_s):
 
 def check_same_function(fj, initial, x):
     """At every tier the baseline's network and ours give the same logits (batch statistics)."""
-    from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.specs import WidthSpec
 
-    ours = build_model("cnn", 10, (1, 8, 8), channels=[4, 8])
+    ours = our_cnn()
     ours.load_state_dict(initial)
     theirs = od_cnn(fj, initial, TIERS)
     for p in TIERS:
@@ -230,11 +240,9 @@ def ours_from(net_state, widths, prefixes=OURS_TO_OD):
             out[ours] = out[ours].flatten()
     if widths is None:
         return out
-    from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.specs import WidthSpec
 
-    model = build_model("cnn", 10, (1, 8, 8), channels=[4, 8])
-    regions = model.regions(WidthSpec.uniform(widths, 2))
+    regions = our_cnn().regions(WidthSpec.uniform(widths, 2))
     for key in list(out):
         out[key] = regions[key][1].gather(out[key]).clone()
     return out
@@ -251,7 +259,7 @@ def stats_of(net_state, width_channels):
 
 
 def channels_at(p):
-    return {"features.block0.bn.": int(np.ceil(4 * p)), "features.block1.bn.": int(np.ceil(8 * p))}
+    return {"features.block0.bn.": int(np.ceil(CHANNELS[0] * p)), "features.block1.bn.": int(np.ceil(CHANNELS[1] * p))}
 
 
 def run_case(fj, case, name, recorded):
@@ -286,9 +294,9 @@ def run_case(fj, case, name, recorded):
 
 
 def aggregation_only(fj, initial):
-    """``aggregate`` of synthetic client states: four clients with p_max 1, 1/2, 1/4, 1/2 and
+    """``aggregate`` of synthetic client states: four clients with p_max 1, 0.4, 0.2, 0.4 and
     100, 223, 57, 300 examples (so that the sample weights matter)."""
-    p_maxes, examples = [1.0, 0.5, 0.25, 0.5], [100, 223, 57, 300]
+    p_maxes, examples = [1.0, 0.4, 0.2, 0.4], [100, 223, 57, 300]
     net0 = od_cnn(fj, initial, TIERS)
     x = torch.linspace(-1, 1, 2 * 64).reshape(2, 1, 8, 8)
     config = fj.client.get_agg_config(copy.deepcopy(net0), [(x, None)], list(TIERS))
@@ -349,12 +357,12 @@ def main():
               "baselines/fjord/fjord/od/layers/{conv,linear,batch_norm}.py: ODConv2d, ODLinear, ODBatchNorm2d",
               "baselines/fjord/fjord/od/models/utils.py: SequentialWithSampler, create_bn_layer",
               "baselines/fjord/fjord/od/samplers/fixed_od.py: ODSampler (np.random.choice answered by our draws)"],
-        notes="iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5; caps 1/2, 1, 3/4), tiers 1/4, 1/2, 3/4, 1; "
-              "the project's CNN (channels 4, 8) from the baseline's OD layers; SGD lr 0.05, momentum 0.9, weight "
+        notes="iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5; caps 0.6, 1, 0.8), tiers 0.2, 0.4, 0.6, "
+              "0.8, 1 (the baseline's p_s); the project's CNN (channels 6, 10) from the baseline's OD layers; SGD lr 0.05, momentum 0.9, weight "
               "decay 1e-4, one epoch of batch 32. Cases: round (our default: the round's tier at every step; the "
               "baseline's client with max_p = p_s = that tier), step (sample: step, each step's width ours, fed to "
               "the baseline's ODSampler), step_kd (the same with distill, the baseline's fjord_kd). aggregation: "
-              "aggregate() of 4 synthetic clients (p_max 1, 1/2, 1/4, 1/2; 100, 223, 57, 300 examples). widths: "
+              "aggregate() of 4 synthetic clients (p_max 1, 0.4, 0.2, 0.4; 100, 223, 57, 300 examples). widths: "
               "the OD layers' output channels, 1-64 channels at 17 ratios. Stand-ins: flwr (client and strategy "
               "classes, not called), coloredlogs; numpy in fixed_od.py answers random.choice with our draws. "
               "Batches stored as uint8 codes into case['levels'].")

@@ -443,13 +443,16 @@ class FjORD(SubmodelAlgorithm):
 
     def check(self, train) -> None:
         super().check(train)
+        self.check_options()
+
+    def check_options(self) -> None:
         if self.sample not in ("round", "step"):
             raise ConfigError("algorithm.sample", f"must be round or step, got {self.sample!r}")
         if not 0.0 <= self.distill_alpha <= 1.0:
             raise ConfigError("algorithm.distill_alpha", f"must be in [0, 1], got {self.distill_alpha}")
 
     def setup(self, ctx) -> None:
-        self.check(ctx.train)
+        self.check_options()  # also when built without the command line
         super().setup(ctx)
 
     def allowed(self, client: int) -> List[float]:
