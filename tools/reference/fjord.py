@@ -1,5 +1,5 @@
 """Golden values for FjORD from the Flower baseline (adap/flower, ``baselines/fjord``, written by
-FjORD's authors S. Laskaridis and S. Horvath; the authors' own SamsungLabs/fjord is not public).
+FjORD's authors S. Laskaridis and S. Horvath; the authors' own SamsungLabs/fjord could not be fetched).
 
     python tools/reference/fjord.py /path/to/flower [--commit SHA]
 
@@ -113,8 +113,8 @@ def record():
             for c in cohort:
                 assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                            for a, b in zip(batches[c], case["batches"][c]))
-    case.update({"caps": CAPS, "tiers": list(TIERS), "channels": list(CHANNELS), "cases": CASES, "lr": TRAIN.lr, "momentum": TRAIN.momentum,
-                 "weight_decay": WEIGHT_DECAY})
+    case.update({"caps": CAPS, "tiers": list(TIERS), "channels": list(CHANNELS), "cases": CASES, "lr": TRAIN.lr,
+                 "momentum": TRAIN.momentum, "weight_decay": WEIGHT_DECAY})
     return case, draws
 
 
@@ -357,15 +357,15 @@ def main():
               "baselines/fjord/fjord/od/layers/{conv,linear,batch_norm}.py: ODConv2d, ODLinear, ODBatchNorm2d",
               "baselines/fjord/fjord/od/models/utils.py: SequentialWithSampler, create_bn_layer",
               "baselines/fjord/fjord/od/samplers/fixed_od.py: ODSampler (np.random.choice answered by our draws)"],
-        notes="iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5; caps 0.6, 1, 0.8), tiers 0.2, 0.4, 0.6, "
-              "0.8, 1 (the baseline's p_s); the project's CNN (channels 6, 10) from the baseline's OD layers; SGD lr 0.05, momentum 0.9, weight "
-              "decay 1e-4, one epoch of batch 32. Cases: round (our default: the round's tier at every step; the "
-              "baseline's client with max_p = p_s = that tier), step (sample: step, each step's width ours, fed to "
-              "the baseline's ODSampler), step_kd (the same with distill, the baseline's fjord_kd). aggregation: "
-              "aggregate() of 4 synthetic clients (p_max 1, 0.4, 0.2, 0.4; 100, 223, 57, 300 examples). widths: "
-              "the OD layers' output channels, 1-64 channels at 17 ratios. Stand-ins: flwr (client and strategy "
-              "classes, not called), coloredlogs; numpy in fixed_od.py answers random.choice with our draws. "
-              "Batches stored as uint8 codes into case['levels'].")
+        notes="iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5; caps 0.6, 1, 0.8), tiers 0.2, 0.4, "
+              "0.6, 0.8, 1 (the baseline's p_s); the project's CNN (channels 6, 10) from the baseline's OD layers; "
+              "SGD lr 0.05, momentum 0.9, weight decay 1e-4, one epoch of batch 32. Cases: round (our default: "
+              "the round's tier at every step; the baseline's client with max_p = p_s = that tier), step (sample: "
+              "step, each step's width ours, fed to the baseline's ODSampler), step_kd (the same with distill, the "
+              "baseline's fjord_kd). aggregation: aggregate() of 4 synthetic clients (p_max 1, 0.4, 0.2, 0.4; 100, "
+              "223, 57, 300 examples). widths: the OD layers' output channels, 1-64 channels at 17 ratios. "
+              "Stand-ins: flwr (client and strategy classes, not called), coloredlogs; numpy in fixed_od.py "
+              "answers random.choice with our draws. Batches stored as uint8 codes into case['levels'].")
 
 
 if __name__ == "__main__":
