@@ -195,6 +195,23 @@ def test_fjord_self_distillation_option_trains(spec_factory):
     assert all(c["p"] in (0.25, 0.5, 0.75, 1.0) for c in rows(spec, "clients.jsonl"))
 
 
+def test_fjord_step_sampling_sends_the_cap_and_draws_widths_per_step(spec_factory):
+    """``sample: step`` (FjORD's Algorithm 1): every client receives and returns its cap's
+    sub-model and trains widths drawn per step from its tiers; bad options are refused."""
+    from fl_lightning.errors import ConfigError
+
+    spec = spec_factory(name="fjs", algorithm=FjORD(caps=CAPS, sample="step", distill=True),
+                        federation=FederationConfig(rounds=2, clients_per_round=6))
+    run_fit(spec)
+    clients = rows(spec, "clients.jsonl")
+    assert all(c["p"] == c["p_max"] and 0.25 <= c["p_steps"] <= c["p_max"] for c in clients)
+    assert any(c["p_steps"] < c["p_max"] for c in clients)
+    with pytest.raises(ConfigError, match="algorithm.sample"):
+        run_fit(spec_factory(name="bad", algorithm=FjORD(caps=CAPS, sample="epoch")))
+    with pytest.raises(ConfigError, match="algorithm.distill_alpha"):
+        run_fit(spec_factory(name="bad2", algorithm=FjORD(caps=CAPS, sample="step", distill_alpha=2.0)))
+
+
 def test_hasfl_resume_is_bit_exact(spec_factory):
     """Estimates, widths and coverage masks are checkpointed: a resumed run plans and trains
     as the uninterrupted one."""

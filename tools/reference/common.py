@@ -78,10 +78,12 @@ def commit_of(repo: Path) -> str:
                           check=True).stdout.strip()
 
 
-def write_provenance(method: str, repo: Path, repository: str, used: list, notes: str = "", **extra) -> None:
+def write_provenance(method: str, repo: Path, repository: str, used: list, notes: str = "",
+                     commit: str = None, **extra) -> None:
+    """``commit``: for a folder that is not a git checkout (extracted with ``git archive``)."""
     record = {
         "repository": repository,
-        "commit": commit_of(repo),
+        "commit": commit or commit_of(repo),
         "used": used,
         "command": " ".join(["python", f"tools/reference/{Path(sys.argv[0]).name}"] + ["<path of the fetched repository>"]
                             + sys.argv[2:]),

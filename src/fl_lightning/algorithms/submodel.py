@@ -8,7 +8,8 @@ over exactly the clients that trained it (``dense = False``). The policies diffe
 - :class:`HeteroFL`: every client at its cap ``p_max`` (with ``assign: budget`` the cap is the
   largest of HeteroFL's tiers the client's MAC budget affords: FEAST's supernet baseline,
   ``docs/heterofl_supernet.md``).
-- :class:`FjORD`: each round a tier drawn uniformly from the tiers no larger than the cap.
+- :class:`FjORD`: each round a tier drawn uniformly from the tiers no larger than the cap
+  (``sample: step``: FjORD's own per-step draw inside the cap's sub-model).
 - :class:`Uniform`: ``min(width, p_max)`` with ``width = 0.5``.
 - :class:`RandomBudget`: random time-varying widths whose cohort average matches a target
   budget (a number, or the per-round ``p_bar`` trace of a saved run).
@@ -405,43 +406,98 @@ class Uniform(SubmodelAlgorithm):
 
 
 class FjORD(SubmodelAlgorithm):
-    """FjORD (Horvath et al., 2021) as compared in the paper: each round each client's tier is
-    redrawn uniformly from the tiers no larger than its cap. With ``distill``, the client also
-    trains the smallest tier inside its local model and distils the full local model's outputs
-    into it (FjORD's self-distillation); off by default, as in the paper's comparison."""
+    """FjORD (Horvath et al., 2021), in one of two forms (``sample``):
 
-    def __init__(self, distill: bool = False, distill_weight: float = 1.0, **kwargs):
+    - ``round`` (default): as compared in the HAS-FL paper (Sec. 4.1): each round each client's
+      tier is redrawn uniformly from the tiers no larger than its cap, and the client trains that
+      width for its whole local update (and returns it). With ``distill`` the client also trains
+      the smallest tier inside its local model and distils the local model's outputs into it (the
+      project's adaptation of FjORD's self-distillation to one width per round; off by default,
+      as in the paper's comparison).
+    - ``step``: FjORD's own Algorithm 1: the client receives its ``p_max`` sub-model (its cap), at
+      every local step draws ``p`` uniformly from the tiers no larger than its cap and trains
+      the width-``p`` subnet of that model (ordered dropout), and returns the ``p_max`` sub-model,
+      so each coordinate is averaged over the clients whose cap covers it. With ``distill``, each
+      step also trains the ``p_max`` width on the labels and the width-``p`` subnet on
+      ``(1 - distill_alpha) CE + distill_alpha KD`` against the ``p_max`` outputs (FjORD's
+      self-distillation; ``distill_alpha = 1`` is the authors' Flower baseline).
+    """
+
+    def __init__(self, distill: bool = False, distill_weight: float = 1.0,
+                 sample: Literal["round", "step"] = "round", distill_alpha: float = 1.0, **kwargs):
         """
         Args:
             distill: add FjORD's self-distillation (elastic local model, in-place distillation).
-            distill_weight: weight of the distillation term.
+            distill_weight: weight of the distillation term (``sample: round``).
+            sample: when a client's width is drawn: round (once per round, the HAS-FL paper's
+                FjORD) or step (at every local step inside the client's ``p_max`` model, FjORD's
+                Algorithm 1).
+            distill_alpha: with ``sample: step`` and ``distill``, the weight of the distillation
+                term in the sampled width's loss (the label term gets ``1 - distill_alpha``).
         """
         super().__init__(**kwargs)
         self.distill = distill
         self.distill_weight = float(distill_weight)
+        self.sample = sample
+        self.distill_alpha = float(distill_alpha)
+
+    def check(self, train) -> None:
+        super().check(train)
+        self.check_options()
+
+    def check_options(self) -> None:
+        if self.sample not in ("round", "step"):
+            raise ConfigError("algorithm.sample", f"must be round or step, got {self.sample!r}")
+        if not 0.0 <= self.distill_alpha <= 1.0:
+            raise ConfigError("algorithm.distill_alpha", f"must be in [0, 1], got {self.distill_alpha}")
+
+    def setup(self, ctx) -> None:
+        self.check_options()  # also when built without the command line
+        super().setup(ctx)
+
+    def allowed(self, client: int) -> List[float]:
+        """The tiers a client may train: those no larger than its cap (the cap if none is)."""
+        cap = float(self.caps[client])
+        return [t for t in self.tiers if t <= cap + 1e-12] or [cap]
 
     def widths_for(self, round_idx, cohort):
+        if self.sample == "step":  # the sub-model sent is the cap's; widths are drawn per step
+            return {c: float(self.caps[c]) for c in cohort}
         rng = allocation_rng(self.ctx.seed, round_idx)
         out = {}
         for c in cohort:  # one draw per client, in cohort order: the same on every rank
-            allowed = [t for t in self.tiers if t <= float(self.caps[c]) + 1e-12] or [float(self.caps[c])]
+            allowed = self.allowed(c)
             out[c] = float(allowed[int(rng.integers(len(allowed)))])
         return out
 
     def route(self, task, plan):
-        return self.ctx.model.extract(task.spec, elastic=self.distill)
+        return self.ctx.model.extract(task.spec, elastic=self.distill or self.sample == "step")
 
     def client_module(self, routed, task, plan):
-        if not self.distill:
-            return super().client_module(routed, task, plan)
         from fl_lightning.elastic.specs import WidthSpec
-        from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
 
         t = self.ctx.train
+        if self.sample == "step":
+            from fl_lightning.modules.submodel_distill import OrderedDropoutClient
+
+            rng = np.random.default_rng(derive_seed(self.ctx.seed, ALLOCATION, plan.round_idx, task.client))
+            return OrderedDropoutClient(routed.module, plan.lr, t.momentum, t.weight_decay, task.spec,
+                                        self.allowed(task.client), self.stages, rng,
+                                        self.distill_alpha if self.distill else None)
+        if not self.distill:
+            return super().client_module(routed, task, plan)
+        from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
+
         smallest = min(self.tiers)
         low = WidthSpec.uniform(min(smallest, task.options["p"]), self.stages)
         return OrderedDropoutDistillClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                            task.spec, low, self.distill_weight)
+
+    def fit_client(self, task, plan):
+        result = super().fit_client(task, plan)
+        if self.sample == "step" and result.module is not None and result.module.drawn:
+            result.metrics["p_steps"] = float(np.mean(result.module.drawn))
+        return result
 
 
 class RandomBudget(SubmodelAlgorithm):
