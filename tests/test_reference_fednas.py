@@ -72,6 +72,22 @@ def test_sandwich_roles_and_maxnet_weights_match_the_authors_code(method, ours):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_maxnet_schedule_matches_the_authors_code_through_and_after_the_anneal(method):
+    """``maxnet_cos_all_subnet`` for rounds 0..2T (T = 4 anneal rounds, the max client at cohort
+    position 1): ours, ``maxnet_weights(3, 1, maxnet_coefficient(t, T))``, from 0.9 down to 0.125
+    and held there."""
+    from fl_lightning.elastic.maxnet import maxnet_coefficient, maxnet_weights
+
+    from reference_fednas_case import CLIENTS, MAXNET_STEPS
+
+    theirs = golden(method)["reference"]["schedule"]
+    assert len(theirs) == 2 * MAXNET_STEPS + 1
+    for t, weights in enumerate(theirs):
+        assert maxnet_weights(CLIENTS, 1, maxnet_coefficient(t, MAXNET_STEPS)) == pytest.approx(weights, abs=1e-12), t
+    assert theirs[MAXNET_STEPS][1] == pytest.approx(0.125) and theirs[-1] == theirs[MAXNET_STEPS]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_client_subnets_match_the_authors_subnet_trainer(method, ours):
     """Round 0: each client's trained subnet (extracted from the same supernet: the authors'
     ``get_subnet`` and ours hold the same tensors, name for name and shape for shape), after the

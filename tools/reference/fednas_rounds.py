@@ -20,7 +20,8 @@ from typing import Dict, List
 import torch
 
 import common
-from reference_fednas_case import (CLIENTS, NUM_CLASSES, ROUNDS, TRAIN, subnet_block_index, to_reference_key)
+from reference_fednas_case import (CLIENTS, MAXNET_STEPS, NUM_CLASSES, ROUNDS, TRAIN, subnet_block_index,
+                                   to_reference_key)
 
 
 class RunDisabled:
@@ -153,6 +154,9 @@ def drive(trainer, server_model, client_trainer, case, test_batch) -> dict:
         trainer.test_data_local_dict = {c: [test_batch] for c in range(CLIENTS)}
         trainer.train_one_round(r)
         record["globals"].append({k: v.detach().clone() for k, v in server_model.get_model_params().items()})
+    # the schedule beyond the case's rounds, with the last round's max client (cohort position
+    # 1): through the anneal (MAXNET_STEPS rounds) and after it, where it holds the final value
+    record["schedule"] = [[float(w) for w in schedule(t)] for t in range(2 * MAXNET_STEPS + 1)]
     record["tracking"] = {"largest": [int(server_model.cli_subnet_track[c]["largest"]) for c in range(CLIENTS)],
                           "smallest": [int(server_model.cli_subnet_track[c]["smallest"]) for c in range(CLIENTS)]}
     return record
@@ -180,7 +184,7 @@ def golden(case, record, blocks_per_stage: int, extra: dict) -> dict:
         "case": {"initial": state_fingerprint(case["initial"]), "batches": batch_fingerprints(case["batches"]),
                  "rounds": case["rounds"]},
         "reference": {"roles": record["roles"], "weights": record["weights"], "archs": record["archs"],
-                      "lrs": record["lrs"], "tracking": record["tracking"], **extra},
+                      "lrs": record["lrs"], "tracking": record["tracking"], "schedule": record["schedule"], **extra},
         "locals": locals_,
         "globals": globals_,
     }
