@@ -9,11 +9,9 @@ drew; stored are its tracking-sandwich roles, MaxNet weights, each client's trai
 round 0 and the supernet after each round. Nothing here runs the reference code."""
 
 import pytest
-import torch
 
 from reference_case import load
-from reference_fednas_case import (ROUNDS, batch_fingerprints, float_state, run_case, spec_dict,
-                                   state_fingerprint)
+from reference_fednas_case import ROUNDS, batch_fingerprints, float_state, run_case, state_fingerprint
 
 TOL = 1e-5
 METHODS = ["superfednas", "deepfednas"]

@@ -121,16 +121,16 @@ def main():
 
     common.write_provenance(
         "deepfednas", repo, "https://github.com/bostankhan6/DeepFedNAS",
-        used=["src/deepfednas/Server/deepfednas_trainer.py: Deepfednas_Trainer.__init__, train_one_round, "
-              "_client_sampling, maxnet_cos_all_subnet, _aggregate",
-              "src/deepfednas/Server/base_server_model.py: BaseServerModel.update_sample, "
-              "tracking_sandwich_optimal_path_sampler (TS_optimal_path), _prepare_subnet_cache",
-              "src/deepfednas/Server/generic_server_model.py: GenericServerOFA.get_subnet, active_subnet_index, "
-              "add_subnet, max_subnet_arch",
-              "src/deepfednas/Client/subnet_trainer.py: SubnetTrainer.train, test",
-              "src/deepfednas/elastic_nn/generic_ofa_network.py: GenericOFAResNet (the supernet, "
-              "get_active_subnet)",
-              "src/deepfednas/utils/subnet_cost.py: subnet_macs (the path CSV's MACs)"],
+        used=["src/deepfednas/Server/deepfednas_trainer.py: Deepfednas_Trainer.__init__ (line 33), _client_sampling "
+              "(159), _aggregate (175), train_one_round (220), maxnet_cos_all_subnet (970)",
+              "src/deepfednas/Server/base_server_model.py: BaseServerModel._prepare_subnet_cache (78), update_sample "
+              "(110), tracking_sandwich_optimal_path_sampler (364, TS_optimal_path; its random.choice at 388)",
+              "src/deepfednas/Server/generic_server_model.py: GenericServerOFA.max_subnet_arch (53), get_subnet (126), "
+              "active_subnet_index (148), add_subnet (171)",
+              "src/deepfednas/Client/subnet_trainer.py: SubnetTrainer.train (21), test (170)",
+              "src/deepfednas/elastic_nn/generic_ofa_network.py: NewResidualBlock (31), DynamicResidualBlock (187), "
+              "GenericOFAResNet (478; set_active_subnet 595, get_active_subnet 690)",
+              "src/deepfednas/utils/subnet_cost.py: subnet_macs (49; the path CSV's MACs)"],
         notes="Synthetic 3x8x8 images, 4 classes, 3 iid clients of 24 examples, all 3 every round, 2 rounds; "
               "arch_params " + str(ARCH_PARAMS) + " (our ofa_resnet with the same widths, round_middle true); "
               "SGD lr 0.05, momentum 0 (their SubnetTrainer has none), weight decay 5e-4, max_norm 3.0, use_bn, "
@@ -140,7 +140,9 @@ def main():
               "base_server_model.random.choice returns our random-role draw (asserted to be on their path), "
               "_efficient_local_test_on_all_clients skipped (evaluation). ofa " + md.version("ofa") + " (PyPI, "
               "installed with --no-deps).",
-        ofa=md.version("ofa"))
+        ofa=md.version("ofa"),
+        setup="pip install --no-deps --target <dir> ofa==" + md.version("ofa") + "; then PYTHONPATH=src:<dir> "
+              "OMP_NUM_THREADS=1 before the command")
 
 
 if __name__ == "__main__":

@@ -110,16 +110,18 @@ def main():
 
     common.write_provenance(
         "superfednas", repo, "https://github.com/gatech-sysml/superfednas",
-        used=["fedml_api/standalone/superfednas/Server/ServerTrainer/superfednas_trainer.py: FLOFA_Trainer.__init__, "
-              "train_one_round, _client_sampling, maxnet_cos_all_subnet, _aggregate",
-              "fedml_api/standalone/superfednas/Server/ServerModel/base_server_model.py: BaseServerModel.update_sample, "
-              "tracking_sandwich_all_subnet_sample (TS_all_random)",
+        used=["fedml_api/standalone/superfednas/Server/ServerTrainer/superfednas_trainer.py: FLOFA_Trainer.__init__ "
+              "(line 35), _client_sampling (144), _aggregate (160), train_one_round (205), maxnet_cos_all_subnet (899)",
+              "fedml_api/standalone/superfednas/Server/ServerModel/base_server_model.py: BaseServerModel.update_sample "
+              "(59), tracking_sandwich_all_subnet_sample (227, TS_all_random)",
               "fedml_api/standalone/superfednas/Server/ServerModel/server_resnet_32x32_10_26.py: ServerResnet_10_26."
-              "get_subnet, active_subnet_index, add_subnet, is_max_net, is_min_net, max_subnet_arch",
-              "fedml_api/standalone/superfednas/Client/ClientTrainer/subnet_trainer.py: SubnetTrainer.train, test",
+              "active_subnet_index (37), get_subnet (69), add_subnet (86), is_max_net (156), is_min_net (166), "
+              "max_subnet_arch (177)",
+              "fedml_api/standalone/superfednas/Client/ClientTrainer/subnet_trainer.py: SubnetTrainer.train (21), "
+              "test (169)",
               "fedml_api/standalone/superfednas/Client/ClientModel/client_model.py: ClientModel",
-              "fedml_api/standalone/superfednas/elastic_nn/ofa_resnets_32x32_10_26.py: OFAResNets32x32_10_26, "
-              "DynamicResidualBlock, NewResidualBlock"],
+              "fedml_api/standalone/superfednas/elastic_nn/ofa_resnets_32x32_10_26.py: NewResidualBlock (160), "
+              "DynamicResidualBlock (316), OFAResNets32x32_10_26 (530; set_active_subnet 700, get_active_subnet 757)"],
         notes="Synthetic 3x8x8 images, 4 classes, 3 iid clients of 24 examples, all 3 every round, 2 rounds; their "
               "ResNet-10-26 supernet with STAGE_WIDTH_LIST " + str(STAGE_WIDTHS) + ", BASE_DEPTH_LIST [1, 1], "
               "MyNetwork.CHANNEL_DIVISIBLE " + str(DIVISOR) + " (class constants set before building), init params "
@@ -131,7 +133,9 @@ def main():
               "narrowest smallest architecture (theirs keeps full width) and random_subnet_arch our random-role "
               "draw (theirs draws depths and per-block expansions only); _efficient_local_test_on_all_clients "
               "skipped (evaluation). ofa " + md.version("ofa") + " (PyPI, installed with --no-deps).",
-        ofa=md.version("ofa"))
+        ofa=md.version("ofa"),
+        setup="pip install --no-deps --target <dir> ofa==" + md.version("ofa") + "; then PYTHONPATH=src:<dir> "
+              "OMP_NUM_THREADS=1 before the command")
 
 
 if __name__ == "__main__":
