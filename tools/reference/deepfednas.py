@@ -116,7 +116,9 @@ def main():
     repo = common.add_repo(sys.argv[1], "src")
     torch.set_num_threads(1)
     case = run_case("deepfednas")
-    fr.save_golden("deepfednas", authors(repo, case))
+    golden = authors(repo, case)
+    fr.save_golden("deepfednas", golden)
+    fr.report("deepfednas", case, golden)
     import importlib.metadata as md
 
     common.write_provenance(

@@ -15,7 +15,7 @@ return its result unchanged).
 from __future__ import annotations
 
 import types
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -145,8 +145,9 @@ def drive(trainer, server_model, client_trainer, case, test_batch) -> dict:
         return model
 
     client_trainer.train = recording_train
-    # the round's evaluation (every ``frequency_of_the_test`` rounds) reads wandb tables of all
-    # clients' test sets; only the checkpoint-subnet pass runs, on one test batch
+    # the round's evaluation (every ``frequency_of_the_test`` rounds) scores every diverse subnet
+    # on every client's test set for wandb; skipped, only the checkpoint-subnet pass runs (on one
+    # test batch; it reads the supernet, never writes it)
     trainer._efficient_local_test_on_all_clients = lambda round_idx: (None, None)
     for r in range(ROUNDS):
         round_box[0] = r
@@ -190,12 +191,17 @@ def golden(case, record, blocks_per_stage: int, extra: dict) -> dict:
     }
 
 
-def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+def report(method: str, case, golden: dict) -> None:
+    """Print how far our run is from the reference's (the test asserts the same)."""
+    from reference_fednas_case import float_state
 
+    def diff(a, b):
+        return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
 
-def describe(values: List[float]) -> str:
-    return ", ".join(f"{v:.2e}" for v in values)
+    subnets = max(diff(float_state(case["locals"][(0, c)]), s) for c, s in golden["locals"].items())
+    supernets = [diff(float_state(case["globals"][r]), g) for r, g in enumerate(golden["globals"])]
+    print(f"{method}: client subnets (round 0) {subnets:.1e}; supernet after rounds 0, 1: "
+          + ", ".join(f"{v:.1e}" for v in supernets))
 
 
 def save_golden(method: str, golden: dict) -> None:

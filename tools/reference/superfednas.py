@@ -105,7 +105,9 @@ def main():
     repo = common.add_repo(sys.argv[1])
     torch.set_num_threads(1)
     case = run_case("superfednas")
-    fr.save_golden("superfednas", authors(repo, case))
+    golden = authors(repo, case)
+    fr.save_golden("superfednas", golden)
+    fr.report("superfednas", case, golden)
     import importlib.metadata as md
 
     common.write_provenance(
