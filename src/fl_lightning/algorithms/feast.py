@@ -219,25 +219,25 @@ class Feast(Algorithm):
             mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
                                      schedule=self.mix_schedule, generator=_generator(MIXING_STREAM, *key))
         sets = self.sets[task.client]
-        track_gradient_support(routed.module)
-        return FeastClient(routed.module, plan.lr, t.momentum, t.weight_decay,
-                           variants=[(self.cache.specs[j], self.cache.macs[j]) for j in sets],
-                           global_min=self.cache.specs[self.cache.global_min()], rho_kd=self.rho_kd,
-                           temperature=self.temperature, mixer=mixer, generator=_generator(INTERMEDIATE_STREAM, *key),
-                           rule=self.rule)
+        client = FeastClient(routed.module, plan.lr, t.momentum, t.weight_decay,
+                             variants=[(self.cache.specs[j], self.cache.macs[j]) for j in sets],
+                             global_min=self.cache.specs[self.cache.global_min()], rho_kd=self.rho_kd,
+                             temperature=self.temperature, mixer=mixer, generator=_generator(INTERMEDIATE_STREAM, *key),
+                             rule=self.rule)
+        client.track_gradient_support()
+        return client
 
     def commit(self, acc, task, result, plan) -> None:
         self._forward_macs += result.module.forward_macs()
         if result.update is not None:
-            self._count_mass(result.update, float(result.num_samples))
+            self._count_mass(result.update, result.module.gradient_support, float(result.num_samples))
         super().commit(acc, task, result, plan)
 
-    def _count_mass(self, update, num_samples: float) -> None:
+    def _count_mass(self, update, touched: Dict[str, torch.Tensor], num_samples: float) -> None:
         """Eq. 7 weighs every routed position by the client's examples, whether the client's
-        rule trained it or not; count both masses. A position counts as trained when some
-        pass of the round gave it a nonzero gradient (weight decay alone also moves the
+        rule trained it or not; count both masses. A position counts as trained when a
+        trained variant reaches it (a nonzero gradient; weight decay alone also moves the
         inactive slices of a routed tensor, so a changed value is not the test)."""
-        touched = update.module.__dict__.pop("_feast_touched", {})
         for local_key, (global_key, region) in update.regions.items():
             group = self.mass_groups.get(global_key)
             if group is None:  # BN statistics and counters: not trained parameters
@@ -319,21 +319,6 @@ class Feast(Algorithm):
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {}
-
-
-def track_gradient_support(module: torch.nn.Module) -> None:
-    """Record, per parameter of ``module``, the positions that ever receive a nonzero gradient
-    (kept on the module as ``_feast_touched`` until the server counts them)."""
-    def recorder(seen: torch.Tensor):
-        def hook(param: torch.Tensor) -> None:
-            seen.logical_or_(param.grad != 0)
-        return hook
-
-    touched = {}
-    for name, param in module.named_parameters():
-        touched[name] = torch.zeros_like(param, dtype=torch.bool)
-        param.register_post_accumulate_grad_hook(recorder(touched[name]))
-    module.__dict__["_feast_touched"] = touched
 
 
 def parameter_groups(model) -> Tuple[List[str], Dict[str, int]]:
