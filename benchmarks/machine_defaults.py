@@ -41,7 +41,7 @@ from fl_lightning.data.federated import build_federated_data  # noqa: E402
 from fl_lightning.federation.builder import RunSpec, build_global_model  # noqa: E402
 from fl_lightning.federation.machine import GB, Machine  # noqa: E402
 from fl_lightning.runtime.client_data import ClientData  # noqa: E402
-from fl_lightning.runtime.seeding import client_generator, sample_clients, shard_for_rank  # noqa: E402
+from fl_lightning.runtime.seeding import balanced_share, client_generator, sample_clients  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESNET = "configs/split/offline/mnist_subset/resnet18_narrow/fedavg.yaml"
@@ -87,7 +87,8 @@ def _bare_rank(rank: int, world: int, spec: RunSpec, rounds: int, barrier, resul
     for r in range(rounds):
         cohort = sample_clients(spec.seed, r, spec.partition.num_clients, spec.federation.clients_per_round)
         batches = []
-        for c in shard_for_rank(cohort, rank, world):  # materialized outside the timed region
+        sizes = [len(fed.clients[c]) for c in cohort]  # the loop's default split: by examples
+        for c in balanced_share(cohort, sizes, rank, world):  # materialized outside the timed region
             data = ClientData(fed.bundle.train, fed.clients[c], t.batch_size)
             batches.append(list(data.epoch(client_generator(spec.seed, r, c))))
         barrier.wait()

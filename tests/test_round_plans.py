@@ -155,3 +155,16 @@ def test_sequential_clients_on_two_ranks_match_one_rank(tmp_path):
     parallel = run(2, "0", "parallel")
     assert any(not torch.equal(v, parallel[k]) for k, v in one.items() if v.is_floating_point())
     assert all(math.isfinite(float(v.float().sum())) for v in one.values())
+
+
+def test_ranks_share_a_round_by_estimated_work():
+    """Longest-first to the least-loaded rank, by hand: work 5, 1, 4, 3, 2 on two ranks gives
+    5 -> r0, 4 -> r1, 3 -> r1, 2 -> r0, 1 -> r0 (tie to the lower rank): loads 8 and 7."""
+    from fl_lightning.runtime.seeding import balanced_share
+
+    items, work = ["a", "b", "c", "d", "e"], [5, 1, 4, 3, 2]
+    assert balanced_share(items, work, 0, 2) == ["a", "b", "e"]  # plan order kept
+    assert balanced_share(items, work, 1, 2) == ["c", "d"]
+    assert balanced_share(items, work, 0, 1) == items
+    shares = [balanced_share(list(range(7)), [1.0] * 7, r, 3) for r in range(3)]
+    assert sorted(sum(shares, [])) == list(range(7)) and [len(s) for s in shares] == [3, 2, 2]

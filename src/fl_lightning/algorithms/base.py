@@ -80,6 +80,11 @@ class Algorithm:
         t = self.ctx.train
         return round_lr(t.lr, t.lr_schedule, round_idx, self.ctx.rounds, t.lr_decay)
 
+    def work(self, task: ClientTask) -> float:
+        """The client's estimated training work this round, relative to the others' (ranks
+        share a round's clients by it): its number of examples."""
+        return float(len(self.ctx.shards[task.client]))
+
     def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, ClientResult]]:
         """This rank's clients one after another, each with its global RNG seeded from
         (seed, round, client)."""

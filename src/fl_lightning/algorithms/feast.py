@@ -146,6 +146,7 @@ class Feast(Algorithm):
                                   f"cached variant (smallest: {self.cache.macs[0] / 1e6:.1f}M)")
         self.served = sorted({s[-1] for s in self.sets})
         self.routed_params = accounting.client_routed_params(ctx.model, self.cache, self.sets)
+        self.pass_macs = [accounting.pass_macs_per_example(self.cache, s, self.rule) for s in self.sets]
         self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
         self.mass_group_names, self.mass_groups = parameter_groups(ctx.model)
         # Per group, the examples x parameters routed to clients and the part their rule trained.
@@ -200,6 +201,9 @@ class Feast(Algorithm):
     # -- one client -----------------------------------------------------------------------------
     def variants_of(self, client: int) -> list:
         return [self.cache.specs[j] for j in self.sets[client]]
+
+    def work(self, task) -> float:
+        return super().work(task) * self.pass_macs[task.client]
 
     def route(self, task, plan) -> Routed:
         from fl_lightning.elastic.envelope import route_envelope

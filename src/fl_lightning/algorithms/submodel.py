@@ -153,6 +153,9 @@ class SubmodelAlgorithm(FedAvg):
             self._costs[key] = (count_params(local), count_macs(local, self.ctx.data.bundle.input_shape, dtype))
         return self._costs[key]
 
+    def work(self, task) -> float:
+        return super().work(task) * self.cost(task.spec)[1]
+
     def fit_client(self, task, plan):
         result = super().fit_client(task, plan)
         params, macs = self.cost(task.spec)

@@ -33,7 +33,7 @@ from fl_lightning.federation.run_dir import JsonLines, RunDir
 from fl_lightning.federation.run_lock import LOCK
 from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
 from fl_lightning.runtime.plan import RoundPlan
-from fl_lightning.runtime.seeding import shard_for_rank
+from fl_lightning.runtime.seeding import balanced_share
 
 NOT_SUMMED = ("round", "client", "loss")  # client-row keys that make no sense summed
 
@@ -171,7 +171,8 @@ class Federation:
         fabric = self.fabric
         if self.algorithm.sequential_clients:
             return list(plan.tasks) if fabric.global_rank == 0 else []
-        return shard_for_rank(plan.tasks, fabric.global_rank, fabric.world_size)
+        work = [self.algorithm.work(task) for task in plan.tasks]
+        return balanced_share(plan.tasks, work, fabric.global_rank, fabric.world_size)
 
     def run_round(self, round_idx: int) -> tuple[dict, List[dict]]:
         """Fit this rank's share of the plan, aggregate across ranks; returns the round's row

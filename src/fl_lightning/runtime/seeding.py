@@ -36,3 +36,17 @@ def shard_for_rank(items: list, rank: int, world_size: int) -> list:
     per, extra = divmod(len(items), world_size)
     start = rank * per + min(rank, extra)
     return items[start:start + per + (1 if rank < extra else 0)]
+
+
+def balanced_share(items: list, work: list, rank: int, world_size: int) -> list:
+    """One rank's share of a round's clients, the estimated ``work`` of each balanced over
+    ranks (longest first, each to the least-loaded rank, ties to the lower rank and the
+    earlier item), kept in plan order. A pure function of its arguments, so every rank
+    derives the same split; which rank trains a client never changes what it computes."""
+    loads = [0.0] * world_size
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-float(work[i]), i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += float(work[i])
+    return [item for item, r in zip(items, owner) if r == rank]
