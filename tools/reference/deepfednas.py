@@ -89,15 +89,7 @@ def authors(repo, case) -> dict:
     server = GenericServerOFA(dict(ARCH_PARAMS), "TS_optimal_path", fr.CLIENTS)
     fr.load_ours_into(server, case["initial"], BLOCKS)
     # the networks agree: every architecture of the case, extracted by both, gives the same logits
-    x = torch.randn(4, *INPUT, generator=torch.Generator().manual_seed(0))
-    agree = 0.0
-    specs = {str(t["spec"]): t["spec"] for rnd in case["rounds"] for t in rnd["tasks"]}
-    for spec in specs.values():
-        from fl_lightning.elastic.models.ofa_resnet import OFASpec
-
-        subnet = server.get_subnet(**reference_arch(spec)).model
-        agree = max(agree, fr.same_function(subnet, model, OFASpec(spec["d"], spec["e"], spec["w"]), x))
-    assert agree < 1e-5, agree
+    agree = fr.check_same_functions(server, model, case, reference_arch, INPUT)
 
     args = fr.trainer_args(SCHEDULE, ckpt_subnets=[server.max_subnet_arch()], subnet_cache_path=cache_csv,
                            model="ofaresnet_generic")

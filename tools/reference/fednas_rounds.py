@@ -108,6 +108,20 @@ def same_function(reference_subnet, our_model, spec, x) -> float:
         return float((ours(x) - reference_subnet(x)).abs().max())
 
 
+def check_same_functions(server_model, our_model, case, reference_arch, input_shape) -> float:
+    """Every architecture of the case, extracted by both sides, gives the same logits."""
+    from fl_lightning.elastic.models.ofa_resnet import OFASpec
+
+    x = torch.randn(4, *input_shape, generator=torch.Generator().manual_seed(0))
+    agree = 0.0
+    specs = {str(t["spec"]): t["spec"] for rnd in case["rounds"] for t in rnd["tasks"]}
+    for spec in specs.values():
+        subnet = server_model.get_subnet(**reference_arch(spec)).model
+        agree = max(agree, same_function(subnet, our_model, OFASpec(spec["d"], spec["e"], spec["w"]), x))
+    assert agree < 1e-5, agree
+    return agree
+
+
 def drive(trainer, server_model, client_trainer, case, test_batch) -> dict:
     """Run the reference trainer's ``train_one_round`` for each of the case's rounds, feeding
     each client the batches our loop drew for it in that round; record the roles

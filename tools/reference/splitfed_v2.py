@@ -57,6 +57,7 @@ from torch import nn
 import common
 from multisfl import halves, to_ours
 from reference_case import TRAIN, batch_digest, make_spec, run_one_round
+from splitfed import sgd_for_adam
 
 from fl_lightning.algorithms.splitfed import SplitFed
 
@@ -89,16 +90,6 @@ def script_parts(repo: Path):
     assert len(loops) == 1, "the script's round loop was not found"
     compiled = [compile(ast.Module(body=body, type_ignores=[]), str(repo / SCRIPT), "exec") for body in (keep, loops)]
     return compiled[0], compiled[1], loops[0].lineno
-
-
-@contextlib.contextmanager
-def sgd_for_adam():
-    original = torch.optim.Adam
-    torch.optim.Adam = lambda params, lr: torch.optim.SGD(params, lr=lr)
-    try:
-        yield
-    finally:
-        torch.optim.Adam = original
 
 
 def authors(repo, case, batches, dtype=torch.float64):

@@ -66,7 +66,6 @@ def authors(repo, case) -> dict:
     from fedml_api.standalone.superfednas.elastic_nn.ofa_resnets_32x32_10_26 import ResNets32x32_10_26
     from fedml_api.standalone.superfednas.Server.ServerModel.server_resnet_32x32_10_26 import ServerResnet_10_26
     from fedml_api.standalone.superfednas.Server.ServerTrainer.superfednas_trainer import FLOFA_Trainer
-    from fl_lightning.elastic.models.ofa_resnet import OFASpec
 
     ResNets32x32_10_26.STAGE_WIDTH_LIST = STAGE_WIDTHS
     ResNets32x32_10_26.BASE_DEPTH_LIST = [1] * len(STAGE_WIDTHS)
@@ -76,13 +75,7 @@ def authors(repo, case) -> dict:
 
     server = ServerResnet_10_26(dict(INIT_PARAMS), "TS_all_random", fr.CLIENTS)
     fr.load_ours_into(server, case["initial"], BLOCKS)
-    x = torch.randn(4, *INPUT, generator=torch.Generator().manual_seed(0))
-    agree = 0.0
-    specs = {str(t["spec"]): t["spec"] for rnd in case["rounds"] for t in rnd["tasks"]}
-    for spec in specs.values():
-        subnet = server.get_subnet(**reference_arch(spec)).model
-        agree = max(agree, fr.same_function(subnet, model, OFASpec(spec["d"], spec["e"], spec["w"]), x))
-    assert agree < 1e-5, agree
+    agree = fr.check_same_functions(server, model, case, reference_arch, INPUT)
 
     draws = [reference_arch(t["spec"]) for rnd in case["rounds"] for t in rnd["tasks"] if t["role"] == "random"]
     smallest = reference_arch({"d": [0] * len(STAGE_WIDTHS), "e": [min(model.expansions)] * len(STAGE_WIDTHS),

@@ -147,13 +147,17 @@ class Feast(Algorithm):
         self.served = sorted({s[-1] for s in self.sets})
         self.routed_params = accounting.client_routed_params(ctx.model, self.cache, self.sets)
         self.pass_macs = [accounting.pass_macs_per_example(self.cache, s, self.rule) for s in self.sets]
-        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
-        self.mass_group_names, self.mass_groups = parameter_groups(ctx.model)
-        # Per group, the examples x parameters routed to clients and the part their rule trained.
-        self._mass = torch.zeros(2, len(self.mass_group_names), dtype=torch.float64, device=ctx.fabric.device)
+        self.start_round_sums(ctx)
         description = self.describe_population()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(description)
+
+    def start_round_sums(self, ctx) -> None:
+        """Zeroed per-round sums: forward MACs, and per parameter group the examples x
+        parameters routed to clients and the part their rule trained."""
+        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
+        self.mass_group_names, self.mass_groups = parameter_groups(ctx.model)
+        self._mass = torch.zeros(2, len(self.mass_group_names), dtype=torch.float64, device=ctx.fabric.device)
 
     def artifacts(self) -> Dict[str, str]:
         """The cache the run trains (so a resumed or re-scored run uses the same one) and the

@@ -252,7 +252,7 @@ class _FedNASTransfer(Feast):
         self.steps = self.maxnet_steps if self.maxnet_steps is not None else max(ctx.rounds - 1, 1)
         self.largest = torch.zeros(ctx.num_clients, dtype=torch.int64)
         self.smallest = torch.zeros(ctx.num_clients, dtype=torch.int64)
-        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
+        self.start_round_sums(ctx)
         self._round_c = float("nan")
         description = self.describe_population()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
@@ -338,6 +338,9 @@ class _FedNASTransfer(Feast):
                                      generator=_generator(MIX_STREAM, self.ctx.seed, plan.round_idx, task.client))
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                         macs=task.options["macs"], mixer=mixer)
+
+    def work(self, task: ClientTask) -> float:
+        return Algorithm.work(self, task) * task.options["macs"]
 
     def fit_client(self, task: ClientTask, plan: RoundPlan):
         result = Algorithm.fit_client(self, task, plan)
