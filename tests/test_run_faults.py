@@ -194,7 +194,8 @@ def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path, devices, 
     """``launcher``: ``kill -INT`` of the fit process; ``job``: a terminal's Ctrl-C, which reaches
     the launcher and its forked ranks together."""
     out = tmp_path / "runs"
-    rounds = 10
+    # Long enough that the interrupt lands mid-run on a fast quiet CPU (about 0.1 s a round).
+    rounds = 40
     argv = tiny_fit(out, "r", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", str(devices),
                     rounds=rounds)
     run = _start_fit(argv, new_session=True)
