@@ -15,6 +15,11 @@ Every ``--every`` rounds the quantity our code reports is scored on the test and
 splits: FedGH the mean over clients of (own body + global header), FedAS the mean of the clients'
 models (and its Fisher-weighted global), FedMut the global model, MultiSFL the master.
 The curve and its provenance are written as JSON.
+
+Variants, each switching one choice of the reference to the project's: fedgh
+``--batch-stat-protos``, fedas ``--batch-stat-fedas`` (batch-norm batch statistics in those
+passes), fedmut ``--keep-buffers`` (statistics not mutated); multisfl ``--replay`` turns on the
+code's knowledge replay (``MR`` 1), which the project's MultiSFL runs by default.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import random
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +42,7 @@ import common
 
 from fl_lightning.cli import load_fit_config
 from fl_lightning.data.federated import build_federated_data
+from fl_lightning.elastic.bn import batch_statistics
 from fl_lightning.elastic.models import build_model
 from fl_lightning.federation.builder import MODEL_INIT
 from fl_lightning.runtime.client_data import ClientData, eval_batches
@@ -226,6 +233,29 @@ def run_fedmut(repo, p: Protocol, rounds, every, opts, log):
 
 
 # -- FedAS (authors' repository, or PFLlib: the same file layout) ---------------------------------
+def histogram(p: Protocol, model: nn.Module) -> list:
+    """The model's predicted classes on the test split, counted (evaluation mode; the mode restored)."""
+    mode = model.training
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(x).argmax(1) for x, _ in eval_batches(*p.fed.split("test"), 500)])
+    model.train(mode)
+    return torch.bincount(pred, minlength=p.fed.bundle.num_classes).tolist()
+
+
+def eval_enters_batch_statistics(model: nn.Module, stack: ExitStack) -> None:
+    """The model's next ``eval()`` (``clientAS.train``'s, before its Fisher pass) enters
+    ``batch_statistics`` on ``stack`` instead: batch norm on batch statistics, running
+    statistics untouched, every other module in evaluation mode; the stack's close restores
+    the modes and ``track_running_stats``."""
+
+    def enter():
+        del model.eval  # the class's method again (batch_statistics calls it)
+        stack.enter_context(batch_statistics(model))
+
+    model.eval = enter
+
+
 def run_fedas(repo, p: Protocol, rounds, every, opts, log):
     import fedas as golden  # tools/reference/fedas.py: ById
 
@@ -252,9 +282,27 @@ def run_fedas(repo, p: Protocol, rounds, every, opts, log):
             align = [b for b in ClientData(p.shards[c].dataset, p.shards[c].indices, 16, None).epoch(g)]
             answers = iter([p.batches(r, c), p.in_order(c)])  # train(True): local steps, then the Fisher pass
             cl.load_train_data = (lambda batch_size=None, a=answers, al=align: al if batch_size == 16 else next(a))
-        ServerAS.send_selected_models(server, ids, r)
+        if opts.batch_stat_fedas:  # variant: prototypes (client's model), alignment (global body): batch statistics
+            for c in ids:  # the same client order as one call with every id
+                with batch_statistics(clients[c].model), batch_statistics(server.global_model):
+                    ServerAS.send_selected_models(server, [c], r)
+        else:
+            ServerAS.send_selected_models(server, ids, r)
         for c in ids:
-            clients[c].train(True)
+            if opts.fresh_optimizer:  # diagnostic: momentum starts from zero every round, as our local training
+                clients[c].optimizer = torch.optim.SGD(clients[c].model.parameters(), lr=t.lr, momentum=t.momentum)
+            if opts.batch_stat_fedas:  # variant: the Fisher pass on batch statistics (local steps unchanged)
+                with ExitStack() as stack:
+                    eval_enters_batch_statistics(clients[c].model, stack)
+                    clients[c].train(True)
+                clients[c].model.eval()  # the mode the reference leaves the model in
+            else:
+                clients[c].train(True)
+        fim = [clients[c].fim_trace_history[-1] for c in ids]
+        log({"round": r, "fisher_min_max": [min(fim), max(fim)],
+             "fisher_non_finite": sum(not np.isfinite(f) for f in fim),
+             "global_param_norm": float(torch.cat([q.detach().flatten()
+                                                   for q in server.global_model.parameters()]).norm())})
         server.uploaded_ids = ids
         server.uploaded_models = [clients[c].model for c in ids]
         ServerAS.aggregate_wrt_fisher(server)
@@ -265,6 +313,17 @@ def run_fedas(repo, p: Protocol, rounds, every, opts, log):
                 row[f"global_{split}_acc"] = p.accuracy(server.global_model, split)
             fim = [clients[c].fim_trace_history[-1] for c in ids]
             row["fisher_min_max"] = [min(fim), max(fim)]
+            if all(np.isfinite(fim)):  # diagnostics of the global model, scoring only
+                row["global_test_prediction_histogram"] = histogram(p, server.global_model)
+                # the code's global buffers are client 0's (aggregate_wrt_fisher averages parameters only);
+                # ours Fisher-weights them with the parameters: the same global parameters, scored with those
+                fw = copy.deepcopy(server.global_model)
+                w = [f / sum(fim) for f in fim]
+                with torch.no_grad():
+                    for name, buf in fw.named_buffers():
+                        if buf.is_floating_point():
+                            buf.copy_(sum(wi * clients[c].model.get_buffer(name) for wi, c in zip(w, ids)))
+                row["global_fisher_buffers_test_acc"] = p.accuracy(fw, "test")
             curve.append(row)
             log(row)
     used = ["system/flcore/clients/clientas.py: clientAS.__init__, set_parameters (prototypes, alignment), "
@@ -272,11 +331,43 @@ def run_fedas(repo, p: Protocol, rounds, every, opts, log):
             "system/flcore/servers/serveras.py: FedAS.send_selected_models, aggregate_wrt_fisher (Server.add_parameters)"]
     notes = ("server object built here (clients, global_model, global_rounds); all 20 clients selected every round; "
              "client SGD given the protocol's momentum, kept across rounds; alignment batches of 16 = the shard "
-             "shuffled by a per-round generator; Fisher pass = the shard in order, batches of 32")
+             "shuffled by a per-round generator; Fisher pass = the shard in order, batches of 32; trace: per round, "
+             "the clients' Fisher traces (before aggregation) and the norm of the global model's parameters after "
+             "the alignments; diagnostics when every trace is finite: the global model's test prediction histogram, "
+             "and global_fisher_buffers_test_acc, its test accuracy with BN buffers Fisher-weighted over the clients "
+             "(ours) instead of client 0's (the code's)"
+             + ("; VARIANT --batch-stat-fedas: set_parameters (prototypes of the client's model, alignment of the "
+                "global body) and the Fisher pass of train(True) run with batch norm on batch statistics and the "
+                "running statistics untouched (fl_lightning.elastic.bn.batch_statistics, the project's choice: "
+                "set_parameters called client by client inside it, model.eval() before the Fisher pass replaced by "
+                "it); local steps unchanged (train mode); the model left in eval() after train(True), as the code "
+                "leaves it" if opts.batch_stat_fedas else "")
+             + ("; DIAGNOSTIC --fresh-optimizer: a new client SGD (lr, momentum) every round, momentum from zero "
+                "as in our local training, instead of PFLlib's optimizer kept for the run"
+                if opts.fresh_optimizer else ""))
     return curve, used, notes
 
 
 # -- MultiSFL (authors) -------------------------------------------------------------------------
+class Reshuffled:
+    """MultiSFL's replay loader (``DataLoader(..., shuffle=True)``): the code's sample indices
+    ``idx`` (``where`` maps them to the dataset's), batches of ``batch_size`` yielded as
+    ``(x, y, indices)``, a fresh order at every pass (the code starts a pass for every batch)."""
+
+    def __init__(self, idx, batch_size, generator, data, where):
+        self.idx, self.batch_size, self.generator, self.data, self.where = idx, batch_size, generator, data, where
+
+    def __len__(self):
+        return -(-len(self.idx) // self.batch_size)
+
+    def __iter__(self):
+        order = self.idx[torch.randperm(len(self.idx), generator=self.generator)]
+        for i in range(0, len(order), self.batch_size):
+            part = order[i:i + self.batch_size]
+            rows = self.where[part]
+            yield self.data.data[rows], self.data.targets[rows], part.tolist()
+
+
 def run_multisfl(repo, p: Protocol, rounds, every, opts, log):
     import multisfl as golden  # tools/reference/multisfl.py: stubs, Labels, patched
 
@@ -298,16 +389,18 @@ def run_multisfl(repo, p: Protocol, rounds, every, opts, log):
     t = p.train
     args = SimpleNamespace(num_users=p.num_clients, frac=1.0, num_classes=10, lr=t.lr, momentum=t.momentum,
                            weight_decay=t.weight_decay, local_ep=t.epochs, local_bs=t.batch_size, device="cpu",
-                           MR=0, DB=0, BS=0, AW=0, comm_limit=1e30, model="resnet18", dataset="mnist_subset",
-                           wandb=False, data_beta=0.1, algorithm="MultiSFL")
+                           MR=int(opts.replay), DB=0, BS=0, AW=0, comm_limit=1e30, model="resnet18",
+                           dataset="mnist_subset", wandb=False, data_beta=0.1, algorithm="MultiSFL")
     np.random.seed(p.seed)
     random.seed(p.seed)
     run = Authors(args, nn.Sequential(), golden.Labels(labels), None, dict_users, front, back)
     run.model_size = run.feature_size = 0
-    curve = []
+    curve, replayed = [], {}
 
     def test():
         r = run.round
+        if opts.replay:
+            log({"round": r, "replay_examples": replayed.get(r, 0)})
         if (r + 1) % every == 0 or r + 1 == rounds:
             master = nn.Sequential(run.net_glob_client, run.net_glob_server)
             row = {"round": r, **{f"{s}_acc": p.accuracy(master, s) for s in ("val", "test")}}
@@ -324,17 +417,32 @@ def run_multisfl(repo, p: Protocol, rounds, every, opts, log):
 
     run.test = test
     run.saveResult = lambda: None
+    where = torch.cat([p.shards[c].indices for c in range(p.num_clients)])  # the code's sample index -> ours
+    data = p.shards[0].dataset
+    assert all(s.dataset is data for s in p.shards) and len(where) <= 50000  # the code's DATASET_SIZE
+    current = {}
 
     def loader(dataset, batch_size, shuffle):
-        client = next(c for c in dict_users if dict_users[c] == dataset.idxs)
-        return [(x, y, list(range(len(y)))) for x, y in p.batches(run.round, client)]
+        client = next((c for c in dict_users if dict_users[c] == dataset.idxs), None)
+        if client is not None:  # the client's own loader: our batches
+            current["client"] = client
+            return [(x, y, list(range(len(y)))) for x, y in p.batches(run.round, client)]
+        # the replay loader (--replay): the assistants' samples, reshuffled at every pass as DataLoader(shuffle=True)
+        replayed[run.round] = replayed.get(run.round, 0) + len(dataset.idxs)
+        g = torch.Generator().manual_seed(derive_seed(p.seed, 79, run.round, current["client"]))
+        return Reshuffled(torch.tensor(dataset.idxs), batch_size, g, data, where)
 
     with golden.patched(update, "DataLoader", loader):
         run.main()
     used = ["Algorithm/Training_MultiSFL.py: MultiSFL.__init__, main (label statistics, splitTrain, Agg, weakAgg)",
             "models/Update.py: LocalUpdate_MultiSFL.union_train", "models/Fed.py: Aggregation"]
-    notes = (f"the project's ResNet-18 halves at {cut} (model.split); MR 0 (the code's default; no replay), DB 0; "
-             "branch assignment by the code's np.random.choice seeded with the seed; the loaders yield our batches "
+    notes = (f"the project's ResNet-18 halves at {cut} (model.split); "
+             + ("VARIANT --replay: MR 1 (knowledge replay on, as ours; the code only tests MR != 0), DB 0 (fixed "
+                "budget 0.01), BS 0 (random sampling), AW 0; the assistants' samples drawn by the code (random, "
+                "seeded with the seed), their loader (batch ceil(n / client batches), as the code) reshuffled at "
+                "every pass by a generator seeded per round and client, sample indices the code's; trace: replayed "
+                "examples per round; " if opts.replay else "MR 0 (the code's default; no replay), DB 0; ")
+             + "branch assignment by the code's np.random.choice seeded with the seed; the loaders yield our batches "
              "(sample indices 0..b-1, used only by the classify_count bookkeeping); main() ends after --rounds "
              "through the traffic counter (model_size = feature_size = 0); master = mean of the branches "
              "(Agg) scored where the code calls test()")
@@ -359,6 +467,13 @@ def main(argv=None):
     ap.add_argument("--server-batch", type=int, default=1, help="fedgh: prototypes per header step (ours: 1)")
     ap.add_argument("--batch-stat-protos", action="store_true",
                     help="fedgh variant: prototypes with batch-norm batch statistics (ours) instead of eval mode")
+    ap.add_argument("--batch-stat-fedas", action="store_true",
+                    help="fedas variant: prototypes, alignment and Fisher pass with batch-norm batch statistics "
+                         "(running statistics untouched, ours) instead of the modes the code leaves")
+    ap.add_argument("--fresh-optimizer", action="store_true",
+                    help="fedas diagnostic: a new client optimizer every round (momentum from zero, as ours)")
+    ap.add_argument("--replay", action="store_true",
+                    help="multisfl: knowledge replay on (--MR 1; budget 0.01, random sampling: DB 0, BS 0), as ours")
     ap.add_argument("--radius", type=float, default=4.0, help="fedmut")
     ap.add_argument("--acc-rate", type=float, default=0.0, help="fedmut: mut_acc_rate (ours 0; code default 0.3)")
     ap.add_argument("--rng-seed", type=int, default=None,
