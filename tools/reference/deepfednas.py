@@ -32,7 +32,7 @@ import torch
 
 import common
 import fednas_rounds as fr
-from reference_fednas_case import DFN_MODEL, INPUT, MAXNET_STEPS, NUM_CLASSES, run_case
+from reference_fednas_case import DFN_MODEL, INPUT, MAXNET_STEPS, NUM_CLASSES
 
 ARCH_PARAMS = {
     "num_stages": 2, "initial_input_hw": INPUT[1], "initial_input_channels": INPUT[0], "stem_stride": 1,
@@ -106,11 +106,7 @@ def authors(repo, case) -> dict:
 
 def main():
     repo = common.add_repo(sys.argv[1], "src")
-    torch.set_num_threads(1)
-    case = run_case("deepfednas")
-    golden = authors(repo, case)
-    fr.save_golden("deepfednas", golden)
-    fr.report("deepfednas", case, golden)
+    fr.record("deepfednas", authors, repo)
     import importlib.metadata as md
 
     common.write_provenance(

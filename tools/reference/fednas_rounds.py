@@ -218,6 +218,19 @@ def report(method: str, case, golden: dict) -> None:
           + ", ".join(f"{v:.1e}" for v in supernets))
 
 
+def record(method: str, authors, repo) -> dict:
+    """Our run of the case, the authors' two rounds on it, the golden files and the printed
+    distances: what both adapters' ``main`` does before writing its provenance."""
+    from reference_fednas_case import run_case
+
+    torch.set_num_threads(1)
+    case = run_case(method)
+    golden = authors(repo, case)
+    save_golden(method, golden)
+    report(method, case, golden)
+    return golden
+
+
 def save_golden(method: str, golden: dict) -> None:
     """Three files, each under 200 KB: the case, the reference's plan and the supernet after
     round 0 (``authors.pt``); after round 1 (``authors_round1.pt``); the clients' round-0

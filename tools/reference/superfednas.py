@@ -38,7 +38,7 @@ import torch
 
 import common
 import fednas_rounds as fr
-from reference_fednas_case import INPUT, MAXNET_STEPS, NUM_CLASSES, SFN_MODEL, run_case
+from reference_fednas_case import INPUT, MAXNET_STEPS, NUM_CLASSES, SFN_MODEL
 
 STAGE_WIDTHS = list(SFN_MODEL.kwargs["stage_channels"])
 DIVISOR = SFN_MODEL.kwargs["divisor"]
@@ -96,11 +96,7 @@ def authors(repo, case) -> dict:
 
 def main():
     repo = common.add_repo(sys.argv[1])
-    torch.set_num_threads(1)
-    case = run_case("superfednas")
-    golden = authors(repo, case)
-    fr.save_golden("superfednas", golden)
-    fr.report("superfednas", case, golden)
+    fr.record("superfednas", authors, repo)
     import importlib.metadata as md
 
     common.write_provenance(
