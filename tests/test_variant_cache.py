@@ -337,3 +337,27 @@ def test_build_cache_tool(tmp_path, capsys):
     model = build_model("ofa_resnet", 10, (3, 32, 32), **NARROW)
     assert len(VariantCache.load(out, model)) >= 1
     assert tool.main(["--segments", "[[1, 2]]", "--output", str(out)]) == 2
+
+
+def test_shipped_quickstart_cache_equals_a_fresh_search():
+    """The quick start loads its cache instead of searching at start-up: the file must be what
+    the config's own search settings build for the config's supernet."""
+    import pathlib
+
+    import yaml
+
+    from fl_lightning.algorithms.feast import CacheSearch
+
+    root = pathlib.Path(__file__).parents[1]
+    config = yaml.safe_load((root / "configs" / "quickstart.yaml").read_text())
+    args = config["algorithm"]["init_args"]
+    data = config["data"]["options"]
+    shape = (data["channels"], data["image_size"], data["image_size"])
+    with torch.device("meta"):
+        model = build_model(config["model"]["name"], data["num_classes"], shape, **config["model"]["kwargs"])
+    shipped = VariantCache.load(root / args["cache"], model)  # also checks model, MACs and parameters
+    search = CacheSearch(**args["search"])
+    fresh = build_cache(model, shape, [tuple(s) for s in search.segments], search.population, search.generations,
+                        search.mutation, search.seed)
+    assert shipped.specs == fresh.specs
+    assert shipped.macs == fresh.macs and shipped.params == fresh.params

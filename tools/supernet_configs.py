@@ -17,8 +17,9 @@ FEAST's supernet with FEAST's cache, from ``configs/feast/transfers/``.
 ``offline/``: the same on CPU-sized runs, mirroring ``configs/feast_mnist_subset.yaml`` (the real
 MNIST subset) and ``configs/quickstart.yaml`` (synthetic images). The baselines' ResNet-18 is
 narrowed to width k/64, the k whose full-width MACs come nearest (in log) to the largest variant
-of the cache that FEAST's search builds for that config, as the paper's 555M substrate sits near
-its 596M variant; the tool runs that search (seconds) and needs the dataset's loader.
+of FEAST's cache for that config, as the paper's 555M substrate sits near its 596M variant; the
+tool reads the config's shipped cache file or else runs its search (seconds), and needs the
+dataset's loader.
 """
 
 from __future__ import annotations
@@ -152,24 +153,28 @@ def config_for(where: str, dataset: str, method: str, width: float | None = None
 
 def offline_width(source_path: str) -> dict:
     """The narrowed substrate of an offline family: the k/64 whose full-width ResNet-18 MACs
-    (fvcore) are nearest in log to the largest variant of the FEAST config's searched cache."""
+    (fvcore) are nearest in log to the largest variant of the FEAST config's cache (its shipped
+    file, or else the one its search builds)."""
     from fl_lightning.algorithms.feast import CacheSearch
     from fl_lightning.data.datasets import load_dataset
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
-    from fl_lightning.elastic.search.cache import build_cache
+    from fl_lightning.elastic.search.cache import VariantCache, build_cache
 
     source = load_yaml(source_path)
-    if source["algorithm"].get("init_args", {}).get("cache"):
-        raise ValueError(f"{source_path}: an offline family expects FEAST to search its cache at start")
     data = source["data"]
     bundle = load_dataset(data["name"], root=data.get("root", "data"), augment=False, **data.get("options", {}))
     shape, classes = tuple(bundle.input_shape), bundle.num_classes
     supernet = build_model(source["model"]["name"], num_classes=classes, input_shape=shape,
                            **source["model"].get("kwargs", {}))
-    search = CacheSearch(**source["algorithm"]["init_args"].get("search", {}))
-    cache = build_cache(supernet, shape, segments=[tuple(s) for s in search.segments], population=search.population,
-                        generations=search.generations, mutation=search.mutation, seed=search.seed)
+    args = source["algorithm"]["init_args"]
+    if args.get("cache"):  # a shipped cache (checked against the supernet) stands for the search
+        cache = VariantCache.load(ROOT / args["cache"], supernet)
+    else:
+        search = CacheSearch(**args.get("search", {}))
+        cache = build_cache(supernet, shape, segments=[tuple(s) for s in search.segments],
+                            population=search.population, generations=search.generations,
+                            mutation=search.mutation, seed=search.seed)
     largest = max(cache.macs)
     candidates = {}
     for k in range(1, 65):
