@@ -219,6 +219,8 @@ FIT_CASES = [
     (["--algorithm", "FedProx", "--algorithm.mu", "x"], "algorithm.mu"),
     (["--algorithm", "FedProx", "--algorithm.mu", "-1"], "algorithm.mu"),
     (["--algorithm", "Scaffold", "--algorithm.server_lr", "0"], "algorithm.server_lr"),
+    (["--algorithm", "FedOpt", "--algorithm.server.lr", "0"], "algorithm.server.lr"),
+    (["--algorithm", "FedOpt", "--algorithm.server.name", "adamw"], "algorithm.server.name"),
     # model options
     (["--model.kwargs", "{{channels: -1}}"], "model.kwargs.channels"),
     (["--model.kwargs", "{{channels: [-1, 4]}}"], "model.kwargs.channels"),

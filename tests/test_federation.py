@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.algorithms import FedAvg, FedProx, Scaffold
+from fl_lightning.algorithms import FedAvg, FedOpt, FedProx, Scaffold
 from fl_lightning.config import FederationConfig, LocalTrainConfig, PartitionConfig
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.federation.checkpoint import load_checkpoint
 from fl_lightning.federation.builder import build_global_model
 from fl_lightning.federation.loop import run_fit
+from fl_lightning.runtime.server_optimizer import ServerOptimizer
 from fl_lightning.modules.control_variates import option_ii_update
 
 
@@ -100,7 +101,7 @@ def test_scaffold_correction_changes_the_local_step(spec_factory):
     assert any(not torch.equal(v, final_model(b)[k]) for k, v in float_items(final_model(a)).items())
 
 
-@pytest.mark.parametrize("algorithm", [FedAvg, Scaffold])
+@pytest.mark.parametrize("algorithm", [FedAvg, Scaffold, lambda: FedOpt(ServerOptimizer("yogi", lr=0.01))])
 def test_resume_is_bit_exact(spec_factory, algorithm):
     train = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, lr_schedule="cosine")
     whole = spec_factory(name="whole", algorithm=algorithm(), train=train,

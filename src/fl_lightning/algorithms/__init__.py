@@ -6,6 +6,7 @@ from fl_lightning.algorithms.fedbabu import FedBABU
 from fl_lightning.algorithms.fedgh import FedGH
 from fl_lightning.algorithms.fedmut import FedMut
 from fl_lightning.algorithms.fednas import DeepFedNAS, SuperFedNAS
+from fl_lightning.algorithms.fedopt import FedOpt
 from fl_lightning.algorithms.fiarse import FIARSE
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.feast import CacheSearch, Feast
@@ -18,7 +19,7 @@ from fl_lightning.algorithms.scalefl import ScaleFL
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.algorithms.submodel import HASFL, FjORD, HeteroFL, RandomBudget, SubmodelAlgorithm, Uniform
 
-__all__ = ["Algorithm", "FedAvg", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
+__all__ = ["Algorithm", "FedAvg", "FedOpt", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
            "SubmodelAlgorithm", "HeteroFL", "FjORD", "Uniform", "RandomBudget", "HASFL",
            "SplitFed", "FedSGA", "FedBABU", "FedGH", "FedAS", "FedMut", "MergeSFL", "MUSplitFed", "MultiSFL",
            "SuperFedNAS", "DeepFedNAS", "ScaleFL", "FIARSE"]

@@ -9,6 +9,7 @@ import torch
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.server_optimizer import ServerOptimizer
 
 
 class Scaffold(FedAvg):
@@ -37,6 +38,8 @@ class Scaffold(FedAvg):
         self.param_names = [name for name, _ in ctx.model.named_parameters()]
         params = dict(ctx.model.named_parameters())
         self.c = {name: torch.zeros_like(params[name]) for name in self.param_names}
+        # the model moves by server_lr along the averaged change: a server SGD step
+        self.server_step = ServerOptimizer("sgd", lr=self.server_lr).build(self.global_state, self.param_names)
         self.store = ClientStateStore(lambda: {name: torch.zeros_like(v) for name, v in self.c.items()})
         # Summed over the round's clients in float64, like the model accumulators, so the sum
         # does not depend on how clients are spread over ranks.
@@ -69,13 +72,8 @@ class Scaffold(FedAvg):
         return {f"delta_c/{k}": v for k, v in self._delta_c.items()}
 
     def finish_round(self, new_state, sums, plan, owned):
+        self.server_step.apply(new_state)
         with torch.no_grad():
-            for key, value in new_state.items():
-                old = self.global_state[key]
-                if key in self.c and self.server_lr != 1.0:
-                    old.add_(value - old, alpha=self.server_lr)
-                else:
-                    old.copy_(value)
             for name in self.param_names:
                 update = sums[f"delta_c/{name}"] / self.ctx.num_clients
                 self.c[name].add_(update.to(self.c[name].dtype))
