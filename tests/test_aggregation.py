@@ -2,7 +2,7 @@
 
 import torch
 
-from fl_lightning.elastic.aggregation import SparseAccumulator, fedavg_average, heterofl_average
+from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.regions import Full, LeadingSlice, Mask, RollingSlice
 
 
@@ -72,11 +72,19 @@ def test_sparse_aggregation_matches_naive_reference_with_uncovered_positions():
 
 
 def test_dense_fedavg_and_heterofl_rules():
+    """FedAvg: the dense sample-weighted mean; HeteroFL (Diao et al., 2021): each position the
+    plain mean over the clients that cover it."""
     global_state = {"w": torch.zeros(2, 2)}
     a, b = {"w": torch.ones(2, 2)}, {"w": 3 * torch.ones(2, 2)}
-    assert torch.allclose(fedavg_average(global_state, [a, b], [1.0, 3.0])["w"], torch.full((2, 2), 2.5))
+    dense = SparseAccumulator(global_state, dense=True)
+    for state, weight in ((a, 1.0), (b, 3.0)):
+        dense.add(state, weight, {"w": ("w", Full((2, 2)))})
+    assert torch.allclose(dense.result()["w"], torch.full((2, 2), 2.5))
     small = {"w": torch.full((1, 1), 5.0)}
-    out = heterofl_average(global_state, [a, small], [{"w": ("w", Full((2, 2)))}, {"w": ("w", LeadingSlice((2, 2), (1, 1)))}])
+    sparse = SparseAccumulator(global_state, dense=False)
+    sparse.add(a, 1.0, {"w": ("w", Full((2, 2)))})
+    sparse.add(small, 1.0, {"w": ("w", LeadingSlice((2, 2), (1, 1)))})
+    out = sparse.result()
     assert out["w"][0, 0] == 3.0 and out["w"][1, 1] == 1.0
 
 

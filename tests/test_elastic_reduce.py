@@ -13,7 +13,6 @@ from fl_lightning.elastic.layers.linear import ElasticLinear
 from fl_lightning.elastic.layers.norm import ElasticBatchNorm2d
 from fl_lightning.elastic.layers.sequence import ElasticLSTM
 from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.models.base import ElasticModel
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
 from fl_lightning.elastic.models.vit import ViT
 from fl_lightning.elastic.routing import Routed, write_back

@@ -294,8 +294,6 @@ def test_forward_macs_follow_eq_26(supernet, macs):
         c.training_step(batch(n=3), 1)
     assert one.forward_macs() == 7 * macs[MIN]
     assert two.forward_macs() == 7 * (macs[MIN] + macs[MID1])
-    two.reset_macs()
-    assert two.forward_macs() == 0 and two.schedule == []
 
 
 # -- mixing ------------------------------------------------------------------------------------

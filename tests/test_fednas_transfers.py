@@ -14,7 +14,8 @@ from fl_lightning.algorithms.fednas import (ARCH_STREAM, DeepFedNAS, PathSearch,
                                             uniform_architecture)
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
-from fl_lightning.elastic.maxnet import maxnet_average, maxnet_coefficient, maxnet_weights
+from fl_lightning.elastic.aggregation import SparseAccumulator
+from fl_lightning.elastic.maxnet import maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.elastic.search.cost import cost_model
@@ -67,6 +68,14 @@ def rows(spec, file):
 
 
 # -- MaxNet schedule and arithmetic ---------------------------------------------------------------
+
+def maxnet_average(global_state, client_states, regions, weights):
+    """One round of MaxNet aggregation: the sparse accumulator with MaxNet's weights."""
+    acc = SparseAccumulator(global_state, dense=False)
+    for state, region_map, weight in zip(client_states, regions, weights):
+        acc.add(state, float(weight), region_map)
+    return acc.result()
+
 
 def test_maxnet_coefficient_is_a_cosine_from_0p9_to_0p125():
     T = 8

@@ -5,7 +5,6 @@ import json
 import math
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest

@@ -97,7 +97,7 @@ def test_merged_step_trains_the_concatenation_and_sends_each_client_its_slice(re
     (sent, y), = seen
     assert torch.equal(sent, torch.cat([f(x) for f, (x, _) in zip(before, batches)]).detach())
     assert torch.equal(y, torch.cat([b[1] for b in batches]))
-    xs, ys = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    ys = torch.cat([b[1] for b in batches])
     assert_params(back, sgd_step(back_before, lambda m: F.cross_entropy(m(sent), ys), lr))
     for i, (front, (x, yi)) in enumerate(zip(before, batches)):
         scale = 1.0 if rescale else len(yi) / len(ys)  # the mean over own rows, or its share of the merged mean

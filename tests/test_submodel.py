@@ -11,7 +11,7 @@ import torch
 from fl_lightning.algorithms import HASFL, FjORD, HeteroFL, RandomBudget, Uniform
 from fl_lightning.algorithms.submodel import (allocation_rule, draw_caps, matched_widths,
                                               update_divergence)
-from fl_lightning.config import FederationConfig, PartitionConfig
+from fl_lightning.config import FederationConfig
 from fl_lightning.elastic.regions import LeadingSlice
 from fl_lightning.federation.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit

@@ -115,10 +115,6 @@ class SubmodelAlgorithm(FedAvg):
         self._round_figures: Dict[str, float] = {}
         self._costs: Dict[object, tuple] = {}
 
-    @property
-    def max_cap(self) -> float:
-        return float(self.caps.max())
-
     # -- the plan ---------------------------------------------------------------------------
     def widths_for(self, round_idx: int, cohort: List[int]) -> Dict[int, float]:
         """Each cohort client's width this round (at most its cap)."""

@@ -16,7 +16,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from fl_lightning.elastic.regions import Full, LeadingSlice, Region
+from fl_lightning.elastic.regions import LeadingSlice, Region
 from fl_lightning.elastic.routing import RegionMap
 
 
@@ -105,22 +105,3 @@ def _region_key(region: Region) -> tuple:
     if isinstance(region, LeadingSlice):
         return ("leading", tuple(region.local_shape))
     return ("id", id(region))
-
-
-def heterofl_average(global_state: Mapping[str, torch.Tensor], client_states: list,
-                     regions: list) -> Dict[str, torch.Tensor]:
-    """HeteroFL's original rule: each position is the plain (count-normalized, not
-    sample-weighted) mean over the clients covering it (Diao et al., 2021)."""
-    acc = SparseAccumulator(global_state, dense=False)
-    for state, region_map in zip(client_states, regions):
-        acc.add(state, 1.0, region_map)
-    return acc.result()
-
-
-def fedavg_average(global_state: Mapping[str, torch.Tensor], client_states: list,
-                   weights: list) -> Dict[str, torch.Tensor]:
-    """FedAvg's dense sample-weighted mean of whole models."""
-    acc = SparseAccumulator(global_state, dense=True)
-    for state, weight in zip(client_states, weights):
-        acc.add(state, weight, {k: (k, Full(v.shape)) for k, v in state.items()})
-    return acc.result()

@@ -39,12 +39,6 @@ def use_batch_statistics(model: nn.Module) -> None:
             module.track_running_stats = False
 
 
-def reset_bn_statistics(model: nn.Module) -> None:
-    """Running mean 0, variance 1 and batch count 0 in every batch-norm layer."""
-    for bn in batch_norms(model):
-        bn.reset_running_stats()
-
-
 def _default_forward(model: nn.Module) -> Callable[[Any], Any]:
     def forward(batch):
         # Accept (inputs, targets) pairs as data loaders yield them.

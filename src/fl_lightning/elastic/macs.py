@@ -134,10 +134,6 @@ def spec_params(model, spec: Any, input_shape: Sequence[int]) -> int:
     return _spec_cost(model, spec, input_shape)[0]
 
 
-def clear_spec_cache() -> None:
-    _SPEC_COST.clear()
-
-
 def model_table(model, specs: Iterable[Any], input_shape: Sequence[int]) -> list[dict]:
     """One row per spec: params, MACs and their shares of the full (max) subnet."""
     full_params, full_macs = _spec_cost(model, model.max_spec(), input_shape)

@@ -24,12 +24,7 @@ i.e. ``final + (init - final) * 0.5 * (1 + cos(pi * min(t, T) / T))``: ``init`` 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Sequence
-
-import torch
-
-from fl_lightning.elastic.aggregation import SparseAccumulator
-from fl_lightning.elastic.routing import RegionMap
+from typing import List, Optional
 
 MAXNET_INIT, MAXNET_FINAL = 0.9, 0.125
 """FEAST Supp. E.2 and DeepFedNAS's CIFAR-100 scripts (``"init": 0.9, "final": 0.125``)."""
@@ -62,15 +57,3 @@ def maxnet_weights(num_clients: int, max_position: Optional[int], coefficient: f
         raise ValueError(f"max_position {max_position} outside a cohort of {num_clients}")
     other = (1.0 - coefficient) / (num_clients - 1) if num_clients > 1 else 0.0
     return [coefficient if i == max_position else other for i in range(num_clients)]
-
-
-def maxnet_average(global_state: Mapping[str, torch.Tensor], client_states: Sequence[Mapping[str, torch.Tensor]],
-                   regions: Sequence[RegionMap], weights: Sequence[float]) -> Dict[str, torch.Tensor]:
-    """The overlap-aware weighted mean of the clients' returned slices (see the module doc):
-    what one round of MaxNet aggregation makes of the global tensors."""
-    if not len(client_states) == len(regions) == len(weights):
-        raise ValueError("need one region map and one weight per client state")
-    acc = SparseAccumulator(global_state, dense=False)
-    for state, region_map, weight in zip(client_states, regions, weights):
-        acc.add(state, float(weight), region_map)
-    return acc.result()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Type, TypeVar
+from typing import Any, Mapping, Type, TypeVar
 
 S = TypeVar("S")
 
@@ -72,6 +72,3 @@ class WidthSpec:
         return "widths=(" + ",".join(f"{w:g}" for w in self.widths) + ")"
 
 
-def uniform_width_specs(ratios: Sequence[float], num_stages: int) -> list[WidthSpec]:
-    """HeteroFL's levels, e.g. ``(1, 0.5, 0.25, 0.125, 0.0625)``, as uniform specs."""
-    return [WidthSpec.uniform(r, num_stages) for r in ratios]

@@ -177,7 +177,7 @@ class Federation:
     def run_round(self, round_idx: int) -> tuple[dict, List[dict]]:
         """Fit this rank's share of the plan, aggregate across ranks; returns the round's row
         and every client's log row (in plan order)."""
-        spec, fabric, algorithm = self.spec, self.fabric, self.algorithm
+        fabric, algorithm = self.fabric, self.algorithm
         started = time.perf_counter()
         plan = algorithm.plan(round_idx)
         owned = self.owned_tasks(plan)

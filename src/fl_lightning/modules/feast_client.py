@@ -180,7 +180,3 @@ class FeastClient(SupervisedClient):
         """``C_fwd``: sum over this module's mini-batches of batch size x the MACs of every
         variant trained on it. The forward-plus-backward proxy is ``3 x`` this (kappa_fb)."""
         return self._forward_macs
-
-    def reset_macs(self) -> None:
-        self._forward_macs = 0
-        self.schedule.clear()

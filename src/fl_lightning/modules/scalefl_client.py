@@ -48,13 +48,6 @@ def exit_weights(num_exits: int, scheme: ExitWeights = "depth") -> list[float]:
     raise ValueError(f"unknown exit weighting {scheme!r}; known: depth, sum")
 
 
-def exit_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
-            reduction: KLReduction = "elementwise") -> torch.Tensor:
-    """``KL(softmax(teacher / T) || softmax(student / T))``, reduced as ``reduction`` says
-    (without the ``T^2`` factor). Gradients reach the teacher unless it is detached."""
-    return _kl(student, F.softmax(teacher.float() / temperature, dim=-1), temperature, reduction)
-
-
 def _kl(student: torch.Tensor, teacher_probs: torch.Tensor, temperature: float, reduction: KLReduction) -> torch.Tensor:
     log_q = F.log_softmax(student.float() / temperature, dim=-1)
     total = F.kl_div(log_q, teacher_probs, reduction="sum")
