@@ -117,10 +117,10 @@ def test_bn_recalibration_matches_an_independent_estimate(spec_factory, tmp_path
     hook = bn.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
     subnet.eval()
     with torch.no_grad():
-        for x in algorithm.calibration_batches():
+        for x in algorithm.calibration.batches():
             subnet(x)
     hook.remove()
-    assert len(inputs) == len(algorithm.calibration_batches()) >= 1
+    assert len(inputs) == len(algorithm.calibration.batches()) >= 1
     means = torch.stack([h.mean(dim=(0, 2, 3)) for h in inputs]).mean(0)
     variances = torch.stack([h.transpose(0, 1).flatten(1).var(dim=1, unbiased=True) for h in inputs]).mean(0)
     torch.testing.assert_close(bn.running_mean, means, rtol=1e-4, atol=1e-5)

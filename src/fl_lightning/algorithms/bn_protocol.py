@@ -24,10 +24,10 @@ from typing import Iterable, List, Sequence
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.feast import Feast
 from fl_lightning.elastic.bn import recalibrate_bn, statistics_keys, use_batch_statistics
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -70,23 +70,18 @@ class ServedStatistics:
 
     def __init__(self, ctx, protocol: str, sbn_data: str, batch_size: int, transform: str):
         self.ctx, self.protocol, self.sbn_data = ctx, protocol, sbn_data
-        # the attribute names Feast.calibration_batches reads
-        self.calib_batch_size, self.calib_transform = batch_size, transform
-        self._calibration = None
+        self.calibration = ServerCalibration(ctx, batch_size, transform)
         needs_calib = protocol == "recalibrate" or (protocol == "sbn" and sbn_data == "calib")
         if needs_calib and len(ctx.data.calib) == 0:
             raise ConfigError("data.calib_size", f"BN protocol {protocol} passes over the server's calibration split; "
                                                  f"set it > 0")
-
-    # FEAST's calibration images, order and augmentation draw, cached for the run.
-    calibration_batches = Feast.calibration_batches
 
     def models(self, specs: Sequence) -> List[nn.Module]:
         """The plain extracted model of every spec, on the device, statistics per protocol."""
         device = self.ctx.fabric.device
         models = [self.ctx.model.extract(spec).module.to(device) for spec in specs]
         if self.protocol == "recalibrate" or (self.protocol == "sbn" and self.sbn_data == "calib"):
-            estimate_statistics(models, self.calibration_batches())
+            estimate_statistics(models, self.calibration.batches())
         elif self.protocol == "sbn":
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(self.ctx.seed, SBN_STREAM))
@@ -97,7 +92,7 @@ class ServedStatistics:
         """The union of the client shards in one seeded order (drawn under the caller's seed),
         through the chosen transform; streamed, not kept."""
         data = self.ctx.data
-        dataset = data.bundle.train if self.calib_transform == "train" else data.bundle.train_eval
+        dataset = data.bundle.train if self.calibration.transform == "train" else data.bundle.train_eval
         indices = torch.cat([torch.as_tensor(c, dtype=torch.long) for c in data.clients])
         order = indices[torch.randperm(len(indices))]
-        return eval_batches(dataset, order, self.calib_batch_size, self.ctx.fabric.device)
+        return eval_batches(dataset, order, self.calibration.batch_size, self.ctx.fabric.device)

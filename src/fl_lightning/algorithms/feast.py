@@ -23,14 +23,14 @@ from fl_lightning.feast_protocol import (CACHE_SEGMENTS, CALIB_BATCH_SIZE, KAPPA
                                          SEARCH_MUTATION, SEARCH_POPULATION)
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
-from fl_lightning.runtime.client_data import eval_batches
+from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate
 from fl_lightning.runtime.seeding import derive_seed
 
 Rule = Literal["full", "min_max_kd", "min_max", "min_only", "max_only"]
 MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
 # seed streams of the random intermediate, of Mixup/CutMix and of the calibration augmentation
-INTERMEDIATE_STREAM, MIXING_STREAM, CALIBRATION_STREAM = 11, 12, 13
+INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # 13: the server calibration's (runtime/calibration.py)
 
 
 @dataclass
@@ -136,6 +136,7 @@ class Feast(Algorithm):
         data = ctx.data
         if len(data.calib) == 0:
             raise ConfigError("data.calib_size", "FEAST recalibrates BN on server-held data; set it > 0")
+        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
         self.input_shape = tuple(data.bundle.input_shape)
         self.cache = self._load_or_build_cache(ctx)
         self.sets = accounting.affordable_sets(self.cache, ctx.budgets.tolist())
@@ -274,23 +275,7 @@ class Feast(Algorithm):
     def calibrated_subnet(self, spec) -> torch.nn.Module:
         """The plain subnet of ``spec`` with its BN statistics re-estimated on the calibration
         split (fixed order, no mixing)."""
-        from fl_lightning.elastic.bn import recalibrate_bn
-
-        subnet = self.ctx.model.extract(spec).module.to(self.ctx.fabric.device)
-        recalibrate_bn(subnet, self.calibration_batches())
-        return subnet
-
-    def calibration_batches(self) -> List[torch.Tensor]:
-        """The calibration images in fixed-order batches, identical for every operating point:
-        with ``calib_transform: train`` the random augmentation is drawn once, from a seed of
-        its own, and kept."""
-        if getattr(self, "_calibration", None) is None:
-            dataset, indices = self.ctx.data.calibration_set(self.calib_transform)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derive_seed(self.ctx.seed, CALIBRATION_STREAM))
-                self._calibration = [x for x, _ in eval_batches(dataset, indices, self.calib_batch_size,
-                                                                self.ctx.fabric.device)]
-        return self._calibration
+        return self.calibration.subnet(spec)
 
     def evaluate_variant(self, index: int, split: str, batch_size: int) -> Dict[str, float]:
         """Extract one cached variant, recalibrate its BN, and score it."""

@@ -40,6 +40,7 @@ from fl_lightning.algorithms.feast import CacheSearch, Feast
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION,
                                          SEARCH_POPULATION, extraction_rho)
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
@@ -237,6 +238,7 @@ class _FedNASTransfer(Feast):
         if len(ctx.data.calib) == 0:
             raise ConfigError("data.calib_size", f"{self.method} is evaluated as FEAST, recalibrating BN on "
                                                  f"server-held data; set it > 0")
+        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
         self.input_shape = tuple(ctx.data.bundle.input_shape)
         self.cache = self._load_or_build_cache(ctx)
         self.cost = cost_model(ctx.model, self.input_shape)  # the cache's (and budgets') MAC convention

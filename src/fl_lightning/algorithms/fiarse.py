@@ -28,12 +28,12 @@ from typing import Dict, List, Literal, Mapping, Optional
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.feast import Feast
 from fl_lightning.elastic.magnitude_masks import CONVENTIONS, GRADIENTS, GROUPINGS
 from fl_lightning.elastic.regions import Mask
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.seeding import derive_seed
 
 # Seed streams: FIARSE's Mixup/CutMix draws; BN calibration shares FEAST's stream (13), so the
@@ -235,7 +235,7 @@ class FIARSE(FedAvg):
             raise ConfigError("data.calib_size", "FIARSE recalibrates BN per evaluated point on server-held data; "
                                                  "set it > 0 (or algorithm.recalibrate_bn: false)")
         self._family, self._family_round, self._round_masks = None, None, {}
-        self._calibration = None
+        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
 
     def artifacts(self) -> Dict[str, str]:
         """Each client's budget and training fraction, the grid and the dense MACs."""
@@ -348,21 +348,16 @@ class FIARSE(FedAvg):
                            "logical_macs": float(self.macs.logical(kept, self.macs_convention))})
         return points
 
-    # FEAST's calibration batches: drawn once from their own seed stream, the same for every point
-    calibration_batches = Feast.calibration_batches
-
     def masked_model(self, family, thresholds) -> torch.nn.Module:
         """The worker holding the global model with pruned entries zeroed (the served model),
         its BN statistics recalibrated when asked."""
-        from fl_lightning.elastic.bn import recalibrate_bn
-
         load_routed_state(self.worker, self.global_state, self.worker_regions)
         state = self.worker.state_dict()
         with torch.no_grad():
             for key, mask in family.masks(self.global_state, thresholds).items():
                 state[key].mul_(mask.to(state[key].dtype))
-        if self.recalibrate_bn and self.has_bn:
-            recalibrate_bn(self.worker, self.calibration_batches())
+        if self.recalibrate_bn and self.has_bn:  # FEAST's calibration images, order and draw
+            self.calibration.recalibrate(self.worker)
         return self.worker
 
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:

@@ -29,9 +29,9 @@ from typing import Dict, List, Literal, Sequence, get_args
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.feast import Feast
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
@@ -108,11 +108,6 @@ class ScaleFL(FedAvg):
         self.recalibrate, self.calib_batch_size, self.calib_transform = recalibrate, calib_batch_size, calib_transform
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
 
-    # BN recalibration exactly as FEAST's evaluation: the same calibration images, order and
-    # augmentation draw, and the same reset-and-average estimate per extracted operating point.
-    calibration_batches = Feast.calibration_batches
-    calibrated_subnet = Feast.calibrated_subnet
-
     # -- options --------------------------------------------------------------------------------
     def check(self, train) -> None:
         from fl_lightning.modules.mixing import mixing_checks
@@ -166,6 +161,9 @@ class ScaleFL(FedAvg):
                                                  "(or algorithm.recalibrate: false)")
         self.ctx = ctx
         self.global_state = model.state_dict()
+        # BN recalibration exactly as FEAST's evaluation: the same calibration images, order and
+        # augmentation draw, and the same reset-and-average estimate per extracted operating point
+        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
         self.specs = [DepthWidthSpec(int(b), float(w)) for b, w in self.levels]
         for i, spec in enumerate(self.specs):
             if spec.depth not in model.classifier_depths():
@@ -249,7 +247,7 @@ class ScaleFL(FedAvg):
     def level_model(self, k: int) -> torch.nn.Module:
         """Level ``k`` (0-based) as served: the plain extracted model, BN recalibrated per level."""
         if self.recalibrate:
-            return self.calibrated_subnet(self.specs[k])
+            return self.calibration.subnet(self.specs[k])
         return self.ctx.model.extract(self.specs[k]).module.to(self.ctx.fabric.device)
 
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:

@@ -1,0 +1,45 @@
+"""The server's batch-norm calibration (FEAST Supp. B): the calibration split's images in
+fixed-order batches, drawn once per run and identical for every operating point (with
+``transform: train`` the training augmentation is drawn once, from a seed stream of its own,
+and kept), and any extracted model's BN statistics re-estimated on them. Every method that
+scores operating points as FEAST does shares it: FEAST, FIARSE, ScaleFL and the sub-model
+study's BN protocols."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from fl_lightning.runtime.client_data import eval_batches
+from fl_lightning.runtime.seeding import derive_seed
+
+CALIBRATION_STREAM = 13
+"""Seed stream of the calibration images' augmentation draw."""
+
+
+class ServerCalibration:
+    """The calibration batches of one run, built on first use and then reused."""
+
+    def __init__(self, ctx, batch_size: int, transform: str):
+        self.ctx, self.batch_size, self.transform = ctx, batch_size, transform
+        self._batches = None
+
+    def batches(self) -> List[torch.Tensor]:
+        if self._batches is None:
+            dataset, indices = self.ctx.data.calibration_set(self.transform)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(self.ctx.seed, CALIBRATION_STREAM))
+                self._batches = [x for x, _ in eval_batches(dataset, indices, self.batch_size, self.ctx.fabric.device)]
+        return self._batches
+
+    def recalibrate(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with its BN statistics reset and re-estimated on the calibration batches."""
+        from fl_lightning.elastic.bn import recalibrate_bn
+
+        recalibrate_bn(model, self.batches())
+        return model
+
+    def subnet(self, spec) -> torch.nn.Module:
+        """The plain subnet of ``spec`` extracted from the global model, on the device, recalibrated."""
+        return self.recalibrate(self.ctx.model.extract(spec).module.to(self.ctx.fabric.device))
