@@ -23,7 +23,7 @@ from torch import nn
 from fl_lightning.cli import main, shared_parser
 from fl_lightning.data.datasets import load_dataset
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.run_dir import RESUME_SAFE_KEYS, check_resume_compatible
 
 QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"

@@ -10,7 +10,7 @@ from fl_lightning.algorithms import FedAvg, FedOpt
 from fl_lightning.config import FederationConfig
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.federation.builder import build_global_model
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.server_optimizer import ServerOptimizer
 

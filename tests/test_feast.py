@@ -12,7 +12,7 @@ from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.envelope import route_envelope
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
 from fl_lightning.elastic.search.cache import VariantCache
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.builder import build_global_model
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.seeding import sample_clients

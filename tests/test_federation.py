@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fl_lightning.algorithms import FedAvg, FedOpt, FedProx, Scaffold
 from fl_lightning.config import FederationConfig, LocalTrainConfig, PartitionConfig
 from fl_lightning.data.federated import build_federated_data
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.builder import build_global_model
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.server_optimizer import ServerOptimizer

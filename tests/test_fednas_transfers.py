@@ -20,7 +20,7 @@ from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.elastic.search.cost import cost_model
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fl_lightning.algorithms import FedSGA, SplitFed
 from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, ModelConfig, PartitionConfig
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 
 RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})

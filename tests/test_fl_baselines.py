@@ -18,7 +18,7 @@ from fl_lightning.config import FederationConfig, LocalTrainConfig, PartitionCon
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.builder import build_global_model
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import Federation, run_fit
 from fl_lightning.federation.run_dir import RunDir
 from fl_lightning.runtime.plan import ClientTask

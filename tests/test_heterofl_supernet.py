@@ -23,7 +23,7 @@ from fl_lightning.elastic.macs import count_macs
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 
 NARROW = ModelConfig(name="resnet18", kwargs={"width": 0.125})

@@ -14,7 +14,7 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.cli import main
 from fl_lightning.config import FederationConfig, LocalTrainConfig
 from fl_lightning.elastic.routing import Routed
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime import ClientTask, RoundPlan
 

@@ -19,8 +19,8 @@ import torch
 import fl_lightning
 from fl_lightning.cli import main
 from fl_lightning.errors import ConfigError, RunError
-from fl_lightning.federation import checkpoint as checkpoint_module
-from fl_lightning.federation.checkpoint import load_checkpoint, save_checkpoint
+from fl_lightning.runtime import checkpoint as checkpoint_module
+from fl_lightning.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fl_lightning.federation.provenance import check_method
 
 SRC = Path(fl_lightning.__file__).parents[1]  # the code under test, also in the subprocesses

@@ -17,7 +17,7 @@ from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.models.scalefl_resnet import DepthWidthSpec, exit_costs
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.builder import build_global_model
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.modules.scalefl_client import scalefl_loss
 

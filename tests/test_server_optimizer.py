@@ -11,7 +11,7 @@ import torch
 from fl_lightning.algorithms import FedAvg, FedOpt, Scaffold
 from fl_lightning.config import FederationConfig, LocalTrainConfig
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.server_optimizer import ServerOptimizer
 

@@ -11,7 +11,7 @@ from fl_lightning.algorithms import FedAvg, FedSGA, SplitFed
 from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, ModelConfig, PartitionConfig
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 
 RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})

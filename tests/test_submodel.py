@@ -13,7 +13,7 @@ from fl_lightning.algorithms.submodel import (allocation_rule, draw_caps, matche
                                               update_divergence)
 from fl_lightning.config import FederationConfig
 from fl_lightning.elastic.regions import LeadingSlice
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.elastic.specs import WidthSpec
 

@@ -16,7 +16,7 @@ from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, Federatio
                                  ModelConfig, PartitionConfig)
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search.cache import VariantCache
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 
 ROUNDS, STOP = 3, 2

@@ -10,10 +10,11 @@ import torch
 from fl_lightning.elastic.macs import spec_macs, spec_params
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
-from fl_lightning.elastic.search import (PAPER_SEGMENTS, Fitness, FitnessConfig, InfeasibleError, OFACostModel,
+from fl_lightning.elastic.search import (Fitness, FitnessConfig, InfeasibleError, OFACostModel,
                                          VariantCache, build_cache, cost_model, search, segment_targets)
 from fl_lightning.elastic.search.genetic import Problem, evolve, sample_feasible
 from fl_lightning.errors import ConfigError
+from fl_lightning.feast_protocol import CACHE_SEGMENTS
 from hand_counts import bottleneck_params, hooked_macs, make_divisible
 
 NARROW = dict(width_scale=0.125, max_extra_blocks=2, divisor=2)
@@ -302,8 +303,8 @@ def test_segment_targets():
     assert np.allclose(ratios, ratios[0])
     assert np.allclose(np.diff(segment_targets(25e6, 75e6, 6)), 10e6)  # linear, the default
     # Supp. Table 1: 50M-596M x 50 at rho_0 0.31, the 25M-75M extension x 6 at 0.40; 56 in all
-    assert [tuple(seg) for seg in PAPER_SEGMENTS] == [(50e6, 596e6, 50, 0.31), (25e6, 75e6, 6, 0.40)]
-    assert sum(count for _, _, count, _ in PAPER_SEGMENTS) == 56
+    assert [tuple(seg) for seg in CACHE_SEGMENTS] == [(50e6, 596e6, 50, 0.31), (25e6, 75e6, 6, 0.40)]
+    assert sum(count for _, _, count, _ in CACHE_SEGMENTS) == 56
 
 
 def test_build_cache_spans_the_requested_range(full):

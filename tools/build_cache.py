@@ -28,14 +28,14 @@ import time
 import torch
 
 from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.search import PAPER_SEGMENTS, DeepFedNASArch, FitnessConfig, build_cache, cost_model
+from fl_lightning.elastic.search import DeepFedNASArch, FitnessConfig, build_cache, cost_model
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import SEARCH_GENERATIONS, SEARCH_POPULATION
+from fl_lightning.feast_protocol import CACHE_SEGMENTS, SEARCH_GENERATIONS, SEARCH_POPULATION
 
 
 def parse_segments(text: str) -> list[tuple[float, float, int, float]]:
     if text == "paper":
-        return list(PAPER_SEGMENTS)
+        return list(CACHE_SEGMENTS)
     try:
         rows = json.loads(text)
         segments = [(float(lo), float(hi), int(n), float(rho)) for lo, hi, n, rho in rows]

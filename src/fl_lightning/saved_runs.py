@@ -9,7 +9,7 @@ from pathlib import Path
 from fl_lightning.config import FabricConfig
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
-from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state
+from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state
 from fl_lightning.federation.provenance import check_method, load_algorithm_state, method_record
 from fl_lightning.federation.run_dir import RunDir
 from fl_lightning.runtime.context import RunContext

@@ -28,7 +28,7 @@ def extract_subnet(feast, budget: float, rho: Optional[float], population: int, 
     on a saved run); optionally save the subnet's weights and architecture to ``out``."""
     from fl_lightning.elastic.search.genetic import InfeasibleError, search
     from fl_lightning.elastic.specs import spec_to_dict
-    from fl_lightning.federation.checkpoint import save_checkpoint
+    from fl_lightning.runtime.checkpoint import save_checkpoint
     from fl_lightning.runtime.evaluation import evaluate
 
     ctx = feast.ctx

@@ -62,7 +62,7 @@ def load_run(run_dir) -> Dict:
 def run_tv(run: Dict) -> np.ndarray:
     """Label TV of every client of a saved run (reloads its dataset and partition)."""
     from fl_lightning.data.datasets import load_dataset
-    from fl_lightning.federation.checkpoint import load_checkpoint
+    from fl_lightning.runtime.checkpoint import load_checkpoint
 
     data = run["config"]["data"]
     bundle = load_dataset(data["name"], data.get("root", "data"), False, False, **(data.get("options") or {}))

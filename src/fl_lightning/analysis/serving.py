@@ -200,7 +200,7 @@ class RunFiles:
 
 
 def read_files(path: Path) -> RunFiles:
-    from fl_lightning.federation.checkpoint import load_checkpoint
+    from fl_lightning.runtime.checkpoint import load_checkpoint
 
     path = Path(path)
     for name in ("config.yaml", "summary.json", "partition.pt"):

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.federation import interrupts
 from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
-from fl_lightning.federation.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.machine import hand_down, launched_by_command_line, placement_for, process_age
 from fl_lightning.federation.provenance import METHOD, check_method, load_algorithm_state, method_record
 from fl_lightning.federation.run_dir import JsonLines, RunDir

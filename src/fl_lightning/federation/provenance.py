@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Mapping
 import yaml
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.checkpoint import load_checkpoint
+from fl_lightning.runtime.checkpoint import load_checkpoint
 
 METHOD = "method"
 

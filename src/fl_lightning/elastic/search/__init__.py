@@ -10,7 +10,7 @@
 - :mod:`.cache`: :class:`VariantCache` (budget queries, JSON files) and :func:`build_cache`.
 """
 
-from fl_lightning.elastic.search.cache import (PAPER_SEGMENTS, Variant, VariantCache, build_cache,
+from fl_lightning.elastic.search.cache import (Variant, VariantCache, build_cache,
                                                segment_targets)
 from fl_lightning.elastic.search.cost import (DEEPFEDNAS_4_STAGE, FEAST_DEEPFEDNAS, DeepFedNASArch,
                                               DeepFedNASCostModel, OFACostModel, analytic_macs, analytic_params,
@@ -18,7 +18,7 @@ from fl_lightning.elastic.search.cost import (DEEPFEDNAS_4_STAGE, FEAST_DEEPFEDN
 from fl_lightning.elastic.search.fitness import Fitness, FitnessConfig
 from fl_lightning.elastic.search.genetic import InfeasibleError, SearchResult, search
 
-__all__ = ["PAPER_SEGMENTS", "Variant", "VariantCache", "build_cache", "segment_targets", "OFACostModel",
+__all__ = ["Variant", "VariantCache", "build_cache", "segment_targets", "OFACostModel",
            "DeepFedNASArch", "DeepFedNASCostModel", "DEEPFEDNAS_4_STAGE", "FEAST_DEEPFEDNAS",
            "counter_make_divisible", "analytic_macs", "analytic_params", "cost_model", "Fitness",
            "FitnessConfig", "InfeasibleError", "SearchResult", "search"]

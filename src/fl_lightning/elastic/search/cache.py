@@ -36,13 +36,10 @@ from fl_lightning.elastic.search.fitness import Fitness, FitnessConfig
 from fl_lightning.elastic.search.genetic import search
 from fl_lightning.elastic.specs import spec_from_dict, spec_to_dict
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import CACHE_SEGMENTS
 
 Segment = tuple[float, float, int, float]
 """``(lowest target MACs, highest target MACs, number of targets, rho_0)``."""
 
-PAPER_SEGMENTS: tuple[Segment, ...] = CACHE_SEGMENTS
-"""FEAST Supp. Table 1: the main search and the low-compute extension (merged, MAC-sorted)."""
 
 
 OPTION_DEFAULTS = {"block": "bottleneck", "round_middle": True}
@@ -284,7 +281,7 @@ def segment_targets(low: float, high: float, count: int, spacing: str = "linear"
 
 
 def build_cache(model: Space, input_shape: Optional[Sequence[int]] = None,
-                segments: Sequence[Segment] = PAPER_SEGMENTS, population: int = 256,
+                segments: Sequence[Segment] = (), population: int = 256,
                 generations: int = 512, mutation: float = 0.3, seed: int = 0,
                 spacing: str = "linear", tournament: int = 3, elitism: int = 1,
                 fitness: FitnessConfig = FitnessConfig(),
@@ -294,8 +291,11 @@ def build_cache(model: Space, input_shape: Optional[Sequence[int]] = None,
 
     Target ``k`` (counting over all segments) is searched with seed ``seed + k``, so the cache
     is deterministic and one target's search does not depend on the others'. ``progress`` is
-    called as ``progress(k, total, variant)`` after each target.
+    called as ``progress(k, total, variant)`` after each target. ``segments`` is required: the
+    paper's are ``fl_lightning.feast_protocol.CACHE_SEGMENTS``.
     """
+    if not segments:
+        raise ValueError("build_cache needs at least one segment (low, high, count, rho0)")
     for s in segments:
         if len(s) != 4 or not s[3] > 0:
             raise ValueError(f"a segment is (low, high, count, rho0 > 0), got {s!r}")
