@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fl_lightning.elastic.models.scalefl_resnet  # noqa: F401 (registers scalefl_resnet18)
-from fl_lightning.algorithms.scalefl import LEVELS, ScaleFL, assign_levels
+from fl_lightning.algorithms.levels import assign_levels
+from fl_lightning.algorithms.scalefl import LEVELS, ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  ModelConfig, PartitionConfig)
 from fl_lightning.data.federated import build_federated_data

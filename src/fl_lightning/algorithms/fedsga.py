@@ -26,6 +26,7 @@ from typing import Dict, List, Literal, Optional
 import torch
 from torch import nn
 
+from fl_lightning.algorithms.split_common import default_candidates
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_store import ClientStateStore
@@ -37,23 +38,6 @@ ServerModel = Literal["shared", "copy"]
 PromptGradient = Literal["task", "all"]
 # seed streams: probe batches, random splits, harmonizer and estimator initialization
 PROBE_STREAM, SPLIT_STREAM, INIT_STREAM = 22, 23, 24
-
-
-def default_candidates(names: List[str]) -> List[str]:
-    """Ends of all but the last stage for ``stage.index`` block names, else the boundaries
-    after a quarter, a half and three quarters of the blocks."""
-    inner = names[:-1]
-    stages: Dict[str, str] = {}
-    for name in inner:
-        if "." in name:
-            stages[name.split(".")[0]] = name  # the last block seen of each stage
-    last_stage = names[-1].split(".")[0] if "." in names[-1] else None
-    ends = [end for stage, end in stages.items() if stage != last_stage]
-    if len(ends) >= 2:
-        return ends
-    depth = len(names)
-    counts = sorted({min(max(1, round(depth * q)), depth - 1) for q in (0.25, 0.5, 0.75)})
-    return [names[k - 1] for k in counts]
 
 
 class FedSGA(SplitFed):

@@ -15,7 +15,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from fl_lightning.algorithms.scalefl import assign_levels, population_lines
+from fl_lightning.algorithms.levels import assign_levels
+from fl_lightning.analysis.level_report import population_lines
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.evaluation import evaluate
 

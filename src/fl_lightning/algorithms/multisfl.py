@@ -130,7 +130,7 @@ class MultiSFL(SplitFed):
     def candidate_cuts(self, model) -> List[str]:
         if not self.adaptive_split:
             return super().candidate_cuts(model)
-        from fl_lightning.algorithms.fedsga import default_candidates
+        from fl_lightning.algorithms.split_common import default_candidates
 
         names = list(model.block_names)
         cuts = list(self.candidates) if self.candidates is not None else default_candidates(names)

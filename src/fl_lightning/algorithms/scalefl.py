@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Literal, Sequence, get_args
+from typing import Dict, List, Literal, get_args
 
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.levels import assign_levels
+from fl_lightning.analysis.level_report import population_lines
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.calibration import ServerCalibration
@@ -43,22 +45,6 @@ LEVELS = ((3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))
 
 ExitWeights = Literal["depth", "sum"]
 KLReduction = Literal["elementwise", "batchmean"]
-
-
-def assign_levels(budgets: Sequence[float], level_macs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest-affordable assignment with the minimum-tier fallback.
-
-    Returns (0-based level per client, int64 [N]; fallback flag per client, bool [N]): the
-    highest level whose MACs are at most the client's budget, or level 0 with the flag set when
-    even level 0 costs more than the budget.
-    """
-    macs = torch.as_tensor([float(m) for m in level_macs], dtype=torch.float64)
-    b = torch.as_tensor([float(x) for x in budgets], dtype=torch.float64)
-    affordable = macs.unsqueeze(0) <= b.unsqueeze(1)  # [N, L]
-    count = affordable.sum(dim=1)
-    # Levels cost more level by level, so the affordable ones are a prefix: the last is count - 1.
-    levels = (count - 1).clamp_min(0).to(torch.int64)
-    return levels, count == 0
 
 
 class ScaleFL(FedAvg):
@@ -299,25 +285,8 @@ class ScaleFL(FedAvg):
         self.fallback = state["fallback"].bool().cpu()
 
 
-def population_lines(block: dict, rows: List[dict], num_levels: int) -> List[str]:
-    """The report's tail shared by every tiered method: the population accuracy with the
-    fallback count, then every client once under the level it is served (``rows`` as
-    ``population()`` gives them)."""
-    fallback = sum(1 for r in rows if r["fallback"])
-    lines = []
-    if "test_acc" in block:
-        lines.append(f"population accuracy under largest-affordable serving with the minimum-tier fallback: "
-                     f"{100 * block['test_acc']:.2f}% ({len(rows)} clients, {fallback} served level 1 "
-                     f"as the fallback)")
-    lines.append("clients by served level (* = fallback: budget below level 1):")
-    for k in range(num_levels):
-        ids = [f"{r['client']}{'*' if r['fallback'] else ''}" for r in rows if r["level"] == k + 1]
-        lines.append(f"  level {k + 1}: {', '.join(ids) if ids else '-'}")
-    return lines
-
-
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-__all__ = ["ScaleFL", "assign_levels", "population_lines", "LEVELS"]
+__all__ = ["ScaleFL", "LEVELS"]

@@ -1,5 +1,6 @@
-"""Pieces the split-FL baselines (MergeSFL, MU-SplitFed, MultiSFL) share with SplitFed: the
-regions of one half's keys and the per-client figures of docs/fedsga.md ("The cut")."""
+"""Pieces the split-FL methods (SplitFed, FedSGA, MergeSFL, MU-SplitFed, MultiSFL) share: the
+regions of one half's keys, the per-client figures of docs/fedsga.md ("The cut"), and the
+default cut candidates."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def label_counts(targets: torch.Tensor, clients: List[torch.Tensor], num_classes
     targets = torch.as_tensor(targets, dtype=torch.long)
     return torch.stack([torch.bincount(targets[idx], minlength=num_classes)[:num_classes].to(torch.float64)
                         for idx in clients])
+
+
+def default_candidates(names: List[str]) -> List[str]:
+    """Ends of all but the last stage for ``stage.index`` block names, else the boundaries
+    after a quarter, a half and three quarters of the blocks."""
+    inner = names[:-1]
+    stages: Dict[str, str] = {}
+    for name in inner:
+        if "." in name:
+            stages[name.split(".")[0]] = name  # the last block seen of each stage
+    last_stage = names[-1].split(".")[0] if "." in names[-1] else None
+    ends = [end for stage, end in stages.items() if stage != last_stage]
+    if len(ends) >= 2:
+        return ends
+    depth = len(names)
+    counts = sorted({min(max(1, round(depth * q)), depth - 1) for q in (0.25, 0.5, 0.75)})
+    return [names[k - 1] for k in counts]
