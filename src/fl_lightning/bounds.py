@@ -59,7 +59,7 @@ def check_fields(prefix: str, section: Any) -> None:
             check_fields(key, value)
             continue
         span = f.metadata.get("range")
-        if span is not None and _is_number(value):
+        if span is not None and is_number(value):
             is_float = isinstance(value, float) or isinstance(f.default, float) or "float" in str(f.type)
             finite = "a finite number " if is_float else ""
             nullable = " or null" if "Optional" in str(f.type) else ""
@@ -83,5 +83,11 @@ def check_numbers(key: str, value: Any, int_limit: int = INT_LIMIT) -> None:
         raise ConfigError(key, f"{value} is out of range (at most {int_limit:,} in size)")
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or float (a bool is not a number here)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A number that is neither infinite nor NaN."""
+    return is_number(value) and math.isfinite(value)

@@ -23,7 +23,6 @@ As the FEAST paper adapts it to its common ResNet-18 substrate (Supp. E.1):
 from __future__ import annotations
 
 import json
-import math
 from typing import Dict, List, Literal, get_args
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.levels import assign_levels
 from fl_lightning.analysis.level_report import population_lines
+from fl_lightning.bounds import is_finite_number
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.calibration import ServerCalibration
@@ -99,8 +99,8 @@ class ScaleFL(FedAvg):
         from fl_lightning.modules.mixing import mixing_checks
 
         for i, level in enumerate(self.levels):
-            ok = (isinstance(level, (list, tuple)) and len(level) == 2 and _is_number(level[0])
-                  and float(level[0]) == int(level[0]) and int(level[0]) >= 1 and _is_number(level[1])
+            ok = (isinstance(level, (list, tuple)) and len(level) == 2 and is_finite_number(level[0])
+                  and float(level[0]) == int(level[0]) and int(level[0]) >= 1 and is_finite_number(level[1])
                   and 0 < float(level[1]) <= 1)
             if not ok:
                 raise ConfigError(f"algorithm.levels[{i}]",
@@ -112,10 +112,10 @@ class ScaleFL(FedAvg):
             raise ConfigError("algorithm.levels", f"must be nested and distinct, smallest first (blocks and width "
                                                   f"non-decreasing), got {self.levels}")
         checks = [
-            ("kd_gamma", _is_number(self.kd_gamma) and self.kd_gamma >= 0, "must be a finite number >= 0"),
-            ("kd_temperature", _is_number(self.kd_temperature) and self.kd_temperature > 0,
+            ("kd_gamma", is_finite_number(self.kd_gamma) and self.kd_gamma >= 0, "must be a finite number >= 0"),
+            ("kd_temperature", is_finite_number(self.kd_temperature) and self.kd_temperature > 0,
              "must be a finite number > 0"),
-            ("kd_start", _is_number(self.kd_start) and 0 <= self.kd_start <= 1, "must be in [0, 1]"),
+            ("kd_start", is_finite_number(self.kd_start) and 0 <= self.kd_start <= 1, "must be in [0, 1]"),
             ("exit_weights", self.exit_weights in get_args(ExitWeights),
              f"must be one of {', '.join(get_args(ExitWeights))}"),
             ("kl_reduction", self.kl_reduction in get_args(KLReduction),
@@ -283,10 +283,6 @@ class ScaleFL(FedAvg):
                               "the checkpoint's level assignment does not fit these clients and levels")
         self.assigned = assigned
         self.fallback = state["fallback"].bool().cpu()
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 __all__ = ["ScaleFL", "LEVELS"]

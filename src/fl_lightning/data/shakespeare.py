@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..bounds import is_number
 from ..errors import ConfigError
 from .base import ArrayDataset, DatasetBundle
 
@@ -345,10 +346,6 @@ def _concat(parts: list, seq_length: int):
     return x, y, groups
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_int(key: str, value, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f"data.options.{key}", f"must be an integer >= {minimum}, got {value!r}")
@@ -373,7 +370,7 @@ def check_shakespeare(root: str = "data", download: bool = False, *, source: str
         raise ConfigError("data.options.source", f"must be one of {', '.join(SOURCES)}, got {source!r}")
     if vocabulary not in VOCABULARIES:
         raise ConfigError("data.options.vocabulary", f"must be one of {', '.join(VOCABULARIES)}, got {vocabulary!r}")
-    if not _is_number(test_fraction) or not 0.0 < test_fraction < 1.0:
+    if not is_number(test_fraction) or not 0.0 < test_fraction < 1.0:
         raise ConfigError("data.options.test_fraction", f"must be a number in (0, 1), got {test_fraction!r}")
     _check_int("min_samples_per_role", min_samples_per_role, 0)
     if max_roles is not None:

@@ -7,10 +7,9 @@ Model modules register their class with ``@register_model(name)``; the construct
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Callable, Sequence
 
-from fl_lightning.bounds import check_numbers
+from fl_lightning.bounds import check_numbers, is_finite_number
 from fl_lightning.errors import ConfigError
 
 MODELS: dict[str, type] = {}
@@ -53,9 +52,9 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
             raise ConfigError(where, f"not an option of model {name!r}; options: {', '.join(known) or 'none'}")
         if key in _POSITIVE_INTS and not (_is_int(value) and value >= 1):
             raise ConfigError(where, f"must be an integer >= 1, got {value!r}")
-        if key in _POSITIVE_NUMBERS and not (_is_number(value) and value > 0):
+        if key in _POSITIVE_NUMBERS and not (is_finite_number(value) and value > 0):
             raise ConfigError(where, f"must be a finite number > 0, got {value!r}")
-        if key in _RATIOS and not (_is_number(value) and 0 < value <= 1):
+        if key in _RATIOS and not (is_finite_number(value) and 0 < value <= 1):
             raise ConfigError(where, f"must be in (0, 1], got {value!r}")
         if key in _INT_LISTS and not (isinstance(value, (list, tuple)) and value
                                       and all(_is_int(v) and v >= 1 for v in value)):
@@ -68,10 +67,6 @@ def check_model_kwargs(name: str, kwargs: dict) -> None:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def build_model(name: str, num_classes: int, input_shape: Sequence[int], **kwargs: Any):
