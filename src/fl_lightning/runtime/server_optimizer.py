@@ -91,6 +91,8 @@ class ServerStep:
 
     def __init__(self, config: ServerOptimizer, global_state: Dict[str, torch.Tensor], parameters: list):
         self.config, self.global_state, self.parameters = config, global_state, parameters
+        # the plain average needs no step: the parameters take it as the buffers do
+        self.stepped = frozenset() if config.averages else frozenset(parameters)
         tensors = [global_state[name] for name in parameters]
         c = config
         if c.name == "sgd":
@@ -105,14 +107,13 @@ class ServerStep:
     @torch.no_grad()
     def apply(self, new_state: Dict[str, torch.Tensor]) -> None:
         """Move the global model to the round's aggregate ``new_state`` (key -> average)."""
-        stepped = set(self.parameters) if not self.config.averages else set()
         for key, average in new_state.items():
             x = self.global_state[key]
-            if key in stepped:
+            if key in self.stepped:
                 x.grad = x - average.to(x.dtype)
             else:
                 x.copy_(average)
-        if stepped:
+        if self.stepped:
             self.optimizer.step()
             for name in self.parameters:
                 self.global_state[name].grad = None
