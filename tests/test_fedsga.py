@@ -153,12 +153,13 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_prompt_sees_the_task_only(s
 
     pair = fresh_pair()
     fit = SplitFit(len(y))
-    split_step(pair, algorithm._server_rule)(ctx.fabric, 0, x, y, fit, ctx.train)
+    rule = lambda fabric, pair, sent, y, cfg, index: algorithm._server_rule(fabric, pair, sent, y, cfg, fit.channel)
+    split_step(pair, rule)(ctx.fabric, 0, x, y, fit, ctx.train)
     front = pair.client_module
     prompt_grad = algorithm._prompt.grad.detach().clone()
     front_grad = {n: p.grad.detach().clone() for n, p in front.named_parameters()}
     assert fit.cut_bytes_down == sent.numel() * 4
-    assert algorithm._align_bytes == sent.numel() * 4  # the alignment term's gradient crossed too
+    assert fit.channel.total("down", "align") == sent.numel() * 4  # the alignment term's gradient crossed too
 
     # the same gradients by autograd through the composed network, from the same weights
     fresh = fresh_pair()
@@ -230,13 +231,19 @@ def test_calibration_and_descriptor_uploads_are_counted(spec_factory):
     p1 = model.forward_until(x, "layer1.1").numel() * 4
     ref = model.forward_until(x, "layer2.1").numel() * 4
     for r in rows(spec, "clients.jsonl"):
-        assert r["probe_bytes"] == 8 * (p1 + 8)  # the probe batch's shallow interface and labels
-        extra = r["probe_bytes"]
+        assert r["probe_bytes_up"] == 8 * (p1 + 8)  # the probe batch's shallow interface and labels
+        extra = r["probe_bytes_up"]
         if r["round"] == 1:  # a calibration round: interfaces at p1 and p_ref, and the labels
-            assert r["calibration_bytes"] == 8 * (p1 + ref + 8)
-            extra += r["calibration_bytes"]
-        assert r["bytes_up"] == r["cut_bytes_up"] + r["model_bytes"] + extra
-        assert r["bytes_down"] == r["cut_bytes_down"] + r["model_bytes"]
+            assert r["calibration_bytes_up"] == 8 * (p1 + ref + 8)
+            extra += r["calibration_bytes_up"]
+        else:
+            assert "calibration_bytes_up" not in r
+        assert r["model_bytes_up"] == r["model_bytes_down"] > 0
+        assert r["bytes_up"] == r["cut_bytes_up"] + r["model_bytes_up"] + extra
+        # with the prompt kept from the alignment term, its gradient at the cut goes down beside
+        # every cut gradient: the same shape, so the same bytes
+        assert r["align_bytes_down"] == r["cut_bytes_down"] > 0
+        assert r["bytes_down"] == r["cut_bytes_down"] + r["model_bytes_down"] + r["align_bytes_down"]
 
 
 RANKS = """

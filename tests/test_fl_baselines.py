@@ -146,13 +146,17 @@ def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
     initial = {k: v.clone() for k, v in alg.global_state.items()}
     cohort = alg.plan(0).cohort
     lr = alg.round_lr(0)
-    fed.run_round(0)
+    _, logged = fed.run_round(0)
+    logged = {r["client"]: r for r in logged}
 
     weight, bias = initial["fc.weight"].clone(), initial["fc.bias"].clone()
     for client in cohort:
         body = copy.deepcopy(ctx.model)
         body.load_state_dict({**initial, **{k: v for k, v in alg.store.states[client].items() if k in initial}})
         x, y = shard_tensors(ctx, client)
+        # traffic: the float32 header down; one float32 prototype and one int64 label per held class up
+        assert logged[client]["bytes_down"] == 4 * (weight.numel() + bias.numel())
+        assert logged[client]["bytes_up"] == len(set(y.tolist())) * (4 * weight.shape[1] + 8)
         features = batch_norm_features(body, x, TRAIN.batch_size)
         for c in sorted(set(y.tolist())):
             prototype = features[y == c].mean(0, keepdim=True)
@@ -283,7 +287,11 @@ def test_fedas_fisher_weights_and_aggregate(spec_factory):
         fishers.append(hand_fisher(model, ctx, client, TRAIN.batch_size))
         states.append(state)
     logged = {r["client"]: r for r in clients}
+    sizes = {k: v.numel() * v.element_size() for k, v in ctx.model.state_dict().items()}
     for client, fisher in zip(cohort, fishers):
+        # traffic: the global body down (the head stays personal), the whole trained model up
+        assert logged[client]["bytes_down"] == sum(n for k, n in sizes.items() if k not in HEAD)
+        assert logged[client]["bytes_up"] == sum(sizes.values())
         assert logged[client]["fisher_trace"] == pytest.approx(fisher, rel=1e-6)
         assert logged[client]["align_loss"] > 0.0  # the within-class scatter around the prototypes
     weights = [f / sum(fishers) for f in fishers]

@@ -127,7 +127,7 @@ def test_bytes_at_the_cut_are_the_tensor_sizes(spec_factory):
         examples = 2 * row["samples"]
         assert row["cut_bytes_down"] == examples * per_example
         assert row["cut_bytes_up"] == examples * (per_example + 8)  # int64 labels go up too
-        assert row["model_bytes"] == model_bytes
+        assert row["model_bytes_up"] == row["model_bytes_down"] == model_bytes
         assert row["bytes_up"] == row["cut_bytes_up"] + model_bytes
 
 

@@ -9,8 +9,10 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
   jointly (MergeSFL's lock-stepped clients) overrides it.
 - ``fit_client(task, plan) -> ClientResult``: one client's round. The default routes the
   global tensors into a local model (``route``), wraps it in a LightningModule
-  (``client_module``) and runs local training; a method that drives training itself (several
-  optimizers, a server half stepped per batch) overrides it and reports its own traffic.
+  (``client_module``) and runs local training; what crosses between server and client goes
+  through the client's ``Channel`` (``send_model`` / ``return_model`` say what: by default the
+  routed slices both ways). A method that drives training itself (several optimizers, a server
+  half stepped per batch) overrides ``fit_client`` and sends through its own channel.
 - ``commit(acc, task, result)``: a finite result's per-client bookkeeping and its merge into
   the round's accumulators. A client whose loss or update is not finite is never committed.
 - ``close_cohort(acc, plan, owned)``: after this rank's clients are committed, server-side
@@ -32,6 +34,7 @@ import torch
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
+from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.evaluation import evaluate
 from fl_lightning.runtime.local_training import train_locally
@@ -93,16 +96,25 @@ class Algorithm:
             yield task, self.fit_client(task, plan)
 
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        """Route, train locally, and report the routed bytes both ways (the client returns the
-        same slices it received, so one count serves both directions)."""
+        """Route, send the routed model down the client's channel, train locally, and send the
+        trained model back up."""
+        channel = Channel()
         routed = self.route(task, plan)
-        payload = routed.payload_bytes()
+        self.send_model(channel, routed, task)
         module = self.client_module(routed, task, plan)
         fit = train_locally(self.ctx.fabric, module, self.ctx.shards[task.client], self.ctx.train,
                             client_generator(self.ctx.seed, plan.round_idx, task.client))
+        self.return_model(channel, routed, task)
         return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": payload,
-                                     "bytes_up": payload})
+                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel)
+
+    def send_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
+        """What the server sends a client to train: the routed slices."""
+        channel.send_routed(DOWN, routed)
+
+    def return_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
+        """What a client sends back: the slices it received, trained."""
+        channel.send_routed(UP, routed)
 
     def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
         load_routed_state(self.worker, self.global_state, self.worker_regions)

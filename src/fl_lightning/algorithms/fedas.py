@@ -13,9 +13,10 @@ from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
-                                               head_keys, mean_client_scores, state_bytes, without_single_rows)
+                                               head_keys, mean_client_scores, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.client_data import ClientData, eval_batches
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.local_training import train_locally
@@ -172,12 +173,13 @@ class FedAS(FedAvg):
         generator = client_generator(ctx.seed, plan.round_idx, task.client)
         fit = train_locally(ctx.fabric, module, shard, ctx.train, generator)
         fisher = fisher_trace(self.worker, shard.dataset, shard.indices, ctx.train.batch_size, ctx.fabric.device)
+        channel = Channel()  # the global body comes down; the whole trained model goes up
         state = self.worker.state_dict()
-        body_bytes = state_bytes(state, [k for k in state if k not in self.head_keys])
+        channel.send_state(DOWN, "model", state, [k for k in state if k not in self.head_keys])
+        channel.send_routed(UP, routed)
         return FisherResult(task.client, fit.num_samples, fit.loss, update=routed, module=module, fisher=fisher,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": body_bytes,
-                                     "bytes_up": routed.payload_bytes(), "fisher_trace": fisher,
-                                     "align_loss": align_loss})
+                            metrics={"steps": fit.steps, "seconds": fit.seconds, "fisher_trace": fisher,
+                                     "align_loss": align_loss}, channel=channel)
 
     def align(self, shard: ClientData, prototypes: torch.Tensor, present: torch.Tensor,
               generator: torch.Generator) -> float:

@@ -10,8 +10,9 @@ from typing import Dict, Literal, Optional, Tuple
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.head_body import head_keys, mean_client_scores, state_bytes
+from fl_lightning.algorithms.head_body import head_keys, mean_client_scores
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.channel import UP
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -100,11 +101,9 @@ class FedBABU(FedAvg):
             p.requires_grad_(False)  # no gradient: SGD (momentum, weight decay) leaves it bit-identical
 
     # -- a round --------------------------------------------------------------------------------
-    def fit_client(self, task, plan):
-        result = super().fit_client(task, plan)
-        # the head is fixed and known to everyone: only the body goes back
-        result.metrics["bytes_up"] -= state_bytes(self.worker.state_dict(), self.head_keys)
-        return result
+    def return_model(self, channel, routed, task) -> None:
+        """The head is fixed and known to everyone: only the body goes back."""
+        channel.send_state(UP, "model", routed.module.state_dict(), self.body_keys)
 
     def finish_round(self, new_state, sums, plan, owned):
         with torch.no_grad():

@@ -14,6 +14,7 @@ from fl_lightning.algorithms.head_body import class_prototypes, find_classifier,
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.channel import DOWN, Channel
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.plan import ClientTask
@@ -117,11 +118,12 @@ class FedGH(FedAvg):
                                           ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
                                           batch_stats=True)
         self._pending = (task.client, protos, (counts > 0).float())  # kept if committed
-        present = int((counts > 0).sum())
-        header = sum(self.global_state[k].numel() * self.global_state[k].element_size() for k in self.head_keys)
+        present = counts > 0
+        channel = Channel()  # the global header comes down; each present class's prototype and label go up
+        channel.send_state(DOWN, "model", self.global_state, self.head_keys)
+        channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
         return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds, "bytes_down": header,
-                                     "bytes_up": present * (protos.shape[1] * protos.element_size() + 8)})
+                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel)
 
     def commit(self, acc, task, result, plan):
         local = self.worker.state_dict()

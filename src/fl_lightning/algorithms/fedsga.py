@@ -29,6 +29,7 @@ from torch import nn
 from fl_lightning.algorithms.split_common import default_candidates
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
@@ -293,7 +294,7 @@ class FedSGA(SplitFed):
     @torch.no_grad()
     def _probe_losses(self, client: int, prompt: torch.Tensor) -> tuple[float, float, int]:
         """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch,
-        and the bytes the client uploads for them (both interfaces and the labels).
+        and what the client uploads for them (both interfaces and the labels).
 
         The network computes the same prediction wherever it is cut, so the probe is not the
         task loss: it is the harmonizer's prototype classifier read at each depth (the
@@ -303,18 +304,17 @@ class FedSGA(SplitFed):
         statistics (running statistics untouched).
         """
         from fl_lightning.elastic.bn import batch_statistics
-        from fl_lightning.modules.split import tensor_bytes
 
         model = self.ctx.model
         x, y = self._probe(client)
-        losses, sent = [], tensor_bytes(y)
+        losses, sent = [], [y]
         with batch_statistics(model):
             for depth in (0, self.ref_index):
                 front, _ = model.split(self.cuts[depth])
                 with self.ctx.fabric.autocast():
                     interface = self._prompted(front, prompt)(x)
                 losses.append(self.harmonizer.probe_loss(interface, y, depth))
-                sent += tensor_bytes(interface)
+                sent.append(interface)
         return losses[0], losses[1], sent
 
     def fit_client(self, task: ClientTask, plan: RoundPlan):
@@ -330,16 +330,16 @@ class FedSGA(SplitFed):
         if self.version == "v1" or task is plan.tasks[0]:  # shared: one harmonizer carried through the round
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
         self._trained_here = True
-        calibration, calibration_bytes = {}, 0
+        calibration, calibration_sent = {}, []
         if task.options.get("calibrate"):
-            loss_p1, loss_ref, calibration_bytes = self._probe_losses(task.client, self._prompt.detach())
+            loss_p1, loss_ref, calibration_sent = self._probe_losses(task.client, self._prompt.detach())
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
-                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta)),
-                           "calibration_bytes": calibration_bytes}
+                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta))}
         result = super().fit_client(task, plan)
+        if calibration_sent:
+            result.channel.up("calibration", *calibration_sent)
         result.metrics.update(calibration)
-        result.metrics.update(self._after_fit(task, calibration))
-        result.metrics["bytes_up"] += result.metrics["probe_bytes"] + calibration_bytes
+        result.metrics.update(self._after_fit(task, calibration, result.channel))
         return result
 
     def client_forward(self, front, task):
@@ -390,21 +390,25 @@ class FedSGA(SplitFed):
 
     def train_pass(self, task, plan, pair):
         """The standard split step with FedSGA's server rule (``modules/split.py``)."""
-        from fl_lightning.modules.split import split_step, train_split
+        from fl_lightning.modules.split import SplitFit, split_step, train_split
         from fl_lightning.runtime.seeding import client_generator
 
         ctx = self.ctx
-        return train_split(ctx.fabric, split_step(pair, self._server_rule), ctx.shards[task.client], ctx.train,
-                           client_generator(ctx.seed, plan.round_idx, task.client))
+        fit = SplitFit(len(ctx.shards[task.client]))
 
-    def _server_rule(self, fabric, pair, sent, y, cfg, index):
+        def rule(fabric, pair, sent, y, cfg, index):
+            return self._server_rule(fabric, pair, sent, y, cfg, fit.channel)
+        return train_split(ctx.fabric, split_step(pair, rule), ctx.shards[task.client], ctx.train,
+                           client_generator(ctx.seed, plan.round_idx, task.client), fit)
+
+    def _server_rule(self, fabric, pair, sent, y, cfg, channel):
         """One server step; with the prompt kept from the alignment term, that term's gradient at
-        the cut is sent down too (counted as traffic in ``client_backward``'s batch)."""
+        the cut is sent down too, beside the total (``client_backward`` uses it)."""
         with fabric.autocast():
             loss = pair.server_loss(sent, y)
         if self._blocks_alignment_from_prompt() and self._align_term is not None:
             self._align_grad, = torch.autograd.grad(self._align_term, sent, retain_graph=True)
-            self._align_bytes += self._align_grad.numel() * self._align_grad.element_size()
+            channel.down("align", self._align_grad)
         self._align_term = None
         fabric.backward(loss)
         pair.clip_server(fabric, cfg)
@@ -416,7 +420,7 @@ class FedSGA(SplitFed):
 
         depth = task.options["index"]
         harmonizer = self.harmonizer_worker
-        self._align_term, self._align_bytes = None, 0
+        self._align_term = None
 
         def loss(back, sent, y):
             logits = back(sent)
@@ -432,13 +436,13 @@ class FedSGA(SplitFed):
         return loss
 
     @torch.no_grad()
-    def _after_fit(self, task: ClientTask, calibration: dict) -> Dict[str, float]:
+    def _after_fit(self, task: ClientTask, calibration: dict, channel: Channel) -> Dict[str, float]:
         """Descriptors on the probe batch with the trained front and prompt (batch norm on the
-        probe batch's statistics, as the interface is computed in training); the client's new
-        store entry waits in ``_pending`` until the result is committed."""
+        probe batch's statistics, as the interface is computed in training; the client uploads
+        the shallow interface and the labels); the client's new store entry waits in
+        ``_pending`` until the result is committed."""
         from fl_lightning.elastic.bn import batch_statistics
         from fl_lightning.modules.harmonizer import pool_interface
-        from fl_lightning.modules.split import tensor_bytes
         from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
 
         x, y = self._probe(task.client)
@@ -447,6 +451,7 @@ class FedSGA(SplitFed):
             front, _ = self.client_worker.split(self.cuts[0])
             with self.ctx.fabric.autocast():
                 shallow = self._prompted(front, self._prompt.detach())(x)
+        channel.up("probe", shallow, y)
         pooled = pool_interface(shallow).float()
         alignment = float(self.harmonizer_worker.true_class_probability(shallow, y, 0))
         previous = state["probe_features"] if state["has_descriptor"].item() else None
@@ -464,17 +469,10 @@ class FedSGA(SplitFed):
             "sufficient": calibration.get("sufficient"),
         }
         figures = {"cut": task.options["index"], "alignment": alignment, "stability": stability,
-                   "prompt_variation": variation, "prompt_norm": float(self._prompt.detach().norm()),
-                   "probe_bytes": tensor_bytes(shallow) + tensor_bytes(y), "align_bytes_down": self._align_bytes}
+                   "prompt_variation": variation, "prompt_norm": float(self._prompt.detach().norm())}
         if "r" in task.options:
             figures["r"] = task.options["r"]
         return figures
-
-    def client_result(self, task, fit, module=None, state=None):
-        result = super().client_result(task, fit, module, state)
-        result.metrics["cut_bytes_down"] += self._align_bytes  # the alignment gradient crossed too
-        result.metrics["bytes_down"] += self._align_bytes
-        return result
 
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)

@@ -34,6 +34,7 @@ from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.calibration import ServerCalibration
+from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.seeding import derive_seed
 
 # Seed streams: FIARSE's Mixup/CutMix draws; BN calibration shares FEAST's stream (13), so the
@@ -301,16 +302,21 @@ class FIARSE(FedAvg):
         return ThresholdMaskedClient(routed.module, plan.lr, t.momentum, weight_decay, routed.thresholds,
                                      self.gradient, mixer)
 
+    def send_model(self, channel, routed, task) -> None:
+        """The dense tensors go both ways: masking does not shrink the arrays the original sends."""
+        channel.send_state(DOWN, "model", routed.module.state_dict())
+
+    def return_model(self, channel, routed, task) -> None:
+        channel.send_state(UP, "model", routed.module.state_dict())
+
     def fit_client(self, task, plan):
-        """The default fit, with FIARSE's traffic and costs: the dense tensors go both ways
-        (masking does not shrink the arrays the original sends); ``bytes_kept`` is what the
-        kept positions alone would take."""
+        """The default fit, with FIARSE's costs; ``bytes_kept`` is what the kept positions alone
+        would take to send."""
         result = super().fit_client(task, plan)
         routed: MaskedRouted = result.update
-        dense_bytes = sum(v.numel() * v.element_size() for v in routed.module.state_dict().values())
         kept = sum(routed.kept.values())
         result.metrics.update({
-            "bytes_kept": result.metrics["bytes_down"], "bytes_down": dense_bytes, "bytes_up": dense_bytes,
+            "bytes_kept": routed.payload_bytes(),
             "fraction": routed.fraction, "kept_fraction": kept / self.maskable_numel,
             "logical_macs": float(self.macs.logical(routed.kept, self.macs_convention)),
             "executed_macs": float(self.dense_macs)})

@@ -54,10 +54,6 @@ def head_keys(model: nn.Module) -> List[str]:
     return [f"{name}.{key}" for key in classifier.state_dict()]
 
 
-def state_bytes(state: Dict[str, torch.Tensor], keys: Iterable[str]) -> int:
-    return sum(state[k].numel() * state[k].element_size() for k in keys)
-
-
 class FeatureTap:
     """Records the input of ``classifier`` during a forward pass (a context manager)."""
 

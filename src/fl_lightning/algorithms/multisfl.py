@@ -26,6 +26,7 @@ from fl_lightning.algorithms.split_common import key_regions, label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
@@ -220,19 +221,23 @@ class MultiSFL(SplitFed):
                 chunk = max(2, math.ceil(len(indices) / shard.batches_per_epoch()))
                 helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
 
+        assistant_link = Channel()  # the assistant devices' traffic, apart from the client's own
+
         def refresh_helper():  # the assistants receive the client portion as it is now
-            load_routed_state(self.helper_worker, self.client_worker.state_dict(), front_regions)
+            front = self.client_worker.state_dict()
+            load_routed_state(self.helper_worker, front, front_regions)
+            for _ in range(assistants):
+                assistant_link.send_state(DOWN, "model", front, self.halves.front(cut))
 
         replay = Replay(self.client_forward(helper_front, task), refresh_helper, helper_data,
                         torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),
-                        shard.batches_per_epoch())
+                        shard.batches_per_epoch(), assistant_link)
         fit = train_split(ctx.fabric, split_step(pair, replay), shard, ctx.train,
                           client_generator(ctx.seed, plan.round_idx, task.client))
         result = self.client_result(task, fit, state=state)
-        model_bytes = result.metrics["model_bytes"]
         result.metrics.update({"branch": branch, "cut": self.cuts.index(cut), "assistants": assistants,
-                               "replay_examples": replay.examples, "replay_bytes_up": replay.bytes_up,
-                               "replay_model_bytes": assistants * replay.snapshots * model_bytes})
+                               "replay_examples": replay.examples, "replay_bytes_up": assistant_link.total(UP),
+                               "replay_model_bytes": assistant_link.total(DOWN)})
         return result
 
     def commit(self, acc, task, result, plan) -> None:

@@ -16,17 +16,11 @@ def key_regions(state: Mapping[str, torch.Tensor], keys: Sequence[str], prefix: 
     return {prefix + k: v for k, v in full_region_map({k: state[k] for k in keys}).items()}
 
 
-def state_bytes(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> int:
-    return sum(state[k].numel() * state[k].element_size() for k in keys)
-
-
-def split_metrics(halves, cut: str, model_bytes: int, *, steps: int, seconds: float, client_seconds: float,
-                  server_seconds: float, cut_bytes_up: int, cut_bytes_down: int, examples: int) -> Dict[str, float]:
-    """A client's row as SplitFed writes it: traffic at the cut, the front's exchange both
-    ways, activated client parameters and client MACs (fvcore's forward count times three)."""
+def split_metrics(halves, cut: str, *, steps: int, seconds: float, client_seconds: float,
+                  server_seconds: float, examples: int) -> Dict[str, float]:
+    """A client's row as SplitFed writes it (its traffic comes from the channel): activated
+    client parameters and client MACs (fvcore's forward count times three)."""
     return {"steps": steps, "seconds": seconds, "client_seconds": client_seconds, "server_seconds": server_seconds,
-            "cut_bytes_up": cut_bytes_up, "cut_bytes_down": cut_bytes_down, "model_bytes": model_bytes,
-            "bytes_up": cut_bytes_up + model_bytes, "bytes_down": cut_bytes_down + model_bytes,
             "client_params": halves.front_params[cut], "client_macs": 3 * halves.front_macs[cut] * examples}
 
 

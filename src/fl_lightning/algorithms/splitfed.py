@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.split_common import key_regions, split_metrics, state_bytes
+from fl_lightning.algorithms.split_common import key_regions, split_metrics
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
@@ -235,13 +236,15 @@ class SplitFed(FedAvg):
                 regions.update(key_regions(state, back_keys, "back."))
         else:
             regions = key_regions(state, front_keys)
-        metrics = split_metrics(self.halves, cut, state_bytes(state, front_keys), steps=fit.steps,
-                                seconds=fit.seconds, client_seconds=fit.client_seconds,
-                                server_seconds=fit.server_seconds, cut_bytes_up=fit.cut_bytes_up,
-                                cut_bytes_down=fit.cut_bytes_down, examples=fit.examples)
+        metrics = split_metrics(self.halves, cut, steps=fit.steps, seconds=fit.seconds,
+                                client_seconds=fit.client_seconds, server_seconds=fit.server_seconds,
+                                examples=fit.examples)
         metrics.update(fit.extras)
+        # besides the cut's traffic, the front comes down at the start and goes back at the end
+        fit.channel.send_state(DOWN, "model", state, front_keys)
+        fit.channel.send_state(UP, "model", state, front_keys)
         return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(module, regions),
-                            module=module, metrics=metrics)
+                            module=module, metrics=metrics, channel=fit.channel)
 
     def after_client_backward(self, task: ClientTask):
         return None

@@ -1,7 +1,7 @@
 """The split-learning engine every split method trains with (docs/fedsga.md, "The cut").
 
 - :class:`SplitPair`: one client round's client half and server half, each with its optimizer
-  set up through Fabric, the server's objective and the traffic meter (:func:`make_pair`).
+  set up through Fabric and the server's objective (:func:`make_pair`).
 - :func:`train_split`: the one training loop. For every batch of the client's shard (local
   epochs or steps) it calls a *step*; the standard step (:func:`split_step`) is: the client
   forward, the activation across a real ``detach()`` boundary, a *server rule* that updates
@@ -11,7 +11,7 @@
   cohort step, all on these pieces.
 
 What crosses the cut is counted from the tensors themselves (element size times count), in the
-precision the run uses, by the pair's :class:`Traffic`. Both halves clip through
+precision the run uses, by the client's :class:`~fl_lightning.runtime.channel.Channel`. Both halves clip through
 ``fabric.clip_gradients``, as local training does.
 """
 
@@ -25,27 +25,8 @@ import torch
 from torch import nn
 
 from fl_lightning.config import LocalTrainConfig
+from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.client_data import ClientData
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-@dataclass
-class Traffic:
-    """Bytes that crossed the cut during one client round."""
-
-    cut_bytes_up: int = 0
-    """Activations and labels sent to the server."""
-    cut_bytes_down: int = 0
-    """Gradients (or other feedback) at the cut sent back."""
-
-    def up(self, *tensors: torch.Tensor) -> None:
-        self.cut_bytes_up += sum(tensor_bytes(t) for t in tensors)
-
-    def down(self, *tensors: torch.Tensor) -> None:
-        self.cut_bytes_down += sum(tensor_bytes(t) for t in tensors)
 
 
 @dataclass
@@ -61,16 +42,17 @@ class SplitFit:
     server_seconds: float = 0.0
     examples: int = 0
     """Examples passed through both halves (over all epochs)."""
-    traffic: Traffic = field(default_factory=Traffic)
+    channel: Channel = field(default_factory=Channel)
+    """What crossed between the client and the server (at the cut: kind ``cut``)."""
     extras: Dict[str, float] = field(default_factory=dict)
 
     @property
     def cut_bytes_up(self) -> int:
-        return self.traffic.cut_bytes_up
+        return self.channel.total(UP, "cut")
 
     @property
     def cut_bytes_down(self) -> int:
-        return self.traffic.cut_bytes_down
+        return self.channel.total(DOWN, "cut")
 
 
 ClientForward = Callable[[torch.Tensor], torch.Tensor]
@@ -168,14 +150,14 @@ def send_activation(fabric, pair: SplitPair, x: torch.Tensor, y: torch.Tensor, f
     with fabric.autocast():
         z = pair.client_forward(x)
     sent = z.detach().requires_grad_()
-    fit.traffic.up(sent, y)
+    fit.channel.up("cut", sent, y)
     return z, sent
 
 
 def apply_feedback(fabric, pair: SplitPair, z: torch.Tensor, grad: torch.Tensor, fit: SplitFit,
                    cfg: LocalTrainConfig) -> None:
     """The gradient at the cut, counted as bytes down, through the client half, then its step."""
-    fit.traffic.down(grad)
+    fit.channel.down("cut", grad)
     if pair.client_backward is not None:
         pair.client_backward(fabric, z, grad)
     else:

@@ -20,11 +20,11 @@ from typing import Callable, List, Literal, Optional, Sequence
 import torch
 
 from fl_lightning.config import LocalTrainConfig
-from fl_lightning.modules.split import SplitFit, SplitPair, ServerLoss, apply_feedback, tensor_bytes
+from fl_lightning.modules.split import SplitFit, SplitPair, ServerLoss, apply_feedback
+from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.client_data import ClientData
 
 FeedbackAt = Literal["start", "last_step", "end"]
-SCALAR_BYTES = 4  # one float32 loss difference sent down per zeroth-order client step
 
 
 # -- MergeSFL ---------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def merged_step(fabric, pairs: Sequence[SplitPair], server_loss: ServerLoss, ser
         if rescale:
             piece = piece * (total / n)
         start += n
-        fits[i].traffic.up(z.detach(), y)
+        fits[i].channel.up("cut", z.detach(), y)
         apply_feedback(fabric, pair, z, piece, fits[i], cfg)
         seconds[i] += time.perf_counter() - t0
     return MergedStep(float(loss.detach()), sizes, seconds, server_seconds)
@@ -166,7 +166,7 @@ def zeroth_order_step(pair: SplitPair, tau: int, feedback_at: FeedbackAt, smooth
             h_minus = pair.client_forward(x)
         _set(client_params, base_client, v, 0.0)
         t1 = time.perf_counter()
-        fit.traffic.up(h, h_plus, h_minus, y)
+        fit.channel.up("cut", h, h_plus, h_minus, y)
 
         def client_difference():
             with fabric.autocast():
@@ -196,7 +196,7 @@ def zeroth_order_step(pair: SplitPair, tau: int, feedback_at: FeedbackAt, smooth
             difference = client_difference()
         pair.server_optimizer.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
-        fit.traffic.cut_bytes_down += SCALAR_BYTES
+        fit.channel.down("cut", difference)  # one float32 loss difference
         pair.client_optimizer.zero_grad(set_to_none=True)
         _zo_grad(client_params, v, difference, smoothing)
         pair.clip_client(fabric, cfg)
@@ -222,14 +222,13 @@ class Replay:
     """
 
     def __init__(self, helper_forward: Callable, refresh_helper: Callable[[], None],
-                 helper_data: Optional[ClientData], helper_generator: torch.Generator, per_epoch: int):
+                 helper_data: Optional[ClientData], helper_generator: torch.Generator, per_epoch: int,
+                 channel: Optional[Channel] = None):
         self.helper_forward, self.refresh_helper = helper_forward, refresh_helper
         self.helper_data, self.helper_generator, self.per_epoch = helper_data, helper_generator, per_epoch
         self.chunks: list = []
-        self.bytes_up = 0
-        """Assistant devices' activations and labels sent to the server."""
-        self.snapshots = 0
-        """Times the client half was sent to the assistant devices (once per local epoch)."""
+        self.channel = channel if channel is not None else Channel()
+        """The assistant devices' link: their activations and labels go up as ``replay``."""
         self.examples = 0
 
     def __call__(self, fabric, pair: SplitPair, sent, y, cfg, index):
@@ -241,14 +240,13 @@ class Replay:
                 (ax, ay), (bx, by) = chunks[-2], chunks[-1]
                 chunks[-2:] = [(torch.cat([ax, bx]), torch.cat([ay, by]))]
             self.chunks = chunks
-            self.snapshots += 1
         parts = [(sent, y)]
         if position < len(self.chunks):
             hx, hy = self.chunks[position]
             with torch.no_grad(), fabric.autocast():
                 replayed = self.helper_forward(hx)
             parts.append((replayed.detach(), hy))
-            self.bytes_up += tensor_bytes(replayed) + tensor_bytes(hy)
+            self.channel.up("replay", replayed, hy)
             self.examples += len(hy)
         rows = sum(len(part_y) for _, part_y in parts)
         with fabric.autocast():

@@ -9,15 +9,17 @@ from typing import Any, Dict, Optional
 import torch
 
 from fl_lightning.elastic.routing import Routed
+from fl_lightning.runtime.channel import Channel
 
 
 @dataclass
 class ClientResult:
     """One client's round: its trained tensors, its figures and its traffic.
 
-    ``metrics`` become the client's row in ``clients.jsonl`` (and round totals in TensorBoard):
-    every fit reports ``steps`` and ``seconds``, and the traffic it measured where it happened,
-    ``bytes_down`` (server to client) and ``bytes_up`` (client to server).
+    ``metrics`` and the ``channel``'s traffic figures become the client's row in
+    ``clients.jsonl`` (and round totals in TensorBoard): every fit reports ``steps`` and
+    ``seconds``; ``bytes_down`` (server to client) and ``bytes_up`` come from what crossed the
+    channel.
     """
 
     client: int
@@ -30,6 +32,8 @@ class ClientResult:
     module: Any = None
     """The module that trained (a LightningModule), for the algorithm's per-client bookkeeping."""
     metrics: Dict[str, float] = field(default_factory=dict)
+    channel: Channel = field(default_factory=Channel)
+    """Everything that crossed between the server and this client in the round."""
 
     @property
     def steps(self) -> int:
@@ -37,7 +41,7 @@ class ClientResult:
 
     def row(self) -> Dict[str, float]:
         """The client's log row."""
-        return {"loss": self.loss, "samples": self.num_samples, **self.metrics}
+        return {"loss": self.loss, "samples": self.num_samples, **self.channel.metrics(), **self.metrics}
 
     def non_finite(self) -> Optional[str]:
         """Why this result must not be aggregated (a NaN or inf loss or update), else None."""
