@@ -28,7 +28,7 @@ MODELS = {
 }
 
 
-def make_spec(method: str, model: str, out_dir: str, prompt_gradient: str = "task"):
+def make_spec(method: str, model: str, out_dir: str, prompt_gradient: str = "all"):
     from fl_lightning.algorithms import FedSGA, SplitFed
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                      ModelConfig, PartitionConfig)
@@ -46,7 +46,7 @@ def make_spec(method: str, model: str, out_dir: str, prompt_gradient: str = "tas
                    eval=EvalConfig(every=1000), fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1))
 
 
-def federation(method: str, model: str, out_dir: str, prompt_gradient: str = "task"):
+def federation(method: str, model: str, out_dir: str, prompt_gradient: str = "all"):
     from lightning.fabric import Fabric
 
     from fl_lightning.federation.loop import Federation
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--method", choices=["splitfed", "fedsga"], default="splitfed")
     parser.add_argument("--model", choices=list(MODELS), default="resnet")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--prompt-gradient", choices=["task", "all"], default="task",
+    parser.add_argument("--prompt-gradient", choices=["task", "all"], default="all",
                         help="FedSGA: keep the alignment gradient from the prompt (one more front backward) or not")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -103,11 +103,14 @@ def hand_projection(harmonizer, z, depth):
     return out / out.norm(dim=1, keepdim=True)
 
 
-def test_server_loss_is_ce_plus_lambda_align_and_the_prompt_sees_the_task_only(spec_factory):
+@pytest.mark.parametrize("prompt_gradient", ["all", "task"])
+def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_prompt(spec_factory, prompt_gradient):
     """One batch through a client pair at p1 (prototypes not yet set, so the batch's class means
     become them): the server loss equals CE(back(z) + W Z) + lambda CE(Z C^T / tau_a), in
-    float64 by hand; the front's gradient holds the alignment term, the prompt's does not."""
-    spec = spec_factory(name="loss", algorithm=fedsga(lambda_align=0.5), model=RESNET, train=TRAIN,
+    float64 by hand; the front's gradient holds the alignment term, and the prompt's holds it
+    with ``prompt_gradient: all`` (the default) and not with ``task``."""
+    spec = spec_factory(name="loss", algorithm=fedsga(lambda_align=0.5, prompt_gradient=prompt_gradient),
+                        model=RESNET, train=TRAIN,
                         federation=FederationConfig(rounds=1, clients_per_round=2))
     fed = open_federation(spec)
     algorithm, ctx = fed.algorithm, fed.ctx
@@ -159,17 +162,22 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_prompt_sees_the_task_only(s
     prompt_grad = algorithm._prompt.grad.detach().clone()
     front_grad = {n: p.grad.detach().clone() for n, p in front.named_parameters()}
     assert fit.cut_bytes_down == sent.numel() * 4
-    assert fit.channel.total("down", "align") == sent.numel() * 4  # the alignment term's gradient crossed too
+    # with the prompt kept from the alignment term, that term's gradient crosses too
+    assert fit.channel.total("down", "align") == (sent.numel() * 4 if prompt_gradient == "task" else 0)
 
     # the same gradients by autograd through the composed network, from the same weights
     fresh = fresh_pair()
     z = fresh.client_forward(x)
     total = algorithm.server_objective(task, plan)(back, z, y)
     align = algorithm._align_term
-    task_grad, = torch.autograd.grad(total - align, algorithm._prompt, retain_graph=True)
+    expected_prompt, = torch.autograd.grad(total - align if prompt_gradient == "task" else total,
+                                           algorithm._prompt, retain_graph=True)
+    other_prompt, = torch.autograd.grad(total if prompt_gradient == "task" else total - align,
+                                        algorithm._prompt, retain_graph=True)
     align_only = torch.autograd.grad(align, list(front.parameters()), retain_graph=True, allow_unused=True)
     grads = torch.autograd.grad(total, list(front.parameters()))
-    assert torch.allclose(prompt_grad, task_grad, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(prompt_grad, expected_prompt, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(prompt_grad, other_prompt, rtol=1e-4, atol=1e-6)  # the alignment part counts
     for (n, _), g in zip(front.named_parameters(), grads):
         assert torch.allclose(front_grad[n], g, rtol=1e-4, atol=1e-6), n
     assert any(g is not None and g.abs().sum() > 0 for g in align_only)  # the alignment term reaches the front
@@ -221,7 +229,7 @@ def test_without_harmonization_the_probe_learns_and_labels_vary(spec_factory):
 
 
 def test_calibration_and_descriptor_uploads_are_counted(spec_factory):
-    spec = spec_factory(name="bytes", algorithm=fedsga(), model=RESNET, train=TRAIN,
+    spec = spec_factory(name="bytes", algorithm=fedsga(prompt_gradient="task"), model=RESNET, train=TRAIN,
                         federation=FederationConfig(rounds=2, clients_per_round=3))
     run_fit(spec)
     from fl_lightning.elastic.models import build_model

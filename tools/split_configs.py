@@ -52,7 +52,7 @@ VARIANTS = {
     # the readings the paper leaves open (docs/fedsga.md)
     "fedsga_aux_harmon": ("FedSGA", {"harmonized_prediction": False}),
     "fedsga_copy_server": ("FedSGA", {"server_model": "copy"}),
-    "fedsga_prompt_all": ("FedSGA", {"prompt_gradient": "all"}),
+    "fedsga_prompt_task": ("FedSGA", {"prompt_gradient": "task"}),
 }
 # the middle boundary for SplitFed: FedSGA's p_ref
 SPLITFED_CUT = {"resnet18": "layer2.1", "vit_b16": "block5", "resnet18_narrow": "layer2.1", "vit_tiny": "block1"}

@@ -47,7 +47,7 @@ class FedSGA(SplitFed):
     def __init__(self, candidates: Optional[List[str]] = None, split_strategy: Strategy = "sufficiency",
                  static_cut: Optional[str] = None, adaptation_channel: bool = True,
                  sufficiency_estimator: bool = True, harmonizer: bool = True, server_model: ServerModel = "shared",
-                 harmonized_prediction: bool = True, prompt_gradient: PromptGradient = "task",
+                 harmonized_prediction: bool = True, prompt_gradient: PromptGradient = "all",
                  eval_cut: Optional[str] = None, num_prompts: int = 4,
                  prompt_width: int = 4, rho: float = 0.1, beta: float = 0.05, lambda_align: float = 0.1,
                  tau_a: float = 0.5, tau_m: float = 0.5, prototype_momentum: float = 0.9,
@@ -74,8 +74,9 @@ class FedSGA(SplitFed):
             harmonized_prediction: the server predicts ``back(z) + W phi(pool(z), e(p))`` (the
                 harmonized interface on the prediction path, Sec. 3.4); false: the alignment
                 loss only (an auxiliary reading).
-            prompt_gradient: what trains the prompt: task (the server's task loss only; the
-                alignment term's gradient is kept from it) or all (every server loss term).
+            prompt_gradient: what trains the prompt: all (every server loss term, standard
+                backpropagation, Sec. 3.5) or task (the server's task loss only; the alignment
+                term's gradient is kept from it, at one more backward of the front).
             eval_cut: the cut at which the served model (harmonized prediction) is evaluated
                 (None: p_ref); every candidate's accuracy is logged too.
             num_prompts: prompt tokens per client, m.
