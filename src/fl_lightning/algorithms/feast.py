@@ -19,12 +19,13 @@ from typing import Dict, List, Literal, Optional, Tuple, get_args
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.analysis.level_report import variant_report
 from fl_lightning.feast_protocol import (CACHE_SEGMENTS, CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS,
                                          SEARCH_MUTATION, SEARCH_POPULATION)
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.calibration import ServerCalibration
-from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 from fl_lightning.runtime.seeding import derive_seed
 
 Rule = Literal["full", "min_max_kd", "min_max", "min_only", "max_only"]
@@ -287,28 +288,13 @@ class Feast(Algorithm):
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
         """Validation scores the served variants (enough for the population figure that selects
         checkpoints); the test set scores every cached variant."""
-        indices = self.served if split == "val" else range(len(self.cache.specs))
-        per_variant = {j: self.evaluate_variant(j, split, batch_size) for j in indices}
-        population = sum(per_variant[s[-1]]["acc"] for s in self.sets) / len(self.sets)
-        out = {"acc": population, "mean_variant_acc": sum(v["acc"] for v in per_variant.values()) / len(per_variant)}
-        out.update({f"variant{j:02d}_acc": v["acc"] for j, v in per_variant.items()})
-        return out
+        variants = self.served if split == "val" else range(len(self.cache.specs))
+        return evaluate_levels(lambda j: self.evaluate_variant(j, split, batch_size), variants,
+                               [s[-1] for s in self.sets], lambda j: f"variant{j:02d}", "mean_variant_acc")
 
     def report(self, summary: dict) -> str:
         """Accuracy against MACs of every cached variant and the population accuracy (Fig. 3, Table 1)."""
-        block = summary.get("best") or summary.get("final")
-        if not block:
-            return ""
-        which = "best-validation checkpoint" if "best" in summary else "final model"
-        lines = [f"FEAST test accuracy ({which}):", f"{'variant':>7}  {'MACs':>9}  {'params':>8}  {'acc %':>6}  spec"]
-        for j, spec in enumerate(self.cache.specs):
-            acc = block.get(f"test_variant{j:02d}_acc")
-            if acc is None:
-                continue
-            params = self.cache.params[j]
-            lines.append(f"{j:7d}  {self.cache.macs[j] / 1e6:8.2f}M  {params / 1e6:7.2f}M  {100 * acc:6.2f}  {spec}")
-        lines.append(f"population accuracy under largest-affordable serving: {100 * block['test_acc']:.2f}%")
-        return "\n".join(lines)
+        return variant_report(summary, self.cache.specs, self.cache.macs, self.cache.params)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {}

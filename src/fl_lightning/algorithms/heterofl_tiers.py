@@ -16,9 +16,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from fl_lightning.algorithms.levels import assign_levels
-from fl_lightning.analysis.level_report import population_lines
 from fl_lightning.errors import ConfigError
-from fl_lightning.runtime.evaluation import evaluate
 
 HETEROFL_TIERS = (0.0625, 0.125, 0.25, 0.5, 1.0)
 """HeteroFL's width multipliers 1/16 .. 1 (FEAST Supp. E.1), smallest first."""
@@ -102,37 +100,4 @@ class TierAssignment:
         self.fallback = state["fallback"].bool().cpu()
 
 
-def evaluate_tiers(fabric, models: Sequence[torch.nn.Module], dataset, indices, num_classes: int, batch_size: int,
-                   assignment: TierAssignment) -> Dict[str, float]:
-    """Every tier on its own, and the population accuracy: the mean over all clients of the
-    accuracy of the tier each is served (``acc``, which selects checkpoints on validation)."""
-    per_tier = [evaluate(fabric, m, dataset, indices, num_classes, batch_size) for m in models]
-    if not per_tier[0]:
-        return {}
-    population = sum(per_tier[int(k)]["acc"] for k in assignment.assigned) / len(assignment.assigned)
-    out = {"acc": population, "mean_level_acc": sum(m["acc"] for m in per_tier) / len(per_tier),
-           "fallback_clients": float(assignment.fallback.sum())}
-    out.update({f"level{k + 1}_acc": m["acc"] for k, m in enumerate(per_tier)})
-    return out
-
-
-def tier_report(summary: dict, assignment: TierAssignment, bn: str) -> str:
-    """The per-tier table (width, served MACs, parameters, clients, test accuracy), the
-    population accuracy with the fallback count, and every client once under its tier."""
-    block = summary.get("best") or summary.get("final")
-    if not block:
-        return ""
-    which = "best-validation checkpoint" if "best" in summary else "final model"
-    counts = assignment.counts()
-    lines = [f"HeteroFL test accuracy ({which}, BN: {bn}):",
-             f"{'level':>5}  {'width':>6}  {'MACs':>9}  {'params':>8}  {'clients':>7}  {'acc %':>6}"]
-    for k, width in enumerate(assignment.tiers):
-        acc = block.get(f"test_level{k + 1}_acc")
-        shown = "" if acc is None else f"{100 * acc:6.2f}"
-        lines.append(f"{k + 1:5d}  {width:6.4g}  {assignment.macs[k] / 1e6:8.2f}M  {assignment.params[k] / 1e6:7.3f}M  "
-                     f"{counts[k]:7d}  {shown}")
-    lines += population_lines(block, assignment.population(), len(assignment.tiers))
-    return "\n".join(lines)
-
-
-__all__ = ["HETEROFL_TIERS", "TierAssignment", "evaluate_tiers", "tier_report"]
+__all__ = ["HETEROFL_TIERS", "TierAssignment"]

@@ -29,12 +29,12 @@ import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.levels import assign_levels
-from fl_lightning.analysis.level_report import population_lines
+from fl_lightning.analysis.level_report import scalefl_report
 from fl_lightning.bounds import is_finite_number
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.calibration import ServerCalibration
-from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -241,33 +241,20 @@ class ScaleFL(FedAvg):
         it is served (largest affordable, or level 1 as the fallback); ``acc`` is the latter."""
         data = self.ctx.data
         dataset, indices = data.split(split)
-        per_level = [evaluate(self.ctx.fabric, self.level_model(k), dataset, indices, data.bundle.num_classes,
-                              batch_size) for k in range(len(self.specs))]
-        if not per_level[0]:
-            return {}
-        population = sum(per_level[int(k)]["acc"] for k in self.assigned) / len(self.assigned)
-        out = {"acc": population, "mean_level_acc": sum(m["acc"] for m in per_level) / len(per_level),
-               "fallback_clients": float(self.fallback.sum())}
-        out.update({f"level{k + 1}_acc": m["acc"] for k, m in enumerate(per_level)})
+        out = evaluate_levels(lambda k: evaluate(self.ctx.fabric, self.level_model(k), dataset, indices,
+                                                 data.bundle.num_classes, batch_size),
+                              range(len(self.specs)), self.assigned.tolist(), lambda k: f"level{k + 1}",
+                              "mean_level_acc")
+        if out:
+            out["fallback_clients"] = float(self.fallback.sum())
         return out
 
     def report(self, summary: dict) -> str:
         """Accuracy of every level, the population accuracy, and every client once, by the level
         it is served."""
-        block = summary.get("best") or summary.get("final")
-        if not block:
-            return ""
-        which = "best-validation checkpoint" if "best" in summary else "final model"
         counts = torch.bincount(self.assigned, minlength=len(self.specs)).tolist()
-        lines = [f"ScaleFL test accuracy ({which}):",
-                 f"{'level':>5}  {'blocks':>6}  {'width':>5}  {'MACs':>9}  {'params':>8}  {'clients':>7}  {'acc %':>6}"]
-        for k, spec in enumerate(self.specs):
-            acc = block.get(f"test_level{k + 1}_acc")
-            shown = "" if acc is None else f"{100 * acc:6.2f}"
-            lines.append(f"{k + 1:5d}  {spec.depth:6d}  {spec.width:5.2f}  {self.level_macs[k] / 1e6:8.2f}M  "
-                         f"{self.costs[k]['served_params'] / 1e6:7.3f}M  {counts[k]:7d}  {shown}")
-        lines += population_lines(block, self.population(), len(self.specs))
-        return "\n".join(lines)
+        return scalefl_report(summary, self.specs, self.level_macs, [c["served_params"] for c in self.costs],
+                              counts, self.population())
 
     # -- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:

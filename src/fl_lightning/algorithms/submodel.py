@@ -345,8 +345,7 @@ class HeteroFL(SubmodelAlgorithm):
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
         """The sub-model study's global model (caps), its BN statistics per ``bn``; with budget,
         every tier and the population under largest-affordable serving."""
-        from fl_lightning.algorithms.heterofl_tiers import evaluate_tiers
-        from fl_lightning.runtime.evaluation import evaluate
+        from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 
         if self.assignment is None and self.bn == "aggregated":
             return super().evaluate(split, batch_size)
@@ -356,15 +355,21 @@ class HeteroFL(SubmodelAlgorithm):
             model = self.statistics.models([self.ctx.model.max_spec()])[0]
             return evaluate(self.ctx.fabric, model, dataset, indices, data.bundle.num_classes, batch_size)
         models = self.statistics.models(self.tier_specs)
-        return evaluate_tiers(self.ctx.fabric, models, dataset, indices, data.bundle.num_classes, batch_size,
-                              self.assignment)
+        out = evaluate_levels(lambda k: evaluate(self.ctx.fabric, models[k], dataset, indices, data.bundle.num_classes,
+                                                 batch_size),
+                              range(len(models)), self.assignment.assigned.tolist(), lambda k: f"level{k + 1}",
+                              "mean_level_acc")
+        if out:
+            out["fallback_clients"] = float(self.assignment.fallback.sum())
+        return out
 
     def report(self, summary: dict) -> str:
-        from fl_lightning.algorithms.heterofl_tiers import tier_report
+        from fl_lightning.analysis.level_report import tier_report
 
-        if self.assignment is None:
+        a = self.assignment
+        if a is None:
             return super().report(summary)
-        return tier_report(summary, self.assignment, self.bn)
+        return tier_report(summary, a.tiers, a.macs, a.params, a.counts(), a.population(), self.bn)
 
     def artifacts(self) -> Dict[str, str]:
         out = super().artifacts()

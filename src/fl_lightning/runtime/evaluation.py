@@ -1,8 +1,9 @@
-"""Accuracy and loss of a model on a dataset, shared across ranks by torchmetrics."""
+"""Accuracy and loss of a model on a dataset, shared across ranks by torchmetrics, and the
+per-level evaluation of methods that serve several models."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,3 +36,23 @@ def evaluate(fabric, model: nn.Module, dataset, indices: Optional[torch.Tensor],
             mean_loss.update(F.cross_entropy(logits, y, reduction="none"))
     model.train(was_training)
     return {"acc": accuracy.compute().item(), "loss": mean_loss.compute().item()}
+
+
+def evaluate_levels(score: Callable[[int], dict], levels: Iterable[int], served: Sequence[int],
+                    name: Callable[[int], str], mean_key: str) -> Dict[str, float]:
+    """The per-level evaluation of a method that serves each client one of several models
+    (HeteroFL tiers, ScaleFL levels, FEAST variants).
+
+    ``score(k)`` scores level ``k`` (an :func:`evaluate` result); ``served`` is the level each
+    client is served. Returns ``acc``, the population accuracy (the mean over clients of the
+    accuracy of the level each is served: what selects checkpoints on validation), the mean
+    over the scored levels under ``mean_key``, and ``<name(k)>_acc`` of every scored level;
+    empty when the split is.
+    """
+    per_level = {k: score(k) for k in levels}
+    if not all(per_level.values()):
+        return {}
+    population = sum(per_level[int(k)]["acc"] for k in served) / len(served)
+    out = {"acc": population, mean_key: sum(m["acc"] for m in per_level.values()) / len(per_level)}
+    out.update({f"{name(k)}_acc": m["acc"] for k, m in per_level.items()})
+    return out
