@@ -4,6 +4,7 @@ clients' class-averaged representations; clients keep their own feature extracto
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -22,6 +23,16 @@ from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator
 
 TRAINED = "fedgh/trained"  # per-client flag in the store: 1 once the client holds a trained body
+
+
+@dataclass
+class Prototypes:
+    """What a FedGH client uploads: its per-class mean representations."""
+
+    means: torch.Tensor
+    """``[C, D]``; rows of classes the client does not hold are zero and are not sent."""
+    present: torch.Tensor
+    """``[C]`` float mask of the classes the client holds."""
 
 
 class FedGH(FedAvg):
@@ -117,21 +128,20 @@ class FedGH(FedAvg):
         protos, counts = class_prototypes(self.worker, self.worker_classifier, shard.dataset, shard.indices,
                                           ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
                                           batch_stats=True)
-        self._pending = (task.client, protos, (counts > 0).float())  # kept if committed
         present = counts > 0
         channel = Channel()  # the global header comes down; each present class's prototype and label go up
         channel.send_state(DOWN, "model", self.global_state, self.head_keys)
         channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
         return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel)
+                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel,
+                            payload=Prototypes(protos, present.float()))
 
     def commit(self, acc, task, result, plan):
-        local = self.worker.state_dict()
+        local = result.update.module.state_dict()
         state = {k: local[k].detach().clone() for k in self.body_keys}
         state[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
         self.store.set(task.client, state)
-        client, protos, mask = self._pending
-        self._protos[client] = (protos, mask)
+        self._protos[task.client] = (result.payload.means, result.payload.present)
 
     def round_tensors(self):
         """Every committed client's prototypes and class mask, summed across ranks (clients a

@@ -21,7 +21,8 @@ Every formula and the choices the paper leaves open: docs/fedsga.md.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Literal, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
@@ -39,6 +40,20 @@ ServerModel = Literal["shared", "copy"]
 PromptGradient = Literal["task", "all"]
 # seed streams: probe batches, random splits, harmonizer and estimator initialization
 PROBE_STREAM, SPLIT_STREAM, INIT_STREAM = 22, 23, 24
+
+
+@dataclass
+class NextClientState:
+    """What a FedSGA client fit hands the server for its per-client store, applied when the
+    result is committed (a non-finite result leaves the store as it was)."""
+
+    store: Dict[str, torch.Tensor]
+    """The client's new store entry: prompt, descriptor, its flag and the probe features."""
+    old_descriptor: torch.Tensor
+    """The descriptor the round's plan used, paired with this round's calibration label."""
+    had_descriptor: bool
+    sufficient: Optional[float]
+    """The calibration label of this round (None outside calibration rounds)."""
 
 
 class FedSGA(SplitFed):
@@ -241,7 +256,6 @@ class FedSGA(SplitFed):
         self._proto_sums = torch.zeros_like(h.prototypes, dtype=torch.float64)
         self._proto_counts = torch.zeros(h.prototypes.shape[0], dtype=torch.float64, device=h.prototypes.device)
         self._cal_pairs = torch.zeros(self.ctx.num_clients, 5, dtype=torch.float64, device=h.prototypes.device)
-        self._pending: Dict[int, dict] = {}
         self._trained_here = False
 
     # -- the plan -------------------------------------------------------------------------------
@@ -340,7 +354,8 @@ class FedSGA(SplitFed):
         if calibration_sent:
             result.channel.up("calibration", *calibration_sent)
         result.metrics.update(calibration)
-        result.metrics.update(self._after_fit(task, calibration, result.channel))
+        figures, result.payload = self._after_fit(task, calibration, result.channel)
+        result.metrics.update(figures)
         return result
 
     def client_forward(self, front, task):
@@ -437,11 +452,11 @@ class FedSGA(SplitFed):
         return loss
 
     @torch.no_grad()
-    def _after_fit(self, task: ClientTask, calibration: dict, channel: Channel) -> Dict[str, float]:
+    def _after_fit(self, task: ClientTask, calibration: dict, channel: Channel) -> Tuple[Dict[str, float], "NextClientState"]:
         """Descriptors on the probe batch with the trained front and prompt (batch norm on the
         probe batch's statistics, as the interface is computed in training; the client uploads
         the shallow interface and the labels); the client's new store entry waits in
-        ``_pending`` until the result is committed."""
+        the result's payload (:class:`NextClientState`) until the result is committed."""
         from fl_lightning.elastic.bn import batch_statistics
         from fl_lightning.modules.harmonizer import pool_interface
         from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
@@ -463,21 +478,21 @@ class FedSGA(SplitFed):
         else:
             variation = 0.0
         descriptor = torch.tensor([alignment, stability, variation], device=state["descriptor"].device)
-        self._pending[task.client] = {
-            "prompt": self._prompt.detach().clone(), "descriptor": descriptor,
-            "has_descriptor": torch.ones_like(state["has_descriptor"]), "probe_features": pooled.to(state["probe_features"]),
-            "old_descriptor": state["descriptor"].clone(), "had_descriptor": bool(state["has_descriptor"].item()),
-            "sufficient": calibration.get("sufficient"),
-        }
+        payload = NextClientState(
+            store={"prompt": self._prompt.detach().clone(), "descriptor": descriptor,
+                   "has_descriptor": torch.ones_like(state["has_descriptor"]),
+                   "probe_features": pooled.to(state["probe_features"])},
+            old_descriptor=state["descriptor"].clone(), had_descriptor=bool(state["has_descriptor"].item()),
+            sufficient=calibration.get("sufficient"))
         figures = {"cut": task.options["index"], "alignment": alignment, "stability": stability,
                    "prompt_variation": variation, "prompt_norm": float(self._prompt.detach().norm())}
         if "r" in task.options:
             figures["r"] = task.options["r"]
-        return figures
+        return figures, payload
 
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)
-        pending = self._pending.pop(task.client)
+        pending: NextClientState = result.payload
         weight = float(result.num_samples)
         if self.version == "v1":  # server copies: the projector and prototypes are averaged
             for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
@@ -485,11 +500,11 @@ class FedSGA(SplitFed):
             self._harm_weight += weight
             self._proto_sums += self._class_counts[:, None] * self.harmonizer_worker.prototypes.double()
             self._proto_counts += self._class_counts
-        if pending["sufficient"] is not None and pending["had_descriptor"]:
-            self._cal_pairs[task.client, :3] = pending["old_descriptor"].double()
-            self._cal_pairs[task.client, 3] = pending["sufficient"]
+        if pending.sufficient is not None and pending.had_descriptor:
+            self._cal_pairs[task.client, :3] = pending.old_descriptor.double()
+            self._cal_pairs[task.client, 3] = pending.sufficient
             self._cal_pairs[task.client, 4] = 1.0
-        self.store.set(task.client, {k: pending[k] for k in ("prompt", "descriptor", "has_descriptor", "probe_features")})
+        self.store.set(task.client, pending.store)
 
     # -- the server's round end -----------------------------------------------------------------
     def round_tensors(self) -> Dict[str, torch.Tensor]:

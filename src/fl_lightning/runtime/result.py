@@ -34,6 +34,9 @@ class ClientResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     channel: Channel = field(default_factory=Channel)
     """Everything that crossed between the server and this client in the round."""
+    payload: Any = None
+    """What else the client hands the server, as the method's own typed record (FedGH's
+    prototypes, FedSGA's next per-client state); ``commit`` reads it."""
 
     @property
     def steps(self) -> int:
