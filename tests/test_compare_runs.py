@@ -1,0 +1,50 @@
+"""The before/after tools: which configs a recording runs, and the comparison of two runs'
+figures (wall times left out, deliberate renames ignorable)."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import compare_runs  # noqa: E402
+import record_runs  # noqa: E402
+
+
+def write_run(folder: Path, metrics, clients):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    (folder / "clients.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clients))
+
+
+def test_recording_takes_the_offline_configs_and_names_runs_after_their_paths():
+    configs = {str(c) for c in record_runs.offline_configs(ROOT)}
+    assert "configs/fedavg_digits.yaml" in configs and "configs/quickstart.yaml" in configs
+    assert "configs/split/offline/mnist_subset/resnet18_narrow/fedsga.yaml" in configs
+    assert "configs/feast_cifar100.yaml" not in configs  # needs a download
+    assert not any(c.startswith("configs/feast/ablation/") for c in configs)  # overlays name no data
+    assert record_runs.run_name(Path("configs/supernet/offline/synthetic/feast.yaml")) == "supernet_offline_synthetic_feast"
+
+
+def test_identical_figures_pass_and_times_do_not_count(tmp_path, capsys):
+    write_run(tmp_path / "a" / "x", [{"round": 0, "test_acc": 0.5, "round_seconds": 1.0}],
+              [{"client": 3, "loss": 0.25, "seconds": 2.0, "bytes_up": 40}])
+    write_run(tmp_path / "b" / "x", [{"round": 0, "test_acc": 0.5, "round_seconds": 9.0}],
+              [{"client": 3, "loss": 0.25, "seconds": 7.0, "bytes_up": 40}])
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "x: identical" in capsys.readouterr().out
+
+
+def test_a_changed_figure_is_named_unless_ignored(tmp_path, capsys):
+    write_run(tmp_path / "a" / "x", [{"round": 0, "test_acc": 0.5, "sum/model_bytes": 8}],
+              [{"client": 3, "loss": 0.25, "model_bytes": 8}])
+    write_run(tmp_path / "b" / "x", [{"round": 0, "test_acc": 0.5, "sum/model_bytes_up": 8}],
+              [{"client": 3, "loss": 0.25, "model_bytes_up": 8}])
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "metrics.jsonl row 0: sum/model_bytes 8 against None" in capsys.readouterr().out
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--ignore", "model_bytes",
+                              "model_bytes_up"]) == 0
+    write_run(tmp_path / "c" / "x", [{"round": 0, "test_acc": 0.5000001, "sum/model_bytes": 8}],
+              [{"client": 3, "loss": 0.25, "model_bytes": 8}])
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "c")]) == 1
