@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
-from fl_lightning.algorithms.fedas import FedAS, alignment_loss
+from fl_lightning.algorithms.fedas import TRAINED, FedAS, alignment_loss
 from fl_lightning.algorithms.fedbabu import FedBABU
 from fl_lightning.algorithms.fedgh import FedGH
 from fl_lightning.algorithms.fedmut import FedMut, balanced_signs
@@ -314,7 +314,7 @@ def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec
     client = alg.plan(0).cohort[0]
     fed.run_round(0)
     shard = ctx.shards[client]
-    alg._load(alg.trained(client), alg.global_state.keys())
+    alg._load(alg.store.kept(client, TRAINED), alg.global_state.keys())
     prototypes, counts = class_prototypes(alg.worker, alg.classifier, shard.dataset, shard.indices,
                                           ctx.num_classes, 16, batch_stats=True)
     alg._load(alg.global_state, alg.global_state.keys())

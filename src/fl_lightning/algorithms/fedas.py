@@ -139,11 +139,6 @@ class FedAS(FedAvg):
         self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in self.global_state.items()},
                                                TRAINED: torch.zeros((), device=ctx.fabric.device)})
 
-    def trained(self, client: int) -> Optional[Dict[str, torch.Tensor]]:
-        """The client's stored local model, or None while it holds the initial one."""
-        state = self.store.states.get(client)
-        return state if state is not None and float(state[TRAINED]) > 0 else None
-
     def _load(self, state: Dict[str, torch.Tensor], keys) -> None:
         local = self.worker.state_dict()
         with torch.no_grad():
@@ -154,7 +149,7 @@ class FedAS(FedAvg):
     def fit_client(self, task, plan):
         ctx = self.ctx
         shard = ctx.shards[task.client]
-        stored = self.trained(task.client)
+        stored = self.store.kept(task.client, TRAINED)
         previous = stored if stored is not None else self.init_state
         align_loss = 0.0
         if self.align_epochs > 0 and (stored is not None or self.align_unseen):
@@ -226,13 +221,13 @@ class FedAS(FedAvg):
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, split, batch_size):
         overall = super().evaluate(split, batch_size)
-        clients = sorted(c for c in self.store.states if self.trained(c) is not None)
+        clients = sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None)
         if not clients:
             return {**overall, **{f"global_{k}": v for k, v in overall.items()}}
         dataset, indices = self.ctx.data.split(split)
 
         def personal(client: int):
-            self._load(self.trained(client), self.global_state.keys())
+            self._load(self.store.kept(client, TRAINED), self.global_state.keys())
             return self.worker
 
         scores = mean_client_scores(self.ctx.fabric, clients, personal, dataset, indices, batch_size)
@@ -240,7 +235,7 @@ class FedAS(FedAvg):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
-        return {f"clients/{k}": v for k, v in self.store.state_dict().items()}
+        return self.store.state_dict()
 
     def load_state_dict(self, state):
-        self.store.load_state_dict({k[len("clients/"):]: v for k, v in state.items() if k.startswith("clients/")})
+        self.store.load_state_dict(state)

@@ -89,11 +89,6 @@ class FedGH(FedAvg):
         self._cohort: List[int] = []
         self._protos: Dict[int, tuple] = {}
 
-    def trained(self, client: int) -> Optional[Dict[str, torch.Tensor]]:
-        """The client's stored body, or None while it holds the initial one."""
-        state = self.store.states.get(client)
-        return state if state is not None and float(state[TRAINED]) > 0 else None
-
     def new_accumulator(self):
         return SparseAccumulator({}, dense=True)  # nothing is averaged
 
@@ -107,7 +102,7 @@ class FedGH(FedAvg):
         """The client's model: its own body (the initial one until it has trained) with the
         current global header."""
         load_routed_state(self.worker, self.global_state, self.worker_regions)
-        body = self.trained(task.client)
+        body = self.store.kept(task.client, TRAINED)
         if body is not None:
             local = self.worker.state_dict()
             with torch.no_grad():
@@ -186,7 +181,7 @@ class FedGH(FedAvg):
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, split, batch_size):
-        clients = sorted(c for c in self.store.states if self.trained(c) is not None)
+        clients = sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None)
         if not clients:
             return super().evaluate(split, batch_size)
         dataset, indices = self.ctx.data.split(split)
@@ -200,7 +195,7 @@ class FedGH(FedAvg):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
-        return {f"clients/{k}": v for k, v in self.store.state_dict().items()}
+        return self.store.state_dict()
 
     def load_state_dict(self, state):
-        self.store.load_state_dict({k[len("clients/"):]: v for k, v in state.items() if k.startswith("clients/")})
+        self.store.load_state_dict(state)

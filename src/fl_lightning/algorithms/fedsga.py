@@ -584,7 +584,7 @@ class FedSGA(SplitFed):
         state.update({f"harmonizer/{k}": v for k, v in self.harmonizer.state_dict().items()})
         state.update({f"estimator/{k}": v for k, v in self.estimator.state_dict().items()})
         state["calibration_pairs"] = self.pairs
-        state.update({f"clients/{k}": v for k, v in self.store.state_dict().items()})
+        state.update(self.store.state_dict())
         return state
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
@@ -595,4 +595,4 @@ class FedSGA(SplitFed):
         self.harmonizer.load_state_dict(part("harmonizer/"))
         self.estimator.load_state_dict(part("estimator/"))
         self.pairs = state["calibration_pairs"].to(torch.float64)
-        self.store.load_state_dict(part("clients/"))
+        self.store.load_state_dict(state)

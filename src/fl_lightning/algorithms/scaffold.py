@@ -82,10 +82,10 @@ class Scaffold(FedAvg):
 
     def state_dict(self):
         state = {f"c/{k}": v for k, v in self.c.items()}
-        state.update({f"clients/{k}": v for k, v in self.store.state_dict().items()})
+        state.update(self.store.state_dict())
         return state
 
     def load_state_dict(self, state):
         for k in self.c:
             self.c[k].copy_(state[f"c/{k}"])
-        self.store.load_state_dict({k[len("clients/"):]: v for k, v in state.items() if k.startswith("clients/")})
+        self.store.load_state_dict(state)

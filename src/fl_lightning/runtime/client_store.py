@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Mapping
+from typing import Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 
 from fl_lightning.runtime.collectives import all_reduce_sum
 
 ClientState = Dict[str, torch.Tensor]
+PREFIX = "clients/"  # where a store's entries sit in an algorithm's checkpointed state
 
 
 class ClientStateStore:
@@ -45,11 +46,22 @@ class ClientStateStore:
         for client in cohort:
             self.states[client] = {k: reduced[f"{client}/{k}"] for k in self.get(client)}
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {f"{client}/{key}": value for client, state in self.states.items() for key, value in state.items()}
+    def kept(self, client: int, flag: str) -> Optional[ClientState]:
+        """The client's state when its ``flag`` entry is set (e.g. once it holds a trained
+        model), else None."""
+        state = self.states.get(client)
+        return state if state is not None and float(state[flag]) > 0 else None
 
-    def load_state_dict(self, flat: Mapping[str, torch.Tensor]) -> None:
+    # -- checkpoint: every entry under ``prefix`` + "<client>/<key>" ---------------------------------
+    def state_dict(self, prefix: str = PREFIX) -> Dict[str, torch.Tensor]:
+        return {f"{prefix}{client}/{key}": value for client, state in self.states.items()
+                for key, value in state.items()}
+
+    def load_state_dict(self, flat: Mapping[str, torch.Tensor], prefix: str = PREFIX) -> None:
+        """Load the entries of ``flat`` under ``prefix`` (an algorithm's whole state may hold others)."""
         self.states = {}
         for name, value in flat.items():
-            client, key = name.split("/", 1)
+            if not name.startswith(prefix):
+                continue
+            client, key = name[len(prefix):].split("/", 1)
             self.states.setdefault(int(client), {})[key] = value
