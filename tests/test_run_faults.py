@@ -157,7 +157,14 @@ def _start_fit(argv: list, new_session: bool = False) -> subprocess.Popen:
     """``new_session``: the fit and the ranks it forks form their own process group, as a job does."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.Popen([sys.executable, "-m", "fl_lightning", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
+                            stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+                            preexec_fn=_terminal_signals)
+
+
+def _terminal_signals() -> None:
+    """SIGINT as a terminal's job has it: a test suite started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
