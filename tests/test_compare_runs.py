@@ -48,3 +48,17 @@ def test_a_changed_figure_is_named_unless_ignored(tmp_path, capsys):
     write_run(tmp_path / "c" / "x", [{"round": 0, "test_acc": 0.5000001, "sum/model_bytes": 8}],
               [{"client": 3, "loss": 0.25, "model_bytes": 8}])
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "c")]) == 1
+
+
+def test_bad_recording_options_stop_in_one_line_before_anything_is_written(tmp_path, capsys):
+    import pytest
+
+    out = tmp_path / "runs"
+    for argv in (["--rounds", "0"], ["--rounds", "two"]):
+        with pytest.raises(SystemExit) as stop:
+            record_runs.main([str(out), *argv])
+        assert stop.value.code == 2 and "--rounds" in capsys.readouterr().err
+    assert record_runs.main([str(out), "--configs", "configs/missing.yaml"]) == 2
+    assert capsys.readouterr().err.startswith("error: configs: configs/missing.yaml")
+    assert record_runs.main([str(out), "--root", str(tmp_path / "nowhere")]) == 2
+    assert not out.exists()

@@ -9,8 +9,8 @@
 Each config runs ``--federation.rounds 2 --eval.every 1`` (``--rounds`` changes it) on one
 rank and one thread, from the root of the checkout given (its ``src`` and ``configs``), into
 ``OUT/<config path with / as _>``; finished runs are skipped, so a stopped recording continues.
-"Offline" configs are those whose ``data.name`` needs no download (``--configs`` names
-others: files or folders).
+"Offline" configs are those whose data is on this machine (the loader's own check, no
+download); the others are listed as skipped. ``--configs`` names files or folders instead.
 """
 
 from __future__ import annotations
@@ -23,22 +23,48 @@ from pathlib import Path
 
 import yaml
 
+from fl_lightning.data.datasets import check_dataset
+from fl_lightning.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
-OFFLINE_DATA = ("digits", "mnist_subset", "synthetic", "shakespeare")
 
 
-def data_name(config: Path):
+def data_section(config: Path):
+    """The config's ``data`` mapping, or None (an overlay that names no data)."""
     try:
         loaded = yaml.safe_load(config.read_text())
     except yaml.YAMLError:
         return None
     data = loaded.get("data") if isinstance(loaded, dict) else None
-    return data.get("name") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) and "name" in data else None
 
 
-def offline_configs(root: Path) -> list:
-    """Every full config (one that names its data) of ``root/configs`` on offline data."""
-    return sorted(p.relative_to(root) for p in (root / "configs").rglob("*.yaml") if data_name(p) in OFFLINE_DATA)
+def missing_data(data: dict, root: Path):
+    """Why the dataset of a config's ``data`` section cannot load here without a download
+    (None: it can)."""
+    folder = Path(data.get("root", "data"))
+    try:
+        check_dataset(data["name"], str(folder if folder.is_absolute() else root / folder), False,
+                      **(data.get("options") or {}))
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def offline_configs(root: Path, skipped: list = None) -> list:
+    """Every full config of ``root/configs`` whose data is here; the others go to ``skipped``
+    as ``(config, why)``."""
+    chosen = []
+    for path in sorted((root / "configs").rglob("*.yaml")):
+        data = data_section(path)
+        if data is None:
+            continue
+        why = missing_data(data, root)
+        if why is None:
+            chosen.append(path.relative_to(root))
+        elif skipped is not None:
+            skipped.append((path.relative_to(root), why))
+    return chosen
 
 
 def chosen_configs(root: Path, names) -> list:
@@ -46,12 +72,22 @@ def chosen_configs(root: Path, names) -> list:
     for name in names:
         path = root / name
         if path.is_dir():
-            out += sorted(p.relative_to(root) for p in path.rglob("*.yaml") if data_name(p))
+            out += sorted(p.relative_to(root) for p in path.rglob("*.yaml") if data_section(p))
         elif path.is_file():
             out.append(Path(name))
         else:
-            raise SystemExit(f"error: --configs: {name} is neither a file nor a folder under {root}")
+            raise ConfigError("configs", f"{name} is neither a file nor a folder under {root}")
     return out
+
+
+def at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def run_name(config: Path) -> str:
@@ -64,13 +100,20 @@ def main(argv=None) -> int:
     parser.add_argument("out", type=Path, help="folder for the run folders")
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout whose src/ and configs/ run (default: this one)")
     parser.add_argument("--configs", nargs="+", help="config files or folders relative to the root (default: every offline config)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=at_least_one, default=2)
     args = parser.parse_args(argv)
     root = args.root.resolve()
     if not (root / "src" / "fl_lightning").is_dir():
-        print(f"error: --root: {root} has no src/fl_lightning", file=sys.stderr)
+        print(f"error: root: {root} has no src/fl_lightning", file=sys.stderr)
         return 2
-    configs = chosen_configs(root, args.configs) if args.configs else offline_configs(root)
+    skipped = []
+    try:  # every config is known before anything is written
+        configs = chosen_configs(root, args.configs) if args.configs else offline_configs(root, skipped)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for config, why in skipped:
+        print(f"{config}: skipped, its data is not here ({why})")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
