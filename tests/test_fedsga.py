@@ -156,8 +156,7 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
 
     pair = fresh_pair()
     fit = SplitFit(len(y))
-    rule = lambda fabric, pair, sent, y, cfg, index: algorithm._server_rule(fabric, pair, sent, y, cfg, fit.channel)
-    split_step(pair, rule)(ctx.fabric, 0, x, y, fit, ctx.train)
+    split_step(pair, algorithm._server_rule)(ctx.fabric, 0, x, y, fit, ctx.train)
     front = pair.client_module
     prompt_grad = algorithm._prompt.grad.detach().clone()
     front_grad = {n: p.grad.detach().clone() for n, p in front.named_parameters()}

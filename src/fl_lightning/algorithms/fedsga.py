@@ -307,9 +307,9 @@ class FedSGA(SplitFed):
         return self.prompts.apply(front, prompt) if self.adaptation_channel else front
 
     @torch.no_grad()
-    def _probe_losses(self, client: int, prompt: torch.Tensor) -> tuple[float, float, int]:
-        """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch,
-        and what the client uploads for them (both interfaces and the labels).
+    def _probe_losses(self, client: int, prompt: torch.Tensor, channel: Channel) -> Tuple[float, float]:
+        """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch;
+        what the client uploads for them (both interfaces and the labels) crosses ``channel``.
 
         The network computes the same prediction wherever it is cut, so the probe is not the
         task loss: it is the harmonizer's prototype classifier read at each depth (the
@@ -322,15 +322,16 @@ class FedSGA(SplitFed):
 
         model = self.ctx.model
         x, y = self._probe(client)
-        losses, sent = [], [y]
+        losses = []
+        channel.up("calibration", y)
         with batch_statistics(model):
             for depth in (0, self.ref_index):
                 front, _ = model.split(self.cuts[depth])
                 with self.ctx.fabric.autocast():
                     interface = self._prompted(front, prompt)(x)
                 losses.append(self.harmonizer.probe_loss(interface, y, depth))
-                sent.append(interface)
-        return losses[0], losses[1], sent
+                channel.up("calibration", interface)
+        return losses[0], losses[1]
 
     def fit_client(self, task: ClientTask, plan: RoundPlan):
         from fl_lightning.modules.sufficiency import sufficiency_label
@@ -345,14 +346,13 @@ class FedSGA(SplitFed):
         if self.version == "v1" or task is plan.tasks[0]:  # shared: one harmonizer carried through the round
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
         self._trained_here = True
-        calibration, calibration_sent = {}, []
+        calibration, calibration_link = {}, Channel()
         if task.options.get("calibrate"):
-            loss_p1, loss_ref, calibration_sent = self._probe_losses(task.client, self._prompt.detach())
+            loss_p1, loss_ref = self._probe_losses(task.client, self._prompt.detach(), calibration_link)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
                            "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta))}
         result = super().fit_client(task, plan)
-        if calibration_sent:
-            result.channel.up("calibration", *calibration_sent)
+        result.channel.merge(calibration_link)
         result.metrics.update(calibration)
         figures, result.payload = self._after_fit(task, calibration, result.channel)
         result.metrics.update(figures)
@@ -406,25 +406,21 @@ class FedSGA(SplitFed):
 
     def train_pass(self, task, plan, pair):
         """The standard split step with FedSGA's server rule (``modules/split.py``)."""
-        from fl_lightning.modules.split import SplitFit, split_step, train_split
+        from fl_lightning.modules.split import split_step, train_split
         from fl_lightning.runtime.seeding import client_generator
 
         ctx = self.ctx
-        fit = SplitFit(len(ctx.shards[task.client]))
+        return train_split(ctx.fabric, split_step(pair, self._server_rule), ctx.shards[task.client], ctx.train,
+                           client_generator(ctx.seed, plan.round_idx, task.client))
 
-        def rule(fabric, pair, sent, y, cfg, index):
-            return self._server_rule(fabric, pair, sent, y, cfg, fit.channel)
-        return train_split(ctx.fabric, split_step(pair, rule), ctx.shards[task.client], ctx.train,
-                           client_generator(ctx.seed, plan.round_idx, task.client), fit)
-
-    def _server_rule(self, fabric, pair, sent, y, cfg, channel):
+    def _server_rule(self, fabric, pair, sent, y, cfg, index, fit):
         """One server step; with the prompt kept from the alignment term, that term's gradient at
         the cut is sent down too, beside the total (``client_backward`` uses it)."""
         with fabric.autocast():
             loss = pair.server_loss(sent, y)
         if self._blocks_alignment_from_prompt() and self._align_term is not None:
             self._align_grad, = torch.autograd.grad(self._align_term, sent, retain_graph=True)
-            channel.down("align", self._align_grad)
+            fit.channel.down("align", self._align_grad)
         self._align_term = None
         fabric.backward(loss)
         pair.clip_server(fabric, cfg)

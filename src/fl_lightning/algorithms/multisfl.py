@@ -26,7 +26,7 @@ from fl_lightning.algorithms.split_common import key_regions, label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
-from fl_lightning.runtime.channel import DOWN, UP, Channel
+from fl_lightning.runtime.channel import DOWN, UP, Channel, state_bytes
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
@@ -209,7 +209,8 @@ class MultiSFL(SplitFed):
 
         ctx, cut, branch = self.ctx, task.cut, task.options["branch"]
         state = self.branches[branch]
-        front_regions = key_regions(state, self.halves.front(cut))
+        front_keys = self.halves.front(cut)
+        front_regions = key_regions(state, front_keys)
         pair = self.make_pair(task, plan, state=state)
         self.helper_worker.train()
         helper_front, _ = self.helper_worker.split(cut)
@@ -222,12 +223,11 @@ class MultiSFL(SplitFed):
                 helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
 
         assistant_link = Channel()  # the assistant devices' traffic, apart from the client's own
+        front_bytes = state_bytes(state, front_keys)  # the client portion, as each assistant receives it
 
         def refresh_helper():  # the assistants receive the client portion as it is now
-            front = self.client_worker.state_dict()
-            load_routed_state(self.helper_worker, front, front_regions)
-            for _ in range(assistants):
-                assistant_link.send_state(DOWN, "model", front, self.halves.front(cut))
+            load_routed_state(self.helper_worker, self.client_worker.state_dict(), front_regions)
+            assistant_link.count(DOWN, "model", assistants * front_bytes)
 
         replay = Replay(self.client_forward(helper_front, task), refresh_helper, helper_data,
                         torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),

@@ -169,12 +169,13 @@ def apply_feedback(fabric, pair: SplitPair, z: torch.Tensor, grad: torch.Tensor,
 
 
 ServerRule = Callable[..., tuple]
-"""``rule(fabric, pair, sent, y, cfg, index) -> (loss, gradient at the cut)``: how the server
-half learns from one received batch (``index``: the batch's position in the client round)."""
+"""``rule(fabric, pair, sent, y, cfg, index, fit) -> (loss, gradient at the cut)``: how the
+server half learns from one received batch (``index``: the batch's position in the client
+round; ``fit``: the client round's figures and channel, for what else the rule sends)."""
 
 
 def one_step(fabric, pair: SplitPair, sent: torch.Tensor, y: torch.Tensor, cfg: LocalTrainConfig,
-             index: int) -> tuple:
+             index: int, fit: SplitFit) -> tuple:
     """One server step on the received batch; the feedback is the gradient at the cut."""
     with fabric.autocast():
         loss = pair.server_loss(sent, y)
@@ -193,7 +194,7 @@ def split_step(pair: SplitPair, rule: ServerRule = one_step) -> Callable:
         t0 = time.perf_counter()
         z, sent = send_activation(fabric, pair, x, y, fit)
         t1 = time.perf_counter()
-        loss, grad = rule(fabric, pair, sent, y, cfg, index)
+        loss, grad = rule(fabric, pair, sent, y, cfg, index, fit)
         t2 = time.perf_counter()
         apply_feedback(fabric, pair, z, grad, fit, cfg)
         fit.client_seconds += (t1 - t0) + (time.perf_counter() - t2)

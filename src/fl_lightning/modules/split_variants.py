@@ -96,7 +96,7 @@ def unbalanced(tau: int, feedback_at: FeedbackAt = "end") -> Callable:
     steps: one more server forward and backward, no step). The loss reported is the first step's.
     """
 
-    def rule(fabric, pair: SplitPair, sent, y, cfg, index, fit: Optional[SplitFit] = None):
+    def rule(fabric, pair: SplitPair, sent, y, cfg, index, fit: SplitFit):
         feedback, first_loss = None, None
         for k in range(tau):
             pair.server_optimizer.zero_grad(set_to_none=True)
@@ -223,15 +223,15 @@ class Replay:
 
     def __init__(self, helper_forward: Callable, refresh_helper: Callable[[], None],
                  helper_data: Optional[ClientData], helper_generator: torch.Generator, per_epoch: int,
-                 channel: Optional[Channel] = None):
+                 channel: Channel):
         self.helper_forward, self.refresh_helper = helper_forward, refresh_helper
         self.helper_data, self.helper_generator, self.per_epoch = helper_data, helper_generator, per_epoch
         self.chunks: list = []
-        self.channel = channel if channel is not None else Channel()
+        self.channel = channel
         """The assistant devices' link: their activations and labels go up as ``replay``."""
         self.examples = 0
 
-    def __call__(self, fabric, pair: SplitPair, sent, y, cfg, index):
+    def __call__(self, fabric, pair: SplitPair, sent, y, cfg, index, fit: SplitFit):
         position = index % self.per_epoch
         if position == 0 and self.helper_data is not None:
             self.refresh_helper()

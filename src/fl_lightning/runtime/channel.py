@@ -61,6 +61,11 @@ class Channel:
             raise ValueError(f"direction must be {DOWN!r} or {UP!r}, not {direction!r}")
         self.counts[direction, kind] = self.counts.get((direction, kind), 0) + int(nbytes)
 
+    def merge(self, other: "Channel") -> None:
+        """Add what crossed ``other`` (the same client's link, counted apart)."""
+        for (direction, kind), nbytes in other.counts.items():
+            self.count(direction, kind, nbytes)
+
     # -- what it reports ------------------------------------------------------------------------
     def total(self, direction: str, kind: Optional[str] = None) -> int:
         return sum(n for (d, k), n in self.counts.items() if d == direction and kind in (None, k))

@@ -52,16 +52,16 @@ class ClientStateStore:
         state = self.states.get(client)
         return state if state is not None and float(state[flag]) > 0 else None
 
-    # -- checkpoint: every entry under ``prefix`` + "<client>/<key>" ---------------------------------
-    def state_dict(self, prefix: str = PREFIX) -> Dict[str, torch.Tensor]:
-        return {f"{prefix}{client}/{key}": value for client, state in self.states.items()
+    # -- checkpoint: every entry as PREFIX + "<client>/<key>" ------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {f"{PREFIX}{client}/{key}": value for client, state in self.states.items()
                 for key, value in state.items()}
 
-    def load_state_dict(self, flat: Mapping[str, torch.Tensor], prefix: str = PREFIX) -> None:
-        """Load the entries of ``flat`` under ``prefix`` (an algorithm's whole state may hold others)."""
+    def load_state_dict(self, flat: Mapping[str, torch.Tensor]) -> None:
+        """Load the entries of ``flat`` under PREFIX (an algorithm's whole state may hold others)."""
         self.states = {}
         for name, value in flat.items():
-            if not name.startswith(prefix):
+            if not name.startswith(PREFIX):
                 continue
-            client, key = name[len(prefix):].split("/", 1)
+            client, key = name[len(PREFIX):].split("/", 1)
             self.states.setdefault(int(client), {})[key] = value

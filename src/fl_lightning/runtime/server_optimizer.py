@@ -21,6 +21,7 @@ import torch
 from fl_lightning.errors import ConfigError
 
 OptimizerName = Literal["sgd", "adagrad", "adam", "yogi"]
+PREFIX = "server_opt/"  # where the optimiser's state sits in an algorithm's checkpointed state
 
 
 class Yogi(torch.optim.Optimizer):
@@ -118,17 +119,17 @@ class ServerStep:
             for name in self.parameters:
                 self.global_state[name].grad = None
 
-    def state_dict(self, prefix: str = "server_opt/") -> Dict[str, torch.Tensor]:
+    def state_dict(self) -> Dict[str, torch.Tensor]:
         """The optimiser's per-parameter state as named tensors (for the checkpoint)."""
         state = self.optimizer.state_dict()["state"]
-        return {f"{prefix}{self.parameters[i]}/{k}": v for i, entry in state.items() for k, v in entry.items()}
+        return {f"{PREFIX}{self.parameters[i]}/{k}": v for i, entry in state.items() for k, v in entry.items()}
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor], prefix: str = "server_opt/") -> None:
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         index = {name: i for i, name in enumerate(self.parameters)}
         per_param: Dict[int, Dict[str, torch.Tensor]] = {}
         for key, value in state.items():
-            if key.startswith(prefix):
-                name, _, field = key[len(prefix):].rpartition("/")
+            if key.startswith(PREFIX):
+                name, _, field = key[len(PREFIX):].rpartition("/")
                 per_param.setdefault(index[name], {})[field] = value.clone()
         groups = self.optimizer.state_dict()["param_groups"]
         self.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
