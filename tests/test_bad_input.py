@@ -693,7 +693,7 @@ def test_model_that_would_not_fit_in_memory_names_the_figure(tmp_path, capsys, m
 def test_negative_value_after_a_space_is_read_as_a_value(tmp_path, capsys):
     line = fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--train.lr", "-inf"], capsys, "train.lr",
                          tmp_path)
-    assert "must be a finite number, got -inf" in line and "command" not in line
+    assert "must be a finite number > 0, got -inf" in line and "command" not in line
 
 
 def test_duplicate_key_names_the_file_and_lines(tmp_path, inputs, capsys):

@@ -254,3 +254,79 @@ def test_help_lists_every_model_and_dataset_option(capsys):
         main(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "ofa_resnet: block=" in text and "synthetic: num_classes=10" in text
+
+
+def test_option_types_accept_what_they_name_and_refuse_the_rest():
+    from fl_lightning.option_types import INT_LIMIT, PositiveInt, Range, UnitFraction, number_type, parse_number
+
+    def parse(base, span, value):
+        try:
+            return parse_number(base, span, value)
+        except ValueError as error:
+            return str(error)
+
+    at_least_one, unit = Range(low=1), Range(low=0, high=1, low_open=True)
+    assert parse(int, at_least_one, "5") == 5 and type(parse(int, at_least_one, "5")) is int
+    assert parse(float, unit, 1) == 1.0 and type(parse(float, unit, 1)) is float
+    assert parse(int, at_least_one, 0) == "must be an integer >= 1, got 0"
+    assert parse(int, at_least_one, 1.5).startswith("must be an integer")  # no silent truncation
+    assert parse(int, at_least_one, True).startswith("must be an integer")  # YAML true is not 1
+    assert parse(int, at_least_one, "ten") == "must be an integer >= 1, got 'ten'"
+    assert "2,147,483,647" in parse(int, at_least_one, INT_LIMIT + 1)
+    for value in ("nan", "inf", "1e400", float("-inf"), 0.0, 1.0000001):
+        assert parse(float, unit, value).startswith("must be a finite number in (0, 1]"), value
+    assert UnitFraction.__name__ == "float in (0, 1]" and PositiveInt is number_type(int, ge=1)
+    assert number_type(int, ge=0, lt=2**63).__name__ == "int in [0, 2**63)"
+
+
+def _numbers_without_range(hint) -> list:
+    """Plain int / float inside a type hint: a number no type bounds."""
+    from typing import get_args
+
+    if hint in (int, float):
+        return [hint]
+    return [n for arg in get_args(hint) for n in _numbers_without_range(arg)]
+
+
+def test_every_numeric_option_carries_its_range():
+    """Options of the config sections, the commands and every algorithm are typed by
+    option_types (a plain int or float would go unchecked); free-form mappings excepted."""
+    import dataclasses
+    import typing
+
+    from fl_lightning import cli, config
+    from fl_lightning.algorithms import Algorithm
+    from fl_lightning.parse_errors import algorithm_names
+    import fl_lightning.algorithms as algorithms
+
+    unranged = []
+
+    def visit(where, hints):
+        for name, hint in hints.items():
+            if dataclasses.is_dataclass(hint):
+                visit(f"{where}.{name}", typing.get_type_hints(hint))
+            elif name != "return" and _numbers_without_range(hint):
+                unranged.append(f"{where}.{name}")
+
+    for section in (config.DataConfig, config.PartitionConfig, config.LocalTrainConfig, config.FederationConfig,
+                    config.EvalConfig, config.FabricConfig):
+        visit(section.__name__, typing.get_type_hints(section))
+    for name, command in cli.COMMANDS.items():
+        visit(name, typing.get_type_hints(command, localns={"Algorithm": Algorithm}))
+    for name in algorithm_names():
+        cls = getattr(algorithms, name, None)
+        if cls is not None and issubclass(cls, Algorithm):
+            visit(name, typing.get_type_hints(cls.__init__))
+    assert not unranged, unranged
+
+
+def test_help_shows_ranges_and_errors_say_them(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(type: int >= 1, default: 50)" in text  # federation.rounds
+    assert "Optional[float > 0]" in text  # partition.alpha_eff
+    assert main(["fit", "--fabric.devices", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: fabric.devices: must be an integer >= 1 or auto, got 0"
+    assert main(["fit", "--algorithm", "FedProx", "--algorithm.mu=-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: algorithm.mu: must be a finite number >= 0, got -1"

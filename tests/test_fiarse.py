@@ -13,6 +13,7 @@ from torch import nn
 from fl_lightning.algorithms.fiarse import FIARSE, geometric_grid, masked_region_map, serve
 from fl_lightning.elastic.magnitude_masks import MaskFamily, group_keys, layer_macs, maskable_keys
 from fl_lightning.errors import ConfigError
+from option_checks import refusal
 
 
 def tiny_model():
@@ -216,16 +217,14 @@ def test_grid_and_serving():
 
 
 def test_options_are_checked_before_any_work(spec_factory):
-    from fl_lightning.config import LocalTrainConfig
-
     bad_options = [(dict(threshold="layer"), "threshold"), (dict(gradient="ste"), "gradient"),
-                   (dict(min_fraction=0.0), "min_fraction"), (dict(fractions=[0.5, 1.5]), "fractions"),
-                   (dict(eval_fractions=[]), "eval_fractions"), (dict(server_lr=0.0), "server_lr"),
-                   (dict(weight_decay=-1.0), "weight_decay"), (dict(mix_schedule="mixup", mixup_alpha=0.0), "mixup_alpha")]
+                   (dict(min_fraction="0.0"), "min_fraction"), (dict(fractions="[0.5, 1.5]"), "fractions"),
+                   (dict(eval_fractions="[]"), "eval_fractions"), (dict(server_lr="0.0"), "server_lr"),
+                   (dict(weight_decay="-1.0"), "weight_decay"), (dict(mix_schedule="mixup", mixup_alpha="0.0"),
+                                                                  "mixup_alpha")]
     for options, key in bad_options:
-        with pytest.raises(ConfigError) as info:
-            FIARSE(**options).check(LocalTrainConfig())
-        assert info.value.key == f"algorithm.{key}" and "\n" not in str(info.value)
+        error = refusal("--algorithm", "FIARSE", *[f"--algorithm.{k}={v}" for k, v in options.items()])
+        assert error.key == f"algorithm.{key}" and "\n" not in str(error)
     from fl_lightning.config import DataConfig
 
     with pytest.raises(ConfigError, match="data.calib_size"):

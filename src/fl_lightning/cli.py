@@ -13,11 +13,9 @@ do) are imported when the parser is built.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import inspect
 import os
-import re
 import stat
 import sys
 import warnings
@@ -30,6 +28,8 @@ from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, Federatio
                                  ModelConfig, PartitionConfig)
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
+from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction, number_type
+from fl_lightning.parse_errors import one_line
 
 if TYPE_CHECKING:
     from fl_lightning.algorithms import Algorithm
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 DEFAULT_ALGORITHM = {"class_path": "fl_lightning.algorithms.FedAvg"}
+Seed = number_type(int, ge=0, lt=2**63)  # numpy's and torch's generators take any of these
 
 
 def fit(
@@ -50,10 +51,10 @@ def fit(
     fabric: FabricConfig = FabricConfig(),
     name: str = "run",
     out_dir: str = "runs",
-    seed: int = 0,
+    seed: Seed = 0,
     resume: Optional[str] = None,
-    checkpoint_every: int = 1,
-    stop_after: Optional[int] = None,
+    checkpoint_every: PositiveInt = 1,
+    stop_after: Optional[PositiveInt] = None,
 ):
     """Train a federation and write runs/<name>/ (config, metrics, TensorBoard, checkpoints).
 
@@ -103,9 +104,9 @@ def partition(out: Optional[str] = None):
 def models(
     model: ModelConfig = ModelConfig(),
     data: DataConfig = DataConfig(),
-    widths: List[float] = [0.0625, 0.125, 0.25, 0.5, 0.75, 1.0],
-    num_classes: Optional[int] = None,
-    input_shape: Optional[List[int]] = None,
+    widths: List[UnitFraction] = [0.0625, 0.125, 0.25, 0.5, 0.75, 1.0],
+    num_classes: Optional[PositiveInt] = None,
+    input_shape: Optional[List[PositiveInt]] = None,
 ):
     """Print parameters and MACs (fvcore, one multiply-add = one MAC) per width tier.
 
@@ -122,10 +123,10 @@ def extract(
     run: str,
     budget: str,
     checkpoint: str = "best",
-    rho: Optional[float] = None,
-    population: int = EXTRACTION_POPULATION,
-    generations: int = SEARCH_GENERATIONS,
-    seed: int = 0,
+    rho: Optional[PositiveFloat] = None,
+    population: number_type(int, ge=2) = EXTRACTION_POPULATION,
+    generations: PositiveInt = SEARCH_GENERATIONS,
+    seed: Seed = 0,
     out: Optional[str] = None,
     fabric: FabricConfig = FabricConfig(),
 ):
@@ -190,21 +191,7 @@ def shared_parser() -> ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        argv = join_negative_values(argv)
-        check_argument_files(argv)
-        check_config_files(argv)
-        parser = shared_parser()
-        try:
-            cfg = parser.parse_args(argv)
-        except Exception as error:  # jsonargparse reports bad keys and types as ArgumentError
-            if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
-                raise ConfigError(*describe_parse_error(str(error), parser)) from None
-            raise
-        command = cfg.command
-        args = _instantiate(parser, cfg)[command]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # skip_none's deprecation; unset keys must still print
-            resolved = parser.subcommand_parsers[command].dump(cfg[command], skip_none=False)
+        command, args, resolved = parse_command(argv)
         from fl_lightning.commands import COMMANDS as RUNNERS
 
         RUNNERS[command](args, resolved)
@@ -220,19 +207,38 @@ def main(argv: Optional[list] = None) -> int:
     return 0
 
 
+def parse_command(argv: List[str]):
+    """``(command, arguments with their objects built, resolved config as YAML)`` for a command
+    line; ConfigError naming the key for anything its types or the config files refuse."""
+    argv = join_negative_values(argv)
+    check_argument_files(argv)
+    check_config_files(argv)
+    parser = shared_parser()
+    cfg = _parse(parser, argv)
+    command = cfg.command
+    args = _instantiate(parser, cfg)[command]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # skip_none's deprecation; unset keys must still print
+        resolved = parser.subcommand_parsers[command].dump(cfg[command], skip_none=False)
+    return command, args, resolved
+
+
+def _parse(parser: ArgumentParser, argv: List[str]):
+    try:
+        return parser.parse_args(argv)
+    except Exception as error:  # jsonargparse reports bad keys and values as ArgumentError
+        if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
+            raise ConfigError(*one_line(error, parser)) from None
+        raise
+
+
 def load_fit_config(path, key: str = "run"):
     """A saved run's ``config.yaml`` parsed and instantiated exactly as ``fit`` parsed it; any
     problem with the file is a ConfigError under ``key`` naming it (for evaluate and extract)."""
     try:
         check_config_files(["fit", "--config", str(path)])
         parser = shared_parser()
-        try:
-            cfg = parser.parse_args(["fit", "--config", str(path)])
-        except Exception as error:
-            if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
-                raise ConfigError(*describe_parse_error(str(error), parser)) from None
-            raise
-        return _instantiate(parser, cfg).fit
+        return _instantiate(parser, _parse(parser, ["fit", "--config", str(path)])).fit
     except ConfigError as error:
         raise ConfigError(key, f"{path}: {error}") from None
 
@@ -455,136 +461,3 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def compose_document(self):
         self._root = super().compose_document()
         return self._root
-
-
-# ----------------------------------------------------------------------------------------
-# jsonargparse's multi-line messages as one "key: problem" line
-# ----------------------------------------------------------------------------------------
-
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "dict": "a mapping", "list": "a list", "NoneType": "null"}
-
-
-def _type_words(text: str) -> str:
-    """``<class 'int'>`` -> an integer; ``typing.Literal['a', 'b']`` -> one of a, b."""
-    text = text.strip()
-    literal = re.fullmatch(r"(?:typing\.)?Literal\[(.*)\]", text)
-    if literal:
-        return "one of " + ", ".join(v.strip().strip("'\"") for v in literal.group(1).split(","))
-    plain = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>", text)
-    if plain:
-        return _TYPE_WORDS.get(plain.group(1), plain.group(1))
-    generic = re.fullmatch(r"(?:typing\.)?(List|Dict|Sequence|Tuple)\[.*\]", text)
-    if generic:
-        return _TYPE_WORDS.get(generic.group(1).lower(), "a " + generic.group(1).lower())
-    return text
-
-
-def _algorithm_names() -> List[str]:
-    names, todo = [], list(Algorithm.__subclasses__())
-    while todo:
-        cls = todo.pop(0)
-        if cls.__module__.startswith("fl_lightning.") and cls.__name__ not in names:
-            names.append(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return names
-
-
-def describe_parse_error(message: str, parser: Optional[ArgumentParser] = None) -> tuple:
-    """``(key, problem)`` from a jsonargparse error message (several indented lines)."""
-    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
-    keys, class_name = [], None
-    rest = []
-    for line in lines:
-        stripped = line.strip()
-        key = re.fullmatch(r'(?:- )?Parser key "([^"]+)":', stripped)
-        problem_with = re.fullmatch(r"Problem with given class_path '([^']+)':", stripped)
-        if key:
-            if not keys or not keys[-1].endswith(key.group(1)):
-                keys.append(key.group(1))
-        elif problem_with:
-            class_name = problem_with.group(1).rsplit(".", 1)[-1]
-        else:
-            rest.append(stripped)
-    key = ".".join(keys)
-    first = rest[0] if rest else ""
-    unrecognized = re.match(r"unrecognized arguments: (.*)", first)
-    if unrecognized:
-        option = unrecognized.group(1).split()[0]
-        name = option.lstrip("-").split("=", 1)[0]
-        return name, "unknown option" + _did_you_mean(name, parser)
-    required = re.match(r"the following arguments are required: (.*)", first)
-    if required:
-        name = required.group(1).split(",")[0].strip().lstrip("-")
-        command, _, rest_of_name = name.partition(".")
-        return (rest_of_name if command in COMMANDS and rest_of_name else name), "required"
-    not_accepted = re.match(r"Subcommand '[^']+' does not accept option '([^']+)'", first)
-    if not_accepted:
-        name = not_accepted.group(1)
-        return name, "unknown key in the config" + _did_you_mean(name, parser)
-    not_subclass = re.match(r"Not a valid subclass of (\w+)\. Got value: (.*)", first)
-    if not_subclass:
-        return key or "algorithm", (f"expected an algorithm name ({', '.join(_algorithm_names())}) or "
-                                    f"{{class_path: ..., init_args: {{...}}}}, got {not_subclass.group(2)!r}")
-    accepted = re.match(r"Option '([^']+)' is not accepted", first)
-    if accepted:
-        return f"{key}.{accepted.group(1)}", f"not an option of {class_name}"
-    dotted = re.match(r"Expected a dot import path string: (.*)", first)
-    if dotted or re.search(r"does not correspond to a subclass", first):
-        given = dotted.group(1) if dotted else first
-        return key or "algorithm", f"unknown algorithm {given!r}; choose one of {', '.join(_algorithm_names())}"
-    expected = re.match(r"Expected a (.+?)\. Got value: (.*)", first)
-    if expected:
-        wanted = _type_words(expected.group(1))
-        if wanted == "a number" and _is_number(expected.group(2)):  # inf, -inf, nan as typed
-            return key, f"must be a finite number, got {expected.group(2)}"
-        verb = "must be" if wanted.startswith("one of") else "expected"
-        return key, f"{verb} {wanted}, got {expected.group(2)!r}"
-    if first.startswith("Does not validate against any of the Union subtypes"):
-        subtypes = next((r for r in rest if r.startswith("Subtypes:")), "")
-        given = next((r.split(":", 1)[1].strip() for r in rest if r.startswith("Given value:")), "?")
-        inner = re.findall(r"(typing\.Literal\[[^\]]*\]|<class '[\w.]+'>|typing\.\w+\[[^\]]*\])", subtypes)
-        words = [_type_words(t) for t in inner]
-        if words and all(w.startswith("one of") or w == "null" for w in words):
-            choices = []
-            for w in words:
-                choices += [c for c in w[len("one of "):].split(", ") if w != "null" and c not in choices]
-            tail = " (or null)" if "null" in words else ""
-            return key, f"must be one of {', '.join(choices)}{tail}, got {given!r}"
-        for error_line in rest:  # a list or dict whose element is wrong says so here
-            element = re.match(r"- Expected a (.+?)\. Got value: (.*)", error_line)
-            if element:
-                return key, f"expected {' or '.join(words) or 'another type'}; an element is not " \
-                            f"{_type_words(element.group(1))}: {element.group(2)!r}"
-        return key, f"expected {' or '.join(words) or 'another type'}, got {given!r}"
-    loading = re.match(r"Unable to load config ['\"](.*)['\"]", first)
-    if loading:
-        return key, f"expected a mapping of its fields or a YAML file, got {loading.group(1)!r}"
-    unexpected = re.match(r"Unexpected config:?\s*(.*)", first)
-    if unexpected:
-        return key or "config", f"unexpected config {unexpected.group(1)}".strip()
-    if not rest:
-        return key or "config", "invalid value"
-    detail = "; ".join(rest[:3])
-    return (key, detail) if key else _split_key(detail)
-
-
-def _split_key(detail: str) -> tuple:
-    """A message without a parser key: use what it names, else the generic key ``command``."""
-    choice = re.search(r"invalid choice: '([^']*)'", detail)
-    if choice:
-        return "command", f"unknown subcommand {choice.group(1)!r}; choose one of {', '.join(COMMANDS)}"
-    if "expected \"command\"" in detail or "subcommand" in detail.lower():
-        return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
-    return "command", detail
-
-
-def _did_you_mean(name: str, parser: Optional[ArgumentParser]) -> str:
-    if parser is None:
-        return ""
-    known = set()
-    for sub in getattr(parser, "subcommand_parsers", {}).values():
-        for action in sub._actions:
-            known.update(o.lstrip("-") for o in action.option_strings if o.startswith("--"))
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from pathlib import Path
 
-from fl_lightning.bounds import check_numbers
 from fl_lightning.config import check_fabric_available, validate, validate_run
 from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
@@ -35,12 +33,11 @@ def fit_command(args, config_yaml: str) -> dict:
     from fl_lightning.federation.builder import RunSpec
     from fl_lightning.federation.loop import run_fit
 
-    validate_run(args.name, args.out_dir, args.seed, args.checkpoint_every, args.stop_after)
+    validate_run(args.out_dir)
     check_run_name(args.name)
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
     _check_data(args.data, args.partition)
     _check_model(args.model)
-    check_numbers("algorithm", method_record(args.algorithm, config_yaml)["init_args"])
     args.algorithm.check(args.train)
     run_dir = RunDir(args.out_dir, args.name)
     run_dir.check_writable()
@@ -88,7 +85,7 @@ def partition_command(args, config_yaml: str) -> dict:
     from fl_lightning.analysis.partition_report import format_report, partition_report, save_report
     from fl_lightning.data.federated import build_federated_data
 
-    validate_run(args.name, args.out_dir, args.seed, args.checkpoint_every, args.stop_after)
+    validate_run(args.out_dir)
     validate(args.data, args.partition, args.train, args.federation, args.eval, args.fabric)
     if args.out is None:
         check_run_name(args.name)
@@ -115,13 +112,8 @@ def models_command(args, config_yaml: str) -> list:
     from fl_lightning.elastic.specs import WidthSpec
 
     _check_model(args.model)
-    for w in args.widths:
-        if not (math.isfinite(w) and 0 < w <= 1):
-            raise ConfigError("widths", f"every width must be in (0, 1], got {w}")
-    if args.num_classes is not None and args.num_classes < 1:
-        raise ConfigError("num_classes", f"must be >= 1, got {args.num_classes}")
-    if args.input_shape is not None and (not args.input_shape or min(args.input_shape) < 1):
-        raise ConfigError("input_shape", f"must be a non-empty list of sizes >= 1, got {args.input_shape}")
+    if args.input_shape is not None and not args.input_shape:
+        raise ConfigError("input_shape", "must list one example's sizes, e.g. [3, 32, 32], got []")
     if args.num_classes is None or args.input_shape is None:
         check_dataset(args.data.name, args.data.root, args.data.download, **args.data.options)
         from fl_lightning.data.datasets import load_dataset
@@ -149,14 +141,6 @@ def extract_command(args, config_yaml: str) -> dict:
     from fl_lightning.saved_runs import load_run_spec, open_saved_run
 
     budget = parse_macs(args.budget)
-    if args.population < 2:
-        raise ConfigError("population", f"must be >= 2, got {args.population}")
-    if args.generations < 1:
-        raise ConfigError("generations", f"must be >= 1, got {args.generations}")
-    if args.rho is not None and not (math.isfinite(args.rho) and args.rho > 0):
-        raise ConfigError("rho", f"must be a finite number > 0 or null, got {args.rho}")
-    if args.seed < 0:
-        raise ConfigError("seed", f"must be >= 0, got {args.seed}")
     if args.out is not None:
         if not args.out.strip() or args.out.endswith("/"):
             raise ConfigError("out", f"must be a file path for the extracted subnet, got {args.out!r}")

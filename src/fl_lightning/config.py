@@ -1,18 +1,20 @@
 """Configuration dataclasses. The docstring under each field is its ``--help`` text.
 
 Every experiment is one YAML file in ``configs/`` whose sections match these classes; the
-resolved configuration is saved next to each run. ``validate`` checks what types alone cannot
-(ranges, cross-field constraints) before any work starts.
+resolved configuration is saved next to each run. Each field's type carries its range and
+choices (``option_types``), which jsonargparse checks while parsing; ``validate`` checks the
+rules that relate fields, before any work starts.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Union, get_args
+from typing import Any, Dict, Literal, Optional, Tuple, Union, get_args
 
-from fl_lightning.bounds import bounded, check_fields, check_numbers
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import (FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                                       number_type)
 
 # Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. They
 # are spelled out here (importing the registries would import torch); tests check that they
@@ -57,28 +59,28 @@ class DataConfig:
     """Apply the dataset's training augmentation (random crop and flip for images)."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Dataset-specific options, e.g. ``{num_classes: 10, image_size: 32}`` for synthetic."""
-    randaugment: Optional[List[int]] = None
+    randaugment: Optional[Tuple[PositiveInt, number_type(int, ge=0, le=30)]] = None
     """RandAugment [num_ops, magnitude] ahead of the training transform, e.g. [2, 6] (FEAST);
     uint8 image datasets only."""
     server_source: ServerSource = "train"
     """Where the server-held validation and calibration splits come from: train (carved out of
     the training pool before partitioning) or valid (the dataset's separate validation split,
     e.g. CINIC-10's valid/, so every training example goes to clients)."""
-    val_size: int = bounded(0, ge=0)
+    val_size: NonNegativeInt = 0
     """Server-held examples for validation and checkpoint selection."""
-    calib_size: int = bounded(0, ge=0)
+    calib_size: NonNegativeInt = 0
     """Server-held examples for batch-norm recalibration."""
 
 
 @dataclass
 class BudgetConfig:
-    zipf_s: float = bounded(1.2, ge=0)
+    zipf_s: NonNegativeFloat = 1.2
     """Zipf exponent of client budget ranks (FEAST Supp. A, Eq. 1)."""
-    b_min: float = bounded(25e6, gt=0)
+    b_min: PositiveFloat = 25e6
     """Smallest client budget in MACs (FEAST Supp. A, Eq. 2)."""
-    b_max: float = 1500e6
+    b_max: FiniteFloat = 1500e6
     """Largest client budget in MACs."""
-    b_cap: float = bounded(600e6, gt=0)
+    b_cap: PositiveFloat = 600e6
     """Allocation cap: budgets above it get no more allocation weight (FEAST Eq. 1)."""
 
 
@@ -86,16 +88,16 @@ class BudgetConfig:
 class PartitionConfig:
     method: PartitionMethod = "dirichlet"
     """How training examples go to clients: iid, dirichlet, natural, gamma_dirichlet."""
-    num_clients: int = bounded(20, ge=1)
+    num_clients: PositiveInt = 20
     """Number of clients N."""
-    alpha: float = bounded(0.3, gt=0)
+    alpha: PositiveFloat = 0.3
     """Dirichlet concentration (alpha_data for gamma_dirichlet)."""
-    alpha_eff: Optional[float] = bounded(None, gt=0)
+    alpha_eff: Optional[PositiveFloat] = None
     """If set, alpha (alpha_data) is chosen so that alpha_eff = alpha_data N_train / (K N)
     (FEAST Supp. Eq. 8; the paper matches alpha_eff = 0.45 across datasets)."""
-    gamma: float = bounded(1.0, ge=0)
+    gamma: NonNegativeFloat = 1.0
     """gamma_dirichlet: expected data share proportional to min(budget, b_cap)^gamma."""
-    min_size: int = bounded(10, ge=0)
+    min_size: NonNegativeInt = 10
     """A partition is redrawn while any client holds fewer examples than this."""
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     """Client MAC budgets (used by gamma_dirichlet and budget-aware algorithms)."""
@@ -111,39 +113,39 @@ class ModelConfig:
 
 @dataclass
 class LocalTrainConfig:
-    epochs: int = bounded(1, ge=1)
+    epochs: PositiveInt = 1
     """Local epochs per round (ignored when ``steps`` is set)."""
-    steps: Optional[int] = bounded(None, ge=1)
+    steps: Optional[PositiveInt] = None
     """Fixed number of local optimizer steps per round instead of epochs."""
-    batch_size: int = bounded(32, ge=1)
+    batch_size: PositiveInt = 32
     """Local mini-batch size."""
-    lr: float = bounded(0.05, gt=0)
+    lr: PositiveFloat = 0.05
     """Initial local learning rate."""
-    momentum: float = bounded(0.0, ge=0, lt=1)
+    momentum: number_type(float, ge=0, lt=1) = 0.0
     """SGD momentum."""
-    weight_decay: float = bounded(0.0, ge=0)
+    weight_decay: NonNegativeFloat = 0.0
     """SGD weight decay."""
-    grad_clip: Optional[float] = bounded(None, gt=0)
+    grad_clip: Optional[PositiveFloat] = None
     """Clip the gradient's global L2 norm to this value before each step (None: no clipping)."""
     lr_schedule: LrSchedule = "constant"
     """Learning rate over rounds: constant, exponential (lr * decay^round), cosine (over all rounds)."""
-    lr_decay: float = bounded(0.995, gt=0, le=1)
+    lr_decay: number_type(float, gt=0, le=1) = 0.995
     """Per-round factor of the exponential schedule."""
 
 
 @dataclass
 class FederationConfig:
-    rounds: int = bounded(50, ge=1)
+    rounds: PositiveInt = 50
     """Number of communication rounds."""
-    clients_per_round: int = bounded(10, ge=1)
+    clients_per_round: PositiveInt = 10
     """Clients m sampled uniformly without replacement each round."""
 
 
 @dataclass
 class EvalConfig:
-    every: int = bounded(5, ge=1)
+    every: PositiveInt = 5
     """Evaluate every this many rounds (and after the last round)."""
-    batch_size: int = bounded(512, ge=1)
+    batch_size: PositiveInt = 512
     """Evaluation batch size."""
     test: TestSchedule = "every"
     """When to score the test set: every (at each evaluation, for curves; it never selects) or
@@ -154,12 +156,12 @@ class EvalConfig:
 class FabricConfig:
     accelerator: Accelerator = "auto"
     """auto (a GPU when present, else cpu), cpu, cuda, gpu (cuda or mps), mps or tpu."""
-    devices: Union[int, Literal["auto"]] = "auto"
+    devices: Union[PositiveInt, Literal["auto"]] = "auto"
     """Processes (ranks) on this node; each rank trains a share of every round's clients. auto:
     on CPU one rank per physical core, at most the cohort (clients_per_round) and as many as
     fit in memory; on a GPU node every visible GPU; one rank for sequential-client methods and
     for evaluate and extract (docs/runtime.md, Devices)."""
-    num_nodes: int = 1
+    num_nodes: PositiveInt = 1
     """Number of nodes."""
     strategy: Strategy = "auto"
     """Fabric strategy; auto picks ddp when devices > 1. Client models are never wrapped, so
@@ -167,7 +169,7 @@ class FabricConfig:
     precision: Union[Precision, PrecisionInt] = "32-true"
     """Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true (and
     transformer-engine with its package); bf16-mixed suits GPUs."""
-    threads_per_rank: Union[int, Literal["auto"], None] = "auto"
+    threads_per_rank: Union[PositiveInt, Literal["auto"], None] = "auto"
     """torch intra-op CPU threads per rank. auto: 1, which makes results independent of the
     number of ranks (a run's numbers depend on its thread count), except for sequential-client
     methods (SplitFed V2), which train on one rank with every physical core whatever devices
@@ -177,58 +179,15 @@ class FabricConfig:
 
 def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConfig,
              federation: FederationConfig, evaluation: EvalConfig, fabric: FabricConfig) -> None:
-    """Every field against the bounds declared with it (``bounded``; every number finite and
-    within range), then the rules that relate fields; raise ConfigError naming the first bad key."""
-    sections = {"data": data, "partition": partition, "train": train, "federation": federation,
-                "eval": evaluation, "fabric": fabric}
-    for prefix, section in sections.items():
-        check_fields(prefix, section)
+    """The rules that relate fields (each field's own range is its type's); raise ConfigError
+    naming the first bad key."""
     budgets = partition.budgets
-    rules = [
-        ("data.randaugment", data.randaugment is None or (len(data.randaugment) == 2 and data.randaugment[0] >= 1
-                                                          and 0 <= data.randaugment[1] <= 30),
-         "must be [num_ops >= 1, magnitude in 0..30] or null"),
-        ("partition.budgets.b_max", budgets.b_max >= budgets.b_min,
-         f"must be a finite number >= partition.budgets.b_min ({budgets.b_min:g})"),
-        ("federation.clients_per_round", federation.clients_per_round <= partition.num_clients,
-         f"must be <= partition.num_clients ({partition.num_clients})"),
-        ("train.lr_schedule", train.lr_schedule in SCHEDULES, f"must be one of {', '.join(SCHEDULES)}"),
-        ("eval.test", evaluation.test in get_args(TestSchedule), "must be every or final"),
-        ("data.server_source", data.server_source in get_args(ServerSource), "must be train or valid"),
-    ]
-    for key, ok, problem in rules:
-        if not ok:
-            raise ConfigError(key, f"{problem}, got {_lookup(key, locals())!r}")
-    validate_fabric_fields(fabric)
-
-
-def _lookup(key: str, sections: dict):
-    """The value of a dotted key such as ``partition.budgets.b_cap`` among ``validate``'s arguments."""
-    section, *path = key.split(".")
-    value = sections["evaluation" if section == "eval" else section]
-    for name in path:
-        value = getattr(value, name)
-    return value
-
-
-def validate_fabric_fields(fabric: FabricConfig) -> None:
-    """Ranges of the Fabric section (what the machine offers is ``check_fabric_available``)."""
-    checks = [
-        ("fabric.accelerator", fabric.accelerator in ACCELERATORS, f"must be one of {', '.join(ACCELERATORS)}"),
-        ("fabric.strategy", fabric.strategy in STRATEGIES, f"must be one of {', '.join(STRATEGIES)}"),
-        ("fabric.precision", fabric.precision in PRECISIONS, f"must be one of {', '.join(map(str, PRECISIONS))}"),
-        ("fabric.devices", fabric.devices == "auto" or _int_at_least(fabric.devices, 1), "must be >= 1 or auto"),
-        ("fabric.num_nodes", fabric.num_nodes >= 1, "must be >= 1"),
-        ("fabric.threads_per_rank", fabric.threads_per_rank in (None, "auto") or _int_at_least(fabric.threads_per_rank, 1),
-         "must be >= 1, auto or null"),
-    ]
-    for key, ok, problem in checks:
-        if not ok:
-            raise ConfigError(key, f"{problem}, got {getattr(fabric, key.split('.')[1])!r}")
-
-
-def _int_at_least(value, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if budgets.b_max < budgets.b_min:
+        raise ConfigError("partition.budgets.b_max",
+                          f"must be >= partition.budgets.b_min ({budgets.b_min:g}), got {budgets.b_max:g}")
+    if federation.clients_per_round > partition.num_clients:
+        raise ConfigError("federation.clients_per_round", f"must be <= partition.num_clients "
+                                                          f"({partition.num_clients}), got {federation.clients_per_round}")
 
 
 def check_fabric_available(fabric: FabricConfig) -> None:
@@ -238,7 +197,6 @@ def check_fabric_available(fabric: FabricConfig) -> None:
     GPU exists and that there are as many as ``devices`` asks for, and that the packages of
     the xla, deepspeed and transformer-engine options are installed.
     """
-    validate_fabric_fields(fabric)
     import torch
 
     accelerator, strategy, precision = fabric.accelerator, fabric.strategy, str(fabric.precision)
@@ -272,18 +230,9 @@ def check_fabric_available(fabric: FabricConfig) -> None:
                           f"{precision} needs the transformer_engine package, which is not installed")
 
 
-def validate_run(name: str, out_dir: str, seed: int, checkpoint_every: int = 1,
-                 stop_after: Optional[int] = None) -> None:
-    """The top-level options of ``fit`` (the run's location is checked by ``RunDir.check``)."""
+def validate_run(out_dir: str) -> None:
+    """The run's parent folder as text (where it lies is ``RunDir.check``'s)."""
     if not out_dir.strip():
         raise ConfigError("out_dir", "must not be empty; write . for the working directory")
     if any(ord(c) < 32 or c == "\x7f" for c in out_dir):
         raise ConfigError("out_dir", f"must not hold control characters, got {out_dir!r}")
-    if seed < 0 or seed >= 2**63:
-        raise ConfigError("seed", f"must be an integer in [0, 2**63), got {seed}")
-    check_numbers("checkpoint_every", checkpoint_every)
-    check_numbers("stop_after", stop_after)
-    if checkpoint_every < 1:
-        raise ConfigError("checkpoint_every", f"must be >= 1, got {checkpoint_every}")
-    if stop_after is not None and stop_after < 1:
-        raise ConfigError("stop_after", f"must be >= 1 (rounds to run before stopping) or null, got {stop_after}")

@@ -26,13 +26,10 @@ from torch import nn
 
 from fl_lightning.elastic.bn import recalibrate_bn, statistics_keys, use_batch_statistics
 from fl_lightning.elastic.routing import Routed
-from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.seeding import derive_seed
 
-BN_PROTOCOLS = ("aggregated", "sbn", "recalibrate")
-SBN_DATA = ("train", "calib")
 SBN_STREAM = 14  # seed stream of the sBN pass over the client data: its order and augmentation draw
 
 
@@ -70,11 +67,9 @@ class ServedStatistics:
 
     def __init__(self, ctx, protocol: str, sbn_data: str, batch_size: int, transform: str):
         self.ctx, self.protocol, self.sbn_data = ctx, protocol, sbn_data
-        self.calibration = ServerCalibration(ctx, batch_size, transform)
         needs_calib = protocol == "recalibrate" or (protocol == "sbn" and sbn_data == "calib")
-        if needs_calib and len(ctx.data.calib) == 0:
-            raise ConfigError("data.calib_size", f"BN protocol {protocol} passes over the server's calibration split; "
-                                                 f"set it > 0")
+        self.calibration = ServerCalibration(ctx, batch_size, transform,
+                                             required_by=f"BN protocol {protocol} passes" if needs_calib else None)
 
     def models(self, specs: Sequence) -> List[nn.Module]:
         """The plain extracted model of every spec, on the device, statistics per protocol."""

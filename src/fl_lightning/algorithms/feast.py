@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Optional, Tuple, get_args
+from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 
@@ -24,6 +24,8 @@ from fl_lightning.feast_protocol import (CACHE_SEGMENTS, CALIB_BATCH_SIZE, KAPPA
                                          SEARCH_MUTATION, SEARCH_POPULATION)
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import (ClosedUnitInterval, FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                                       PositiveInt, number_type)
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 from fl_lightning.runtime.seeding import derive_seed
@@ -38,15 +40,15 @@ INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # 13: the server calibration's (run
 class CacheSearch:
     """How the variant cache is built when no cache file is given (Supp. B.1, Table 1)."""
 
-    segments: List[List[float]] = field(default_factory=lambda: [list(s) for s in CACHE_SEGMENTS])
+    segments: List[List[FiniteFloat]] = field(default_factory=lambda: [list(s) for s in CACHE_SEGMENTS])
     """[lowest MACs, highest MACs, number of targets, effectiveness ceiling rho_0] per segment."""
-    population: int = SEARCH_POPULATION
+    population: number_type(int, ge=2) = SEARCH_POPULATION
     """Genetic-search population per target."""
-    generations: int = SEARCH_GENERATIONS
+    generations: PositiveInt = SEARCH_GENERATIONS
     """Genetic-search generations per target."""
-    mutation: float = SEARCH_MUTATION
+    mutation: ClosedUnitInterval = SEARCH_MUTATION
     """Mutation probability."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Search seed (the cache is built once, before federation)."""
 
 
@@ -58,9 +60,10 @@ class Feast(Algorithm):
 
     def __init__(self, cache: Optional[str] = None, retarget: bool = False, search: CacheSearch = CacheSearch(),
                  routing: bool = True,
-                 rule: Rule = "full", rho_kd: float = 0.5, temperature: float = 1.0, mixup_alpha: float = 0.4,
-                 cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate", calib_batch_size: int = CALIB_BATCH_SIZE,
-                 calib_transform: Literal["train", "eval"] = "train", kappa: float = KAPPA_FB):
+                 rule: Rule = "full", rho_kd: ClosedUnitInterval = 0.5, temperature: PositiveFloat = 1.0,
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0,
+                 mix_schedule: MixSchedule = "alternate", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
+                 calib_transform: Literal["train", "eval"] = "train", kappa: PositiveFloat = KAPPA_FB):
         """
         Args:
             cache: JSON file of cached variants (architectures and MACs); built by the genetic
@@ -93,20 +96,6 @@ class Feast(Algorithm):
     def check(self, train) -> None:
         s = self.search
         checks = [
-            ("rule", self.rule in get_args(Rule), f"must be one of {', '.join(get_args(Rule))}"),
-            ("mix_schedule", self.mix_schedule in get_args(MixSchedule),
-             f"must be one of {', '.join(get_args(MixSchedule))}"),
-            ("rho_kd", 0 <= self.rho_kd <= 1, "must be in [0, 1]"),
-            ("temperature", self.temperature > 0, "must be > 0"),
-            ("mixup_alpha", self.mixup_alpha >= 0, "must be >= 0 (0 disables Mixup)"),
-            ("cutmix_alpha", self.cutmix_alpha >= 0, "must be >= 0 (0 disables CutMix)"),
-            ("calib_batch_size", self.calib_batch_size >= 1, "must be >= 1"),
-            ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
-            ("kappa", math.isfinite(self.kappa) and self.kappa > 0, "must be a finite number > 0"),
-            ("search.population", s.population >= 2, "must be >= 2"),
-            ("search.generations", s.generations >= 1, "must be >= 1"),
-            ("search.mutation", 0 <= s.mutation <= 1, "must be in [0, 1]"),
-            ("search.seed", s.seed >= 0, "must be >= 0"),
             ("mixup_alpha", self.mix_schedule != "mixup" or self.mixup_alpha > 0, "must be > 0 for mix_schedule mixup"),
             ("cutmix_alpha", self.mix_schedule != "cutmix" or self.cutmix_alpha > 0,
              "must be > 0 for mix_schedule cutmix"),
@@ -135,9 +124,8 @@ class Feast(Algorithm):
             raise ConfigError("model.name", "FEAST trains an ofa_resnet supernet")
         super().setup(ctx)
         data = ctx.data
-        if len(data.calib) == 0:
-            raise ConfigError("data.calib_size", "FEAST recalibrates BN on server-held data; set it > 0")
-        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
+        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform,
+                                             required_by="FEAST recalibrates BN")
         self.input_shape = tuple(data.bundle.input_shape)
         self.cache = self._load_or_build_cache(ctx)
         self.sets = accounting.affordable_sets(self.cache, ctx.budgets.tolist())

@@ -15,7 +15,7 @@ from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
                                                head_keys, mean_client_scores, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
-from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveInt
 from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.client_data import ClientData, eval_batches
 from fl_lightning.runtime.client_store import ClientStateStore
@@ -99,7 +99,8 @@ class FedAS(FedAvg):
     ``fl_lightning evaluate``). Details and every choice: docs/fl_baselines.md.
     """
 
-    def __init__(self, align_lr: float = 0.01, align_epochs: int = 1, align_batch_size: int = 16,
+    def __init__(self, align_lr: NonNegativeFloat = 0.01, align_epochs: NonNegativeInt = 1,
+                 align_batch_size: PositiveInt = 16,
                  align_unseen: bool = True):
         """
         Args:
@@ -116,17 +117,6 @@ class FedAS(FedAvg):
         self.align_epochs = align_epochs
         self.align_batch_size = align_batch_size
         self.align_unseen = align_unseen
-
-    def check(self, train):
-        lr = self.align_lr
-        if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0):
-            raise ConfigError("algorithm.align_lr", f"must be a finite number >= 0, got {lr!r}")
-        for key, low in (("align_epochs", 0), ("align_batch_size", 1)):
-            value = getattr(self, key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-                raise ConfigError(f"algorithm.{key}", f"must be an integer >= {low}, got {value!r}")
-        if not isinstance(self.align_unseen, bool):
-            raise ConfigError("algorithm.align_unseen", f"must be true or false, got {self.align_unseen!r}")
 
     def setup(self, ctx):
         super().setup(ctx)

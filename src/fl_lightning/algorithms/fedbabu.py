@@ -3,7 +3,6 @@ random initialization, and is fine-tuned (with the body) on each client for pers
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Dict, Literal, Optional, Tuple
 
@@ -11,7 +10,7 @@ import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.head_body import head_keys, mean_client_scores
-from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat
 from fl_lightning.runtime.channel import UP
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.seeding import derive_seed
@@ -38,9 +37,9 @@ class FedBABU(FedAvg):
     Details: docs/fl_baselines.md.
     """
 
-    def __init__(self, finetune_epochs: int = 5, finetune_part: FinetunePart = "full",
-                 finetune_lr: Optional[float] = None, finetune_lr_scale: float = 0.01,
-                 finetune_weight_decay: Optional[float] = 0.0):
+    def __init__(self, finetune_epochs: NonNegativeInt = 5, finetune_part: FinetunePart = "full",
+                 finetune_lr: Optional[PositiveFloat] = None, finetune_lr_scale: PositiveFloat = 0.01,
+                 finetune_weight_decay: Optional[NonNegativeFloat] = 0.0):
         """
         Args:
             finetune_epochs: personalization epochs tau_f of each client's fine-tuning before
@@ -65,25 +64,6 @@ class FedBABU(FedAvg):
         lr = self.finetune_lr if self.finetune_lr is not None else self.finetune_lr_scale * train.lr
         wd = self.finetune_weight_decay if self.finetune_weight_decay is not None else train.weight_decay
         return lr, train.momentum, wd
-
-    def check(self, train):
-        epochs = self.finetune_epochs
-        if not (isinstance(epochs, int) and not isinstance(epochs, bool) and epochs >= 0):
-            raise ConfigError("algorithm.finetune_epochs", f"must be an integer >= 0, got {epochs!r}")
-        if self.finetune_part not in ("full", "head"):
-            raise ConfigError("algorithm.finetune_part", f"must be full or head, got {self.finetune_part!r}")
-        lr = self.finetune_lr
-        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ConfigError("algorithm.finetune_lr", f"must be a finite number > 0 (or null), got {lr!r}")
-        scale = self.finetune_lr_scale
-        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
-                and scale > 0):
-            raise ConfigError("algorithm.finetune_lr_scale", f"must be a finite number > 0, got {scale!r}")
-        wd = self.finetune_weight_decay
-        if wd is not None and not (isinstance(wd, (int, float)) and not isinstance(wd, bool)
-                                   and math.isfinite(wd) and wd >= 0):
-            raise ConfigError("algorithm.finetune_weight_decay",
-                              f"must be a finite number >= 0 (or null), got {wd!r}")
 
     def setup(self, ctx):
         super().setup(ctx)

@@ -3,7 +3,6 @@ clients' class-averaged representations; clients keep their own feature extracto
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -14,7 +13,7 @@ from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.head_body import class_prototypes, find_classifier, head_keys, mean_client_scores
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, load_routed_state
-from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import DOWN, Channel
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.local_training import train_locally
@@ -53,7 +52,8 @@ class FedGH(FedAvg):
     global header). Details: docs/fl_baselines.md.
     """
 
-    def __init__(self, server_lr: Optional[float] = None, server_epochs: int = 1, server_batch_size: int = 1):
+    def __init__(self, server_lr: Optional[PositiveFloat] = None, server_epochs: PositiveInt = 1,
+                 server_batch_size: PositiveInt = 1):
         """
         Args:
             server_lr: the server's SGD step size for the global header (None: the round's
@@ -66,15 +66,6 @@ class FedGH(FedAvg):
         self.server_lr = server_lr
         self.server_epochs = server_epochs
         self.server_batch_size = server_batch_size
-
-    def check(self, train):
-        lr = self.server_lr
-        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ConfigError("algorithm.server_lr", f"must be a finite number > 0 (or null), got {lr!r}")
-        for key in ("server_epochs", "server_batch_size"):
-            value = getattr(self, key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ConfigError(f"algorithm.{key}", f"must be an integer >= 1, got {value!r}")
 
     def setup(self, ctx):
         super().setup(ctx)

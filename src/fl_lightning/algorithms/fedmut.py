@@ -3,14 +3,13 @@ the global model along the last global update; the returned models are averaged.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Literal
 
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.elastic.routing import Routed, load_routed_state
-from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeFloat, PositiveInt, number_type
 from fl_lightning.runtime.seeding import derive_seed
 
 MUTATION_STREAM = 31  # seed stream of the mutation signs (one draw per round)
@@ -53,7 +52,8 @@ class FedMut(FedAvg):
     depend on ranks. Details: docs/fl_baselines.md.
     """
 
-    def __init__(self, alpha: float = 4.0, acc_rate: float = 0.0, acc_rounds: int = 50,
+    def __init__(self, alpha: NonNegativeFloat = 4.0, acc_rate: number_type(float, ge=0, lt=1) = 0.0,
+                 acc_rounds: PositiveInt = 50,
                  mutate_buffers: bool = False, weighting: Weighting = "uniform"):
         """
         Args:
@@ -75,22 +75,6 @@ class FedMut(FedAvg):
         self.acc_rounds = acc_rounds
         self.mutate_buffers = mutate_buffers
         self.weighting = weighting
-
-    def check(self, train):
-        alpha = self.alpha
-        number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
-        if not (number and math.isfinite(alpha) and alpha >= 0):
-            raise ConfigError("algorithm.alpha", f"must be a finite number >= 0, got {alpha!r}")
-        rate = self.acc_rate
-        if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < 1):
-            raise ConfigError("algorithm.acc_rate", f"must be in [0, 1), got {rate!r}")
-        rounds = self.acc_rounds
-        if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
-            raise ConfigError("algorithm.acc_rounds", f"must be an integer >= 1, got {rounds!r}")
-        if not isinstance(self.mutate_buffers, bool):
-            raise ConfigError("algorithm.mutate_buffers", f"must be true or false, got {self.mutate_buffers!r}")
-        if self.weighting not in ("samples", "uniform"):
-            raise ConfigError("algorithm.weighting", f"must be samples or uniform, got {self.weighting!r}")
 
     def setup(self, ctx):
         super().setup(ctx)

@@ -27,7 +27,6 @@ docs/fednas_transfers.md gives the originals' rules, how each is realized, and t
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Literal, Optional, Sequence, Tuple
@@ -43,6 +42,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION,
                                          SEARCH_POPULATION, extraction_rho)
+from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -107,18 +107,18 @@ class PathSearch:
     DeepFedNAS cache generator's equidistant targets between the supernet's absolute MAC
     bounds, one genetic search per target)."""
 
-    targets: int = 60
+    targets: number_type(int, ge=2) = 60
     """MAC targets from the smallest architecture's MACs to the largest's, both included
     (DeepFedNAS's ``run_subnet_cache_generation.sh``: ``--num_samples 60``)."""
-    population: int = SEARCH_POPULATION
+    population: number_type(int, ge=2) = SEARCH_POPULATION
     """Genetic-search population per target (DeepFedNAS's script: 256)."""
-    generations: int = SEARCH_GENERATIONS
+    generations: PositiveInt = SEARCH_GENERATIONS
     """Genetic-search generations per target (DeepFedNAS's script: 512)."""
-    mutation: float = SEARCH_MUTATION
+    mutation: ClosedUnitInterval = SEARCH_MUTATION
     """Mutation probability."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Search seed (target ``k`` is searched with ``seed + k``)."""
-    rho: Optional[float] = None
+    rho: Optional[PositiveFloat] = None
     """Effectiveness ceiling rho_0 of every target; null: FEAST's cache ceilings (0.40 below
     50M MACs, 0.31 above, Supp. B.1 / E.3)."""
 
@@ -174,11 +174,11 @@ class _FedNASTransfer(Feast):
     dense = False
 
     def __init__(self, constrained: bool = False, cache: Optional[str] = None, retarget: bool = False,
-                 search: CacheSearch = CacheSearch(), maxnet_init: float = MAXNET_INIT,
-                 maxnet_final: float = MAXNET_FINAL, maxnet_steps: Optional[int] = None,
-                 mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0, mix_schedule: MixSchedule = "alternate",
-                 calib_batch_size: int = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
-                 kappa: float = KAPPA_FB):
+                 search: CacheSearch = CacheSearch(), maxnet_init: UnitFraction = MAXNET_INIT,
+                 maxnet_final: UnitFraction = MAXNET_FINAL, maxnet_steps: Optional[PositiveInt] = None,
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0,
+                 mix_schedule: MixSchedule = "alternate", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
+                 calib_transform: Literal["train", "eval"] = "train", kappa: PositiveFloat = KAPPA_FB):
         """
         Args:
             constrained: the budget-constrained variant of Table 3: every client trains only
@@ -214,19 +214,6 @@ class _FedNASTransfer(Feast):
         self.maxnet_init, self.maxnet_final, self.maxnet_steps = maxnet_init, maxnet_final, maxnet_steps
 
     # -- set-up ---------------------------------------------------------------------------------
-    def check(self, train) -> None:
-        super().check(train)  # cache, search, mixing, calibration and kappa options (FEAST's checks)
-        checks = [
-            ("constrained", isinstance(self.constrained, bool), "must be true or false"),
-            ("maxnet_init", _finite(self.maxnet_init) and 0 < self.maxnet_init <= 1, "must be in (0, 1]"),
-            ("maxnet_final", _finite(self.maxnet_final) and 0 < self.maxnet_final <= 1, "must be in (0, 1]"),
-            ("maxnet_steps", self.maxnet_steps is None or (isinstance(self.maxnet_steps, int)
-                                                           and self.maxnet_steps >= 1), "must be null or >= 1"),
-        ]
-        for key, ok, problem in checks:
-            if not ok:
-                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
-
     def setup(self, ctx) -> None:
         from fl_lightning.analysis import feast_accounting as accounting
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
@@ -235,10 +222,8 @@ class _FedNASTransfer(Feast):
         if not isinstance(ctx.model, OFAResNet):
             raise ConfigError("model.name", f"{self.method} trains an ofa_resnet supernet")
         Algorithm.setup(self, ctx)
-        if len(ctx.data.calib) == 0:
-            raise ConfigError("data.calib_size", f"{self.method} is evaluated as FEAST, recalibrating BN on "
-                                                 f"server-held data; set it > 0")
-        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
+        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform,
+                                             required_by=f"{self.method} is evaluated as FEAST, recalibrating BN")
         self.input_shape = tuple(ctx.data.bundle.input_shape)
         self.cache = self._load_or_build_cache(ctx)
         self.cost = cost_model(ctx.model, self.input_shape)  # the cache's (and budgets') MAC convention
@@ -452,10 +437,11 @@ class DeepFedNAS(_FedNASTransfer):
 
     def __init__(self, constrained: bool = False, cache: Optional[str] = None, retarget: bool = False,
                  search: CacheSearch = CacheSearch(), path: PathSearch = PathSearch(),
-                 maxnet_init: float = MAXNET_INIT, maxnet_final: float = MAXNET_FINAL,
-                 maxnet_steps: Optional[int] = None, mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0,
-                 mix_schedule: MixSchedule = "alternate", calib_batch_size: int = CALIB_BATCH_SIZE,
-                 calib_transform: Literal["train", "eval"] = "train", kappa: float = KAPPA_FB):
+                 maxnet_init: UnitFraction = MAXNET_INIT, maxnet_final: UnitFraction = MAXNET_FINAL,
+                 maxnet_steps: Optional[PositiveInt] = None, mixup_alpha: NonNegativeFloat = 0.4,
+                 cutmix_alpha: NonNegativeFloat = 1.0, mix_schedule: MixSchedule = "alternate",
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 kappa: PositiveFloat = KAPPA_FB):
         """
         Args:
             constrained: the budget-constrained variant of Table 3 (the path is then the
@@ -482,18 +468,6 @@ class DeepFedNAS(_FedNASTransfer):
                          mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, mix_schedule=mix_schedule,
                          calib_batch_size=calib_batch_size, calib_transform=calib_transform, kappa=kappa)
         self.path_search = path
-
-    def check(self, train) -> None:
-        super().check(train)
-        p = self.path_search
-        checks = [("targets", isinstance(p.targets, int) and p.targets >= 2, "must be an integer >= 2"),
-                  ("population", isinstance(p.population, int) and p.population >= 2, "must be an integer >= 2"),
-                  ("generations", isinstance(p.generations, int) and p.generations >= 1, "must be an integer >= 1"),
-                  ("mutation", _finite(p.mutation) and 0 <= p.mutation <= 1, "must be in [0, 1]"),
-                  ("rho", p.rho is None or (_finite(p.rho) and p.rho > 0), "must be null or > 0")]
-        for key, ok, problem in checks:
-            if not ok:
-                raise ConfigError(f"algorithm.path.{key}", f"{problem}, got {getattr(p, key)!r}")
 
     def setup(self, ctx) -> None:
         self.path = None
@@ -537,7 +511,3 @@ class DeepFedNAS(_FedNASTransfer):
             return specs[smallest], False
         generator = _generator(ARCH_STREAM, self.ctx.seed, round_idx, client)
         return specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]], False
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeFloat
 
 
 class FedProx(FedAvg):
     """FedAvg whose clients minimize ``loss + (mu / 2) ||w - w_global||^2``."""
 
-    def __init__(self, mu: float = 0.01):
+    def __init__(self, mu: NonNegativeFloat = 0.01):
         """
         Args:
             mu: proximal coefficient; 0 gives FedAvg exactly.
         """
         self.mu = mu
-
-    def check(self, train):
-        if self.mu < 0:
-            raise ConfigError("algorithm.mu", f"must be >= 0, got {self.mu}")
 
     def client_module(self, routed, task, plan):
         from fl_lightning.modules.proximal import ProximalClient

@@ -20,7 +20,6 @@ Every formula and the choices the paper leaves open: docs/fedsga.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Tuple
 
@@ -30,6 +29,7 @@ from torch import nn
 from fl_lightning.algorithms.split_common import default_candidates
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
@@ -63,12 +63,13 @@ class FedSGA(SplitFed):
                  static_cut: Optional[str] = None, adaptation_channel: bool = True,
                  sufficiency_estimator: bool = True, harmonizer: bool = True, server_model: ServerModel = "shared",
                  harmonized_prediction: bool = True, prompt_gradient: PromptGradient = "all",
-                 eval_cut: Optional[str] = None, num_prompts: int = 4,
-                 prompt_width: int = 4, rho: float = 0.1, beta: float = 0.05, lambda_align: float = 0.1,
-                 tau_a: float = 0.5, tau_m: float = 0.5, prototype_momentum: float = 0.9,
-                 projection_dim: int = 128, calibration_every: int = 5, probe_size: int = 32,
-                 estimator_hidden: int = 16, estimator_buffer: int = 256, respect_budgets: bool = True,
-                 server_lr: Optional[float] = None):
+                 eval_cut: Optional[str] = None, num_prompts: PositiveInt = 4,
+                 prompt_width: PositiveInt = 4, rho: NonNegativeFloat = 0.1, beta: NonNegativeFloat = 0.05,
+                 lambda_align: NonNegativeFloat = 0.1, tau_a: PositiveFloat = 0.5, tau_m: PositiveFloat = 0.5,
+                 prototype_momentum: ClosedUnitInterval = 0.9, projection_dim: PositiveInt = 128,
+                 calibration_every: PositiveInt = 5, probe_size: PositiveInt = 32,
+                 estimator_hidden: PositiveInt = 16, estimator_buffer: PositiveInt = 256,
+                 respect_budgets: bool = True, server_lr: Optional[PositiveFloat] = None):
         """
         Args:
             candidates: candidate cuts P (block names, shallowest first); None: the stage ends
@@ -133,31 +134,6 @@ class FedSGA(SplitFed):
         self.estimator_hidden = estimator_hidden
         self.estimator_buffer = estimator_buffer
         self.respect_budgets = respect_budgets
-
-    def check(self, train) -> None:
-        super().check(train)
-        choices = {"split_strategy": (self.split_strategy, ("sufficiency", "static", "random")),
-                   "server_model": (self.server_model, ("shared", "copy")),
-                   "prompt_gradient": (self.prompt_gradient, ("task", "all"))}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"algorithm.{key}", f"must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
-                                                      f"got {value!r}")
-        positive_ints = {"num_prompts": self.num_prompts, "prompt_width": self.prompt_width,
-                         "projection_dim": self.projection_dim, "calibration_every": self.calibration_every,
-                         "probe_size": self.probe_size, "estimator_hidden": self.estimator_hidden,
-                         "estimator_buffer": self.estimator_buffer}
-        for key, value in positive_ints.items():
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ConfigError(f"algorithm.{key}", f"must be an integer >= 1, got {value!r}")
-        ranges = {"rho": (self.rho, 0.0, None), "beta": (self.beta, 0.0, None),
-                  "lambda_align": (self.lambda_align, 0.0, None), "tau_a": (self.tau_a, 1e-8, None),
-                  "tau_m": (self.tau_m, 1e-8, None), "prototype_momentum": (self.prototype_momentum, 0.0, 1.0)}
-        for key, (value, low, high) in ranges.items():
-            ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= low
-            if not ok or (high is not None and value > high):
-                bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
-                raise ConfigError(f"algorithm.{key}", f"must be a finite number {bound}, got {value!r}")
 
     @property
     def harmonized(self) -> bool:

@@ -23,13 +23,12 @@ import torch
 from fl_lightning.algorithms.split_common import label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
 
 SELECT_STREAM = 41  # seed stream of MergeSFL's candidate cohorts
-SPEEDS = ("budget", "shard", "uniform")
-SELECTIONS = ("kl", "uniform")
 
 
 def regulate_batch_sizes(speeds: Sequence[float], caps: Sequence[int], total: int, low: int = 1) -> List[int]:
@@ -92,9 +91,9 @@ class MergeSFL(SplitFed):
     """Feature merging and batch size regulation on a single server half (SplitFed V2's)."""
 
     def __init__(self, cut: Optional[str] = None, speeds: Literal["budget", "shard", "uniform"] = "budget",
-                 total_batch: Optional[int] = None, min_batch: int = 2,
-                 selection: Literal["kl", "uniform"] = "kl", selection_trials: int = 64,
-                 rescale_gradients: bool = True, server_lr: Optional[float] = None):
+                 total_batch: Optional[PositiveInt] = None, min_batch: PositiveInt = 2,
+                 selection: Literal["kl", "uniform"] = "kl", selection_trials: PositiveInt = 64,
+                 rescale_gradients: bool = True, server_lr: Optional[PositiveFloat] = None):
         """
         Args:
             cut: block name after which the model is split (None: the middle block boundary).
@@ -120,19 +119,6 @@ class MergeSFL(SplitFed):
         self.selection_trials = selection_trials
         self.rescale_gradients = rescale_gradients
 
-    def check(self, train) -> None:
-        super().check(train)
-        if self.speeds not in SPEEDS:
-            raise ConfigError("algorithm.speeds", f"must be one of {', '.join(SPEEDS)}, got {self.speeds!r}")
-        if self.selection not in SELECTIONS:
-            raise ConfigError("algorithm.selection", f"must be kl or uniform, got {self.selection!r}")
-        for key in ("min_batch", "selection_trials") + (("total_batch",) if self.total_batch is not None else ()):
-            value = getattr(self, key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ConfigError(f"algorithm.{key}", f"must be an integer >= 1, got {value!r}")
-        if not isinstance(self.rescale_gradients, bool):
-            raise ConfigError("algorithm.rescale_gradients", f"must be true or false, got {self.rescale_gradients!r}")
-
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
         super().setup(ctx)
@@ -153,7 +139,6 @@ class MergeSFL(SplitFed):
         total = self.counts.sum(0)
         self.reference = total / total.sum()
         self.slots: List[torch.nn.Module] = []
-        self._results: Dict[int, ClientResult] = {}
         self._kl = float("nan")
 
     # -- the plan -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from fl_lightning.algorithms.split_common import key_regions, label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import ClosedUnitInterval, PositiveFloat
 from fl_lightning.runtime.channel import DOWN, UP, Channel, state_bytes
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -85,9 +86,10 @@ def choose_assistants(requirement: torch.Tensor, counts: torch.Tensor, client: i
 class MultiSFL(SplitFed):
     """Branch models trained by one client each, averaged into a master, weakly pulled back."""
 
-    def __init__(self, cut: Optional[str] = None, pull: float = WEAK_PULL, replay: bool = True,
-                 replay_budget: float = 0.01, replay_decay: float = 0.5, adaptive_split: bool = False,
-                 candidates: Optional[List[str]] = None, server_lr: Optional[float] = None):
+    def __init__(self, cut: Optional[str] = None, pull: ClosedUnitInterval = WEAK_PULL, replay: bool = True,
+                 replay_budget: ClosedUnitInterval = 0.01, replay_decay: ClosedUnitInterval = 0.5,
+                 adaptive_split: bool = False, candidates: Optional[List[str]] = None,
+                 server_lr: Optional[PositiveFloat] = None):
         """
         Args:
             cut: block name after which the model is split (None: the middle block boundary).
@@ -115,13 +117,6 @@ class MultiSFL(SplitFed):
 
     def check(self, train) -> None:
         super().check(train)
-        for key in ("pull", "replay_budget", "replay_decay"):
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
-                raise ConfigError(f"algorithm.{key}", f"must be a number in [0, 1], got {value!r}")
-        for key in ("replay", "adaptive_split"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"algorithm.{key}", f"must be true or false, got {getattr(self, key)!r}")
         if self.candidates is not None and not self.adaptive_split:
             raise ConfigError("algorithm.candidates", "is used only with adaptive_split: true")
         if self.cut is not None and self.adaptive_split:

@@ -9,27 +9,24 @@ the training pass; docs/sfl_baselines.md the rules, options and departures.
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Optional
 
 import torch
 
 from fl_lightning.algorithms.splitfed import SplitFed
-from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.seeding import client_generator, derive_seed
 
 ZO_STREAM = 42  # seed stream of MU-SplitFed's zeroth-order directions
-FEEDBACK = ("start", "last_step", "end")
-ESTIMATORS = ("fo", "zo")
 
 
 class MUSplitFed(SplitFed):
     """SplitFed whose server half takes ``tau`` steps per client step."""
 
-    def __init__(self, cut: Optional[str] = None, tau: int = 2,
+    def __init__(self, cut: Optional[str] = None, tau: PositiveInt = 2,
                  feedback_at: Literal["start", "last_step", "end"] = "end",
-                 estimator: Literal["fo", "zo"] = "fo", zo_smoothing: float = 1e-3,
-                 version: Literal["v1", "v2"] = "v1", server_lr: Optional[float] = None):
+                 estimator: Literal["fo", "zo"] = "fo", zo_smoothing: PositiveFloat = 1e-3,
+                 version: Literal["v1", "v2"] = "v1", server_lr: Optional[PositiveFloat] = None):
         """
         Args:
             cut: block name after which the model is split (None: the middle block boundary).
@@ -50,19 +47,6 @@ class MUSplitFed(SplitFed):
         self.feedback_at = feedback_at
         self.estimator = estimator
         self.zo_smoothing = zo_smoothing
-
-    def check(self, train) -> None:
-        super().check(train)
-        if not (isinstance(self.tau, int) and not isinstance(self.tau, bool) and self.tau >= 1):
-            raise ConfigError("algorithm.tau", f"must be an integer >= 1, got {self.tau!r}")
-        if self.feedback_at not in FEEDBACK:
-            raise ConfigError("algorithm.feedback_at",
-                              f"must be one of {', '.join(FEEDBACK)}, got {self.feedback_at!r}")
-        if self.estimator not in ESTIMATORS:
-            raise ConfigError("algorithm.estimator", f"must be fo or zo, got {self.estimator!r}")
-        s = self.zo_smoothing
-        if not (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0):
-            raise ConfigError("algorithm.zo_smoothing", f"must be a finite number > 0, got {s!r}")
 
     def train_pass(self, task, plan, pair):
         """``tau`` server steps per client batch (``modules/split_variants.py``): first order as a

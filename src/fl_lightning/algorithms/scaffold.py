@@ -8,6 +8,7 @@ import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.server_optimizer import ServerOptimizer
 
@@ -20,7 +21,7 @@ class Scaffold(FedAvg):
     ``server_lr``; ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)``.
     """
 
-    def __init__(self, server_lr: float = 1.0):
+    def __init__(self, server_lr: PositiveFloat = 1.0):
         """
         Args:
             server_lr: global step size eta_g applied to the aggregated model change.
@@ -30,8 +31,6 @@ class Scaffold(FedAvg):
     def check(self, train):
         if train.momentum != 0:
             raise ConfigError("train.momentum", "SCAFFOLD uses vanilla local SGD (option II); set it to 0")
-        if self.server_lr <= 0:
-            raise ConfigError("algorithm.server_lr", f"must be > 0, got {self.server_lr}")
 
     def setup(self, ctx):
         super().setup(ctx)

@@ -23,16 +23,16 @@ As the FEAST paper adapts it to its common ResNet-18 substrate (Supp. E.1):
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Literal, get_args
+from typing import Dict, List, Literal, Tuple
 
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.levels import assign_levels
 from fl_lightning.analysis.level_report import scalefl_report
-from fl_lightning.bounds import is_finite_number
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, UnitFraction
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
@@ -53,13 +53,14 @@ class ScaleFL(FedAvg):
 
     dense = False
 
-    def __init__(self, levels: List[List[float]] = [list(level) for level in LEVELS], kd_gamma: float = 0.05,
-                 kd_temperature: float = 3.0, kd_start: float = 0.25, exit_weights: ExitWeights = "depth",
+    def __init__(self, levels: List[Tuple[PositiveInt, UnitFraction]] = [list(level) for level in LEVELS],
+                 kd_gamma: NonNegativeFloat = 0.05, kd_temperature: PositiveFloat = 3.0,
+                 kd_start: ClosedUnitInterval = 0.25, exit_weights: ExitWeights = "depth",
                  kl_reduction: KLReduction = "elementwise", detach_teacher: bool = False,
-                 recalibrate: bool = True, calib_batch_size: int = CALIB_BATCH_SIZE,
+                 recalibrate: bool = True, calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
                  calib_transform: Literal["train", "eval"] = "train",
                  mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
-                 mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0):
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0):
         """
         Args:
             levels: the levels as [blocks, width] pairs, smallest first: the first ``blocks``
@@ -98,36 +99,13 @@ class ScaleFL(FedAvg):
     def check(self, train) -> None:
         from fl_lightning.modules.mixing import mixing_checks
 
-        for i, level in enumerate(self.levels):
-            ok = (isinstance(level, (list, tuple)) and len(level) == 2 and is_finite_number(level[0])
-                  and float(level[0]) == int(level[0]) and int(level[0]) >= 1 and is_finite_number(level[1])
-                  and 0 < float(level[1]) <= 1)
-            if not ok:
-                raise ConfigError(f"algorithm.levels[{i}]",
-                                  f"must be [blocks >= 1 (an integer), width in (0, 1]], got {level!r}")
         if not self.levels:
             raise ConfigError("algorithm.levels", "needs at least one level")
         pairs = [(int(b), float(w)) for b, w in self.levels]
         if any(not (b1 <= b2 and w1 <= w2 and (b1, w1) != (b2, w2)) for (b1, w1), (b2, w2) in zip(pairs, pairs[1:])):
             raise ConfigError("algorithm.levels", f"must be nested and distinct, smallest first (blocks and width "
                                                   f"non-decreasing), got {self.levels}")
-        checks = [
-            ("kd_gamma", is_finite_number(self.kd_gamma) and self.kd_gamma >= 0, "must be a finite number >= 0"),
-            ("kd_temperature", is_finite_number(self.kd_temperature) and self.kd_temperature > 0,
-             "must be a finite number > 0"),
-            ("kd_start", is_finite_number(self.kd_start) and 0 <= self.kd_start <= 1, "must be in [0, 1]"),
-            ("exit_weights", self.exit_weights in get_args(ExitWeights),
-             f"must be one of {', '.join(get_args(ExitWeights))}"),
-            ("kl_reduction", self.kl_reduction in get_args(KLReduction),
-             f"must be one of {', '.join(get_args(KLReduction))}"),
-            ("detach_teacher", isinstance(self.detach_teacher, bool), "must be true or false"),
-            ("recalibrate", isinstance(self.recalibrate, bool), "must be true or false"),
-            ("calib_batch_size", isinstance(self.calib_batch_size, int) and self.calib_batch_size >= 1,
-             "must be an integer >= 1"),
-            ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
-            *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
-        ]
-        for key, ok, problem in checks:
+        for key, ok, problem in mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha):
             if not ok:
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
 
@@ -142,14 +120,13 @@ class ScaleFL(FedAvg):
             raise ConfigError("model.name", "ScaleFL trains a scalefl_resnet18 (a depth-width model with exits)")
         if ctx.budgets is None:
             raise ConfigError("partition.budgets", "ScaleFL assigns levels by client MAC budgets")
-        if self.recalibrate and len(ctx.data.calib) == 0:
-            raise ConfigError("data.calib_size", "ScaleFL recalibrates BN per level on server-held data; set it > 0 "
-                                                 "(or algorithm.recalibrate: false)")
         self.ctx = ctx
         self.global_state = model.state_dict()
         # BN recalibration exactly as FEAST's evaluation: the same calibration images, order and
         # augmentation draw, and the same reset-and-average estimate per extracted operating point
-        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform)
+        self.calibration = ServerCalibration(
+            ctx, self.calib_batch_size, self.calib_transform, otherwise="algorithm.recalibrate: false",
+            required_by="ScaleFL recalibrates BN per level" if self.recalibrate else None)
         self.specs = [DepthWidthSpec(int(b), float(w)) for b, w in self.levels]
         for i, spec in enumerate(self.specs):
             if spec.depth not in model.classifier_depths():

@@ -24,6 +24,7 @@ from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.split_common import key_regions, split_metrics
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat
 from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -60,7 +61,7 @@ class SplitFed(FedAvg):
     dense = True  # every global key is trained by every client, on one side of the cut or the other
 
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
-                 server_lr: Optional[float] = None):
+                 server_lr: Optional[PositiveFloat] = None):
         """
         Args:
             cut: block name after which the model is split (the last block the client runs);
@@ -76,12 +77,6 @@ class SplitFed(FedAvg):
     @property
     def sequential_clients(self) -> bool:
         return self.version == "v2"
-
-    def check(self, train) -> None:
-        if self.version not in ("v1", "v2"):
-            raise ConfigError("algorithm.version", f"must be v1 or v2, got {self.version!r}")
-        if self.server_lr is not None and not self.server_lr > 0:
-            raise ConfigError("algorithm.server_lr", f"must be > 0, got {self.server_lr}")
 
     # -- set-up ---------------------------------------------------------------------------------
     def candidate_cuts(self, model: nn.Module) -> List[str]:

@@ -37,6 +37,7 @@ from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
 from fl_lightning.runtime.collectives import all_reduce_sum
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
@@ -71,8 +72,8 @@ class SubmodelAlgorithm(FedAvg):
 
     dense = False
 
-    def __init__(self, tiers: Sequence[float] = TIERS, tier_probs: Sequence[float] = TIER_PROBS,
-                 caps: Optional[List[float]] = None, log_layers: bool = True):
+    def __init__(self, tiers: List[UnitFraction] = list(TIERS), tier_probs: List[NonNegativeFloat] = list(TIER_PROBS),
+                 caps: Optional[List[UnitFraction]] = None, log_layers: bool = True):
         """
         Args:
             tiers: capacity tiers (width ratios in (0, 1]) a client's cap is drawn from.
@@ -86,14 +87,13 @@ class SubmodelAlgorithm(FedAvg):
         self.log_layers = log_layers
 
     def check(self, train) -> None:
-        if not self.tiers or any(not 0 < t <= 1 for t in self.tiers):
-            raise ConfigError("algorithm.tiers", f"must be widths in (0, 1], got {self.tiers}")
+        if not self.tiers:
+            raise ConfigError("algorithm.tiers", "must list at least one width")
         if any(a >= b for a, b in zip(self.tiers, self.tiers[1:])):
             raise ConfigError("algorithm.tiers", f"must be distinct widths, smallest first, got {self.tiers}")
-        if len(self.tier_probs) != len(self.tiers) or any(p < 0 for p in self.tier_probs) or sum(self.tier_probs) <= 0:
-            raise ConfigError("algorithm.tier_probs", f"must be {len(self.tiers)} non-negative numbers with a positive sum")
-        if self.caps_given is not None and any(not 0 < c <= 1 for c in self.caps_given):
-            raise ConfigError("algorithm.caps", "every cap must lie in (0, 1]")
+        if len(self.tier_probs) != len(self.tiers) or sum(self.tier_probs) <= 0:
+            raise ConfigError("algorithm.tier_probs", f"must be {len(self.tiers)} non-negative numbers (one per "
+                                                      f"tier) with a positive sum, got {self.tier_probs}")
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -208,12 +208,12 @@ class HeteroFL(SubmodelAlgorithm):
     ``mix_schedule`` FEAST's Mixup / CutMix.
     """
 
-    def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[float]] = None,
-                 tier_probs: Optional[List[float]] = None, bn: Literal["aggregated", "sbn", "recalibrate"] = "aggregated",
+    def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[UnitFraction]] = None,
+                 tier_probs: Optional[List[NonNegativeFloat]] = None, bn: Literal["aggregated", "sbn", "recalibrate"] = "aggregated",
                  sbn_data: Literal["train", "calib"] = "train", scaler: bool = False,
-                 calib_batch_size: int = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
                  mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
-                 mixup_alpha: float = 0.4, cutmix_alpha: float = 1.0, **kwargs):
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0, **kwargs):
         """
         Args:
             assign: caps (each client's cap drawn from ``tiers`` with ``tier_probs``, or
@@ -254,21 +254,13 @@ class HeteroFL(SubmodelAlgorithm):
         self.assignment = None
 
     def check(self, train) -> None:
-        from fl_lightning.algorithms.bn_protocol import BN_PROTOCOLS, SBN_DATA
         from fl_lightning.modules.mixing import mixing_checks
 
         budget = self.assign == "budget"
         checks = [
-            ("assign", self.assign in ("caps", "budget"), "must be caps or budget"),
-            ("bn", self.bn in BN_PROTOCOLS, f"must be one of {', '.join(BN_PROTOCOLS)}"),
-            ("sbn_data", self.sbn_data in SBN_DATA, f"must be one of {', '.join(SBN_DATA)}"),
-            ("scaler", isinstance(self.scaler, bool), "must be true or false"),
             # tracked statistics would see conv outputs divided by p, evaluation undivided ones
             ("scaler", not (self.scaler and self.bn == "aggregated"),
              "needs bn sbn or recalibrate (aggregated statistics would be tracked on scaled activations)"),
-            ("calib_batch_size", isinstance(self.calib_batch_size, int) and self.calib_batch_size >= 1,
-             "must be an integer >= 1"),
-            ("calib_transform", self.calib_transform in ("train", "eval"), "must be train or eval"),
             *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
             ("tier_probs", not (budget and self.tier_probs_given is not None),
              "is unused with assign budget (tiers follow the MAC budgets); remove it"),
@@ -392,18 +384,13 @@ class HeteroFL(SubmodelAlgorithm):
 class Uniform(SubmodelAlgorithm):
     """Every client at ``min(width, p_max)`` (the paper's Uniform baseline, width 0.5)."""
 
-    def __init__(self, width: float = 0.5, **kwargs):
+    def __init__(self, width: UnitFraction = 0.5, **kwargs):
         """
         Args:
             width: the common width before capping.
         """
         super().__init__(**kwargs)
         self.width = float(width)
-
-    def check(self, train):
-        super().check(train)
-        if not 0 < self.width <= 1:
-            raise ConfigError("algorithm.width", f"must be in (0, 1], got {self.width}")
 
     def widths_for(self, round_idx, cohort):
         return {c: min(self.width, float(self.caps[c])) for c in cohort}
@@ -427,8 +414,8 @@ class FjORD(SubmodelAlgorithm):
       self-distillation; ``distill_alpha = 1`` is the authors' Flower baseline).
     """
 
-    def __init__(self, distill: bool = False, distill_weight: float = 1.0,
-                 sample: Literal["round", "step"] = "round", distill_alpha: float = 1.0, **kwargs):
+    def __init__(self, distill: bool = False, distill_weight: NonNegativeFloat = 1.0,
+                 sample: Literal["round", "step"] = "round", distill_alpha: ClosedUnitInterval = 1.0, **kwargs):
         """
         Args:
             distill: add FjORD's self-distillation (elastic local model, in-place distillation).
@@ -444,20 +431,6 @@ class FjORD(SubmodelAlgorithm):
         self.distill_weight = float(distill_weight)
         self.sample = sample
         self.distill_alpha = float(distill_alpha)
-
-    def check(self, train) -> None:
-        super().check(train)
-        self.check_options()
-
-    def check_options(self) -> None:
-        if self.sample not in ("round", "step"):
-            raise ConfigError("algorithm.sample", f"must be round or step, got {self.sample!r}")
-        if not 0.0 <= self.distill_alpha <= 1.0:
-            raise ConfigError("algorithm.distill_alpha", f"must be in [0, 1], got {self.distill_alpha}")
-
-    def setup(self, ctx) -> None:
-        self.check_options()  # also when built without the command line
-        super().setup(ctx)
 
     def allowed(self, client: int) -> List[float]:
         """The tiers a client may train: those no larger than its cap (the cap if none is)."""
@@ -514,7 +487,8 @@ class RandomBudget(SubmodelAlgorithm):
     folder or its ``metrics.jsonl``; rounds past its end repeat its mean).
     """
 
-    def __init__(self, budget: float = 0.5, budget_from: Optional[str] = None, p_lo: float = 0.0625, **kwargs):
+    def __init__(self, budget: UnitFraction = 0.5, budget_from: Optional[str] = None, p_lo: UnitFraction = 0.0625,
+                 **kwargs):
         """
         Args:
             budget: target average width of each round's cohort.
@@ -529,10 +503,6 @@ class RandomBudget(SubmodelAlgorithm):
 
     def check(self, train):
         super().check(train)
-        if not 0 < self.budget <= 1:
-            raise ConfigError("algorithm.budget", f"must be in (0, 1], got {self.budget}")
-        if not 0 < self.p_lo <= 1:
-            raise ConfigError("algorithm.p_lo", f"must be in (0, 1], got {self.p_lo}")
         if self.budget_from is not None:
             self.trace = load_budget_trace(self.budget_from)
 
@@ -607,8 +577,9 @@ class HASFL(SubmodelAlgorithm):
     next round on.
     """
 
-    def __init__(self, p_min: float = 0.4, gamma: float = 0.25, beta: float = 0.9, t_warm: int = 10,
-                 t_adapt: int = 5, t_norm: int = 20, coverage: bool = True, eps: float = 1e-8,
+    def __init__(self, p_min: UnitFraction = 0.4, gamma: NonNegativeFloat = 0.25,
+                 beta: number_type(float, ge=0, lt=1) = 0.9, t_warm: NonNegativeInt = 10,
+                 t_adapt: PositiveInt = 5, t_norm: PositiveInt = 20, coverage: bool = True, eps: PositiveFloat = 1e-8,
                  ema: Literal["adapt", "round"] = "adapt", **kwargs):
         """
         Args:
@@ -631,22 +602,6 @@ class HASFL(SubmodelAlgorithm):
         self.t_warm, self.t_adapt, self.t_norm = int(t_warm), int(t_adapt), int(t_norm)
         self.coverage, self.eps, self.ema = bool(coverage), float(eps), ema
 
-    def check(self, train):
-        super().check(train)
-        if not 0 <= self.beta < 1:
-            raise ConfigError("algorithm.beta", f"must be in [0, 1), got {self.beta}")
-        if not 0 < self.p_min <= 1:
-            raise ConfigError("algorithm.p_min", f"must be in (0, 1], got {self.p_min}")
-        if self.gamma < 0:
-            raise ConfigError("algorithm.gamma", f"must be >= 0, got {self.gamma}")
-        for key in ("t_adapt", "t_norm"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"algorithm.{key}", f"must be >= 1, got {getattr(self, key)}")
-        if self.t_warm < 0:
-            raise ConfigError("algorithm.t_warm", f"must be >= 0, got {self.t_warm}")
-        if self.ema not in ("adapt", "round"):
-            raise ConfigError("algorithm.ema", f"must be adapt or round, got {self.ema!r}")
-
     def setup(self, ctx):
         super().setup(ctx)
         n = ctx.num_clients
@@ -654,7 +609,6 @@ class HASFL(SubmodelAlgorithm):
         # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).
         self.widths = self.caps.clone() if self.t_warm > 0 else self.allocate()
         self._pending: Dict[int, Dict[str, torch.Tensor]] = {}
-        self._h_hat = torch.zeros(n, dtype=torch.float64)
 
     # -- allocation rule --------------------------------------------------------------------
     def allocate(self) -> torch.Tensor:
@@ -690,7 +644,6 @@ class HASFL(SubmodelAlgorithm):
         reduced = all_reduce_sum(self.ctx.fabric, {"h_hat": h_hat.to(self.ctx.fabric.device),
                                                    "trained": trained.to(self.ctx.fabric.device)})
         h_hat, trained = reduced["h_hat"].cpu(), reduced["trained"].cpu() > 0
-        self._h_hat = h_hat
         super().finish_round(new_state, sums, plan, owned)
         done = plan.round_idx + 1  # rounds completed
         adapting = self.adapts_after(done)

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..bounds import is_number
+from ..option_types import is_number
 from ..errors import ConfigError
 from .base import ArrayDataset, DatasetBundle
 

@@ -7,10 +7,11 @@ study's BN protocols."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
+from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -21,9 +22,16 @@ CALIBRATION_STREAM = 13
 class ServerCalibration:
     """The calibration batches of one run, built on first use and then reused."""
 
-    def __init__(self, ctx, batch_size: int, transform: str):
+    def __init__(self, ctx, batch_size: int, transform: str, required_by: Optional[str] = None,
+                 otherwise: Optional[str] = None):
+        """``required_by``: what passes over the calibration split, for the error when the run
+        holds none (``otherwise``: the option that does without it)."""
         self.ctx, self.batch_size, self.transform = ctx, batch_size, transform
         self._batches = None
+        if required_by is not None and len(ctx.data.calib) == 0:
+            alternative = f" (or {otherwise})" if otherwise else ""
+            raise ConfigError("data.calib_size", f"{required_by} on the server's calibration split; set it > 0"
+                                                 f"{alternative}")
 
     def batches(self) -> List[torch.Tensor]:
         if self._batches is None:

@@ -19,6 +19,9 @@ from typing import Dict, Iterable, Literal, Tuple
 import torch
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat, number_type
+
+Decay = number_type(float, ge=0, lt=1)  # a momentum or moment decay
 
 OptimizerName = Literal["sgd", "adagrad", "adam", "yogi"]
 PREFIX = "server_opt/"  # where the optimiser's state sits in an algorithm's checkpointed state
@@ -57,24 +60,18 @@ class ServerOptimizer:
 
     name: OptimizerName = "sgd"
     """sgd (FedAvg, FedAvgM with momentum), adagrad, adam or yogi."""
-    lr: float = 1.0
+    lr: PositiveFloat = 1.0
     """Server learning rate eta (1 with sgd and no momentum: the plain average)."""
-    momentum: float = 0.0
+    momentum: Decay = 0.0
     """sgd's server momentum (FedAvgM's beta)."""
-    betas: Tuple[float, float] = (0.9, 0.99)
+    betas: Tuple[Decay, Decay] = (0.9, 0.99)
     """adam's and yogi's moment decays (Reddi et al.: 0.9, 0.99)."""
-    eps: float = 1e-3
+    eps: PositiveFloat = 1e-3
     """The adaptivity tau added to the root (Reddi et al.: 1e-3)."""
 
     def check(self, key: str) -> None:
-        """Refuse settings the optimiser does not define (``key``: where the config holds it)."""
-        checks = [("lr", self.lr > 0, "must be > 0"),
-                  ("momentum", 0 <= self.momentum < 1, "must be in [0, 1)"),
-                  ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "must be two values in [0, 1)"),
-                  ("eps", self.eps > 0, "must be > 0")]
-        for name, ok, message in checks:
-            if not ok:
-                raise ConfigError(f"{key}.{name}", f"{message}, got {getattr(self, name)}")
+        """Refuse settings the optimiser does not define (``key``: where the config holds it; each
+        setting's range is its type's)."""
         if self.momentum and self.name != "sgd":
             raise ConfigError(f"{key}.momentum", f"applies to sgd only (name: {self.name})")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Sequence
 
-from fl_lightning.bounds import check_numbers, is_finite_number
+from fl_lightning.option_types import check_numbers, is_finite_number
 from fl_lightning.errors import ConfigError
 
 MODELS: dict[str, type] = {}
