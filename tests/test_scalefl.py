@@ -204,7 +204,7 @@ def test_a_level1_client_update_touches_only_level1_positions(spec_factory):
     spec = scalefl_spec(spec_factory, "level1", BudgetConfig(b_min=1e3, b_max=2e4), 4, 1, 2)
     run_fit(spec)
     algorithm = spec.algorithm
-    assert algorithm.fallback.all() and (algorithm.assigned == 0).all()
+    assert algorithm.assignment.fallback.all() and (algorithm.assignment.assigned == 0).all()
     fed = build_federated_data(spec.data, spec.partition, spec.seed)
     global_model = build_global_model(spec, fed)
     before = global_model.state_dict()
@@ -231,13 +231,13 @@ def test_small_federation_reports_every_level_and_every_client_once(spec_factory
     summary = run_fit(spec)
     algorithm = spec.algorithm
     out = capsys.readouterr().out
-    assert int(algorithm.fallback.sum()) == 1
+    assert int(algorithm.assignment.fallback.sum()) == 1
     final = summary["best"] if "best" in summary else summary["final"]
     per_level = [final[f"test_level{k}_acc"] for k in range(1, 5)]
-    expected = sum(per_level[int(k)] for k in algorithm.assigned) / len(algorithm.assigned)
+    expected = sum(per_level[int(k)] for k in algorithm.assignment.assigned) / len(algorithm.assignment.assigned)
     assert final["test_acc"] == pytest.approx(expected)
     assert final["test_fallback_clients"] == 1.0
-    rows = algorithm.population()
+    rows = algorithm.assignment.population()
     assert sorted(r["client"] for r in rows) == list(range(8))
     # The report lists every client exactly once, under the level it is served.
     listing = out[out.index("clients by served level"):].splitlines()[1:5]
@@ -246,9 +246,9 @@ def test_small_federation_reports_every_level_and_every_client_once(spec_factory
     assert "1 served level 1 as the fallback" in out
     run = Path(spec.out_dir) / spec.name
     saved = json.loads((run / "levels.json").read_text())
-    assert [c["level"] for c in saved["clients"]] == [int(k) + 1 for k in algorithm.assigned]
+    assert [c["level"] for c in saved["clients"]] == [int(k) + 1 for k in algorithm.assignment.assigned]
     state = load_checkpoint(run / "checkpoints" / "last.ckpt")["algorithm"]
-    assert torch.equal(state["assigned"], algorithm.assigned)
+    assert torch.equal(state["assigned"], algorithm.assignment.assigned)
     clients = [json.loads(line) for line in (run / "clients.jsonl").read_text().splitlines()]
     assert {c["level"] for c in clients} <= {1, 2, 3, 4}
     assert all(c["macs"] == algorithm.level_macs[c["level"] - 1] for c in clients)

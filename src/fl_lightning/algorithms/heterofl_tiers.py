@@ -10,45 +10,30 @@ fallback, counted). Metric keys are ScaleFL's (``level{k}_acc``, ``mean_level_ac
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 import torch
 
-from fl_lightning.algorithms.levels import assign_levels
-from fl_lightning.errors import ConfigError
+from fl_lightning.algorithms.levels import LevelAssignment
 
 HETEROFL_TIERS = (0.0625, 0.125, 0.25, 0.5, 1.0)
 """HeteroFL's width multipliers 1/16 .. 1 (FEAST Supp. E.1), smallest first."""
 
 
-@dataclass
-class TierAssignment:
-    """Tiers (smallest first), their served cost, and each client's tier."""
+class TierAssignment(LevelAssignment):
+    """Width tiers (smallest first) as levels: their served cost, parameters and each client's tier."""
 
-    tiers: List[float]
-    macs: List[int]
-    """Served MACs of each tier (fvcore, one example)."""
-    params: List[int]
-    """Parameters of each tier's model (what a client of that tier receives and returns)."""
-    budgets: torch.Tensor
-    assigned: torch.Tensor
-    """0-based tier of every client, int64 [N]."""
-    fallback: torch.Tensor
-    """Clients whose budget is below the smallest tier's MACs (served tier 0 anyway), bool [N]."""
+    def __init__(self, tiers: Sequence[float], params: Sequence[int], levels: LevelAssignment):
+        super().__init__(levels.macs, levels.budgets, levels.assigned, levels.fallback)
+        self.tiers = [float(t) for t in tiers]
+        self.params = [int(p) for p in params]
+        """Parameters of each tier's model (what a client of that tier receives and returns)."""
 
     @classmethod
     def from_costs(cls, tiers: Sequence[float], macs: Sequence[int], params: Sequence[int],
                    budgets: Sequence[float]) -> "TierAssignment":
-        macs = [int(m) for m in macs]
-        for k in range(1, len(macs)):
-            if macs[k] <= macs[k - 1]:
-                raise ConfigError("algorithm.tiers", f"tier {tiers[k]:g} costs {macs[k] / 1e6:.3f}M MACs, not more than "
-                                                     f"tier {tiers[k - 1]:g} ({macs[k - 1] / 1e6:.3f}M): tiers must be "
-                                                     f"distinct widths, smallest first")
-        budgets = torch.as_tensor([float(b) for b in budgets], dtype=torch.float64)
-        assigned, fallback = assign_levels(budgets.tolist(), macs)
-        return cls([float(t) for t in tiers], macs, [int(p) for p in params], budgets, assigned, fallback)
+        levels = LevelAssignment.by_budget(macs, budgets, lambda k: ("algorithm.tiers", f"tier {tiers[k]:g}"))
+        return cls(tiers, params, levels)
 
     @classmethod
     def by_budget(cls, model, specs: Sequence, tiers: Sequence[float], budgets: Sequence[float],
@@ -64,17 +49,10 @@ class TierAssignment:
         """Each client's tier width, float64 [N] (the sub-model machinery's caps)."""
         return torch.tensor([self.tiers[int(k)] for k in self.assigned], dtype=torch.float64)
 
-    def counts(self) -> List[int]:
-        return torch.bincount(self.assigned, minlength=len(self.tiers)).tolist()
-
     def population(self) -> List[dict]:
-        """One row per client: budget, the tier (1-based level) it trains and is served, its
-        width and MACs, the fallback flag (ScaleFL's row, plus the width)."""
-        rows = []
-        for c, k in enumerate(self.assigned.tolist()):
-            rows.append({"client": c, "budget": float(self.budgets[c]), "level": k + 1, "width": self.tiers[k],
-                         "fallback": bool(self.fallback[c]), "macs": self.macs[k]})
-        return rows
+        """ScaleFL's row per client, plus the width."""
+        return [{"client": r["client"], "budget": r["budget"], "level": r["level"], "width": self.tiers[r["level"] - 1],
+                 "fallback": r["fallback"], "macs": r["macs"]} for r in super().population()]
 
     def describe(self) -> str:
         lines = [f"HeteroFL: {len(self.tiers)} width tiers, {int(self.fallback.sum())} of {len(self.assigned)} "
@@ -89,15 +67,8 @@ class TierAssignment:
                   for k, t in enumerate(self.tiers)]
         return json.dumps({"levels": levels, "clients": self.population()}, indent=2)
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {"assigned": self.assigned.clone(), "fallback": self.fallback.to(torch.uint8)}
-
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        assigned = state["assigned"].to(torch.int64).cpu()
-        if assigned.numel() != self.assigned.numel() or int(assigned.max()) >= len(self.tiers):
-            raise ConfigError("algorithm.tiers", "the checkpoint's tier assignment does not fit these clients and tiers")
-        self.assigned = assigned
-        self.fallback = state["fallback"].bool().cpu()
+    def load_state_dict(self, state: Dict[str, torch.Tensor], key: str = "algorithm.tiers") -> None:
+        super().load_state_dict(state, key)
 
 
 __all__ = ["HETEROFL_TIERS", "TierAssignment"]

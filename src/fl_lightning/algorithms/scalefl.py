@@ -28,7 +28,7 @@ from typing import Dict, List, Literal, Tuple
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.levels import assign_levels
+from fl_lightning.algorithms.levels import LevelAssignment
 from fl_lightning.analysis.level_report import scalefl_report
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
@@ -137,35 +137,25 @@ class ScaleFL(FedAvg):
         self.input_shape = tuple(ctx.data.bundle.input_shape)
         self.costs = [exit_costs(model, spec, self.input_shape) for spec in self.specs]
         self.level_macs = [spec_macs(model, spec, self.input_shape) for spec in self.specs]  # served, memoized
-        for i in range(1, len(self.level_macs)):
-            if self.level_macs[i] <= self.level_macs[i - 1]:
-                raise ConfigError(f"algorithm.levels[{i}]", f"costs {self.level_macs[i] / 1e6:.2f}M MACs, not more "
-                                                            f"than level {i} ({self.level_macs[i - 1] / 1e6:.2f}M)")
-        self.assigned, self.fallback = assign_levels(ctx.budgets.tolist(), self.level_macs)
+        self.assignment = LevelAssignment.by_budget(self.level_macs, ctx.budgets.tolist(),
+                                                    lambda k: (f"algorithm.levels[{k}]", f"level {k + 1}"))
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(self.describe_population())
 
     def describe_population(self) -> str:
-        counts = torch.bincount(self.assigned, minlength=len(self.specs)).tolist()
-        lines = [f"ScaleFL: {len(self.specs)} levels, {int(self.fallback.sum())} of {len(self.assigned)} clients "
+        a = self.assignment
+        lines = [f"ScaleFL: {len(self.specs)} levels, {int(a.fallback.sum())} of {len(a.assigned)} clients "
                  f"afford no level and fall back to level 1"]
-        for k, (spec, cost, n) in enumerate(zip(self.specs, self.costs, counts)):
+        for k, (spec, cost, n) in enumerate(zip(self.specs, self.costs, a.counts())):
             lines.append(f"  level {k + 1} ({spec}): {self.level_macs[k] / 1e6:.2f}M MACs served, "
                          f"{cost['train_macs'] / 1e6:.2f}M with all exits, {cost['params'] / 1e6:.3f}M params routed, "
                          f"{n} clients")
         return "\n".join(lines)
 
-    def population(self) -> List[dict]:
-        """One row per client: its budget, the level it trains and is served, the fallback flag."""
-        budgets = self.ctx.budgets.tolist()
-        return [{"client": c, "budget": float(budgets[c]), "level": int(self.assigned[c]) + 1,
-                 "fallback": bool(self.fallback[c]), "macs": int(self.level_macs[int(self.assigned[c])])}
-                for c in range(len(budgets))]
-
     def artifacts(self) -> Dict[str, str]:
         levels = [{"level": k + 1, "blocks": s.depth, "width": s.width, "served_macs": int(self.level_macs[k]),
                    **{key: int(v) for key, v in self.costs[k].items()}} for k, s in enumerate(self.specs)]
-        return {"levels.json": json.dumps({"levels": levels, "clients": self.population()}, indent=2)}
+        return {"levels.json": json.dumps({"levels": levels, "clients": self.assignment.population()}, indent=2)}
 
     # -- a round --------------------------------------------------------------------------------
     def kd_active(self, round_idx: int) -> bool:
@@ -176,8 +166,8 @@ class ScaleFL(FedAvg):
         cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
         tasks = []
         for c in cohort:
-            k = int(self.assigned[c])
-            options = {"level": k + 1, "fallback": bool(self.fallback[c])}
+            k = int(self.assignment.assigned[c])
+            options = {"level": k + 1, "fallback": bool(self.assignment.fallback[c])}
             tasks.append(ClientTask(c, spec=self.specs[k], options=options))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
@@ -220,33 +210,26 @@ class ScaleFL(FedAvg):
         dataset, indices = data.split(split)
         out = evaluate_levels(lambda k: evaluate(self.ctx.fabric, self.level_model(k), dataset, indices,
                                                  data.bundle.num_classes, batch_size),
-                              range(len(self.specs)), self.assigned.tolist(), lambda k: f"level{k + 1}",
+                              range(len(self.specs)), self.assignment.assigned.tolist(), lambda k: f"level{k + 1}",
                               "mean_level_acc")
         if out:
-            out["fallback_clients"] = float(self.fallback.sum())
+            out["fallback_clients"] = float(self.assignment.fallback.sum())
         return out
 
     def report(self, summary: dict) -> str:
         """Accuracy of every level, the population accuracy, and every client once, by the level
         it is served."""
-        counts = torch.bincount(self.assigned, minlength=len(self.specs)).tolist()
         return scalefl_report(summary, self.specs, self.level_macs, [c["served_params"] for c in self.costs],
-                              counts, self.population())
+                              self.assignment.counts(), self.assignment.population())
 
     # -- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The assignment (a pure function of the budgets and levels, kept so that a resumed or
-        re-scored run serves the clients it trained)."""
-        return {"assigned": self.assigned.clone(), "fallback": self.fallback.to(torch.uint8),
+        """The level assignment, and the levels' MACs it was made with."""
+        return {**self.assignment.state_dict(),
                 "level_macs": torch.tensor([float(m) for m in self.level_macs], dtype=torch.float64)}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        assigned = state["assigned"].to(torch.int64).cpu()
-        if assigned.numel() != self.assigned.numel() or int(assigned.max()) >= len(self.specs):
-            raise ConfigError("algorithm.levels",
-                              "the checkpoint's level assignment does not fit these clients and levels")
-        self.assigned = assigned
-        self.fallback = state["fallback"].bool().cpu()
+        self.assignment.load_state_dict(state, "algorithm.levels")
 
 
 __all__ = ["ScaleFL", "LEVELS"]
