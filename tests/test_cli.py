@@ -260,8 +260,9 @@ def test_option_types_accept_what_they_name_and_refuse_the_rest():
     from fl_lightning.option_types import INT_LIMIT, PositiveInt, Range, UnitFraction, number_type, parse_number
 
     def parse(base, span, value):
+        wanted = ("an integer " if base is int else "a finite number ") + span.words()
         try:
-            return parse_number(base, span, value)
+            return parse_number(base, span, wanted, value)
         except ValueError as error:
             return str(error)
 

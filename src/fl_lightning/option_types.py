@@ -38,15 +38,6 @@ class Range:
             return False
         return self.high is None or (value < self.high if self.high_open else value <= self.high)
 
-    def bounds(self) -> dict:
-        """The keywords of ``number_type`` that give this range."""
-        out = {}
-        if self.low is not None:
-            out["gt" if self.low_open else "ge"] = self.low
-        if self.high is not None:
-            out["lt" if self.high_open else "le"] = self.high
-        return out
-
     def words(self) -> str:
         low, high = _figure(self.low), _figure(self.high)
         if self.low is not None and self.high is not None:
@@ -76,7 +67,7 @@ def number_type(base: type, ge=None, gt=None, le=None, lt=None) -> type:
     name = f"{base.__name__} {span.words()}".strip()
     wanted = ("an integer" if base is int else "a finite number") + (f" {span.words()}" if span.words() else "")
     marker = _Named(name, (), {"__doc__": f"An {name}.", "__module__": __name__, "wanted": wanted})
-    register_type(marker, serializer=_same, deserializer=functools.partial(parse_number, base, span),
+    register_type(marker, serializer=_same, deserializer=functools.partial(parse_number, base, span, wanted),
                   type_check=_never)  # every value passes through parse_number, which is idempotent
     return marker
 
@@ -96,17 +87,24 @@ def _never(value, marker) -> bool:
     return False
 
 
-def parse_number(base: type, span: Range, value: Any):
-    """``value`` (a number, or its text from the command line) as a plain ``base``; ValueError
-    with the whole reason otherwise: ``must be an integer >= 1, got 0``."""
-    wanted = number_type(base, **span.bounds()).wanted
+class OutOfRange(ValueError):
+    """A value its number type refuses; the message is the whole reason."""
+
+
+def parse_number(base: type, span: Range, wanted: str, value: Any):
+    """``value`` (a number, or its text from the command line) as a plain ``base``; OutOfRange
+    with the whole reason otherwise: ``must be {wanted}, got 0``."""
     number = _as_number(base, value)
-    given = value if isinstance(value, str) and _as_number(float, value) is not None else repr(value)
     if number is None or (base is float and not math.isfinite(number)) or not span.holds(number):
-        raise ValueError(f"must be {wanted}, got {given}")
+        raise OutOfRange(f"must be {wanted}, got {_given(value)}")
     if base is int and span.high is None and abs(number) > INT_LIMIT:
-        raise ValueError(f"must be {wanted} (at most {INT_LIMIT:,} in size), got {given}")
+        raise OutOfRange(f"must be {wanted} (at most {INT_LIMIT:,} in size), got {_given(value)}")
     return number
+
+
+def _given(value: Any) -> str:
+    """A refused value as the user typed it: numbers bare, anything else quoted."""
+    return value if isinstance(value, str) and _as_number(float, value) is not None else repr(value)
 
 
 def _as_number(base: type, value: Any):
@@ -130,14 +128,12 @@ def _as_number(base: type, value: Any):
 
 
 # The ranges options use most, named as jsonargparse names its own.
-Int = number_type(int)
 FiniteFloat = number_type(float)
 PositiveInt = number_type(int, ge=1)
 NonNegativeInt = number_type(int, ge=0)
 PositiveFloat = number_type(float, gt=0)
 NonNegativeFloat = number_type(float, ge=0)
 ClosedUnitInterval = number_type(float, ge=0, le=1)
-OpenUnitInterval = number_type(float, gt=0, lt=1)
 UnitFraction = number_type(float, gt=0, le=1)
 """A fraction in (0, 1]: widths, rates, shares of a model or a budget."""
 

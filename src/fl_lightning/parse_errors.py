@@ -15,6 +15,8 @@ import re
 import typing
 from typing import Any, List, Literal, Optional, Tuple, Union, get_args, get_origin
 
+from fl_lightning.option_types import OutOfRange
+
 _KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":')
 _CLASS = re.compile(r"Problem with given class_path '([^']+)':")
 _VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.M)
@@ -22,21 +24,19 @@ _VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.M)
 
 def one_line(error: BaseException, parser) -> Tuple[str, str]:
     """``(key, problem)`` for a parse error raised by ``parser`` (the CLI's, with subcommands)."""
-    chain = _chain(error)
     text = str(error)
-    key, owner = _key_and_owner(chain)
+    key, owner = _key_and_owner(text)
     structural = _structural(text, key, parser)
     if structural is not None:
         return structural
     hint = _typehint(parser, key, owner)
-    ours = next((e for e in reversed(chain) if _is_range_error(e)), None)
-    given = _given(chain, ours)
-    if ours is not None and (hint is None or not _is_union(hint)):
+    ours = next((e for e in reversed(_chain(error)) if isinstance(e, OutOfRange)), None)
+    if ours is not None and (hint is None or get_origin(hint) is not Union):
         where = "an element " if hint is not None and get_origin(hint) in (list, tuple) else ""
         return key, f"{where}{ours}"
     if hint is None:
         return key or "config", " ".join(text.split())
-    return key, f"must be {describe(hint)}, got {given}"
+    return key, f"must be {describe(hint)}, got {_given(text, ours)}"
 
 
 def describe(hint: Any) -> str:
@@ -79,11 +79,11 @@ def _chain(error: BaseException) -> List[BaseException]:
     return out
 
 
-def _key_and_owner(chain: List[BaseException]) -> Tuple[str, Optional[str]]:
+def _key_and_owner(text: str) -> Tuple[str, Optional[str]]:
     """The dotted key through nested parsers (``algorithm`` then ``mu``: ``algorithm.mu``) and
     the class_path whose options the inner part names."""
     parts, owner = [], None
-    for line in str(chain[0]).splitlines():
+    for line in text.splitlines():
         key, owner_match = _KEY.match(line), _CLASS.search(line)
         if key and (not parts or not parts[-1].endswith(key.group(1))):
             parts.append(key.group(1))
@@ -92,19 +92,11 @@ def _key_and_owner(chain: List[BaseException]) -> Tuple[str, Optional[str]]:
     return ".".join(parts), owner
 
 
-def _is_range_error(error: BaseException) -> bool:
-    return type(error) is ValueError and str(error).startswith("must be ")
-
-
-def _given(chain: List[BaseException], ours: Optional[BaseException]) -> str:
+def _given(text: str, ours: Optional[BaseException]) -> str:
     if ours is not None:
         return str(ours).rsplit(", got ", 1)[-1]
-    found = _VALUE.findall(str(chain[0]))
+    found = _VALUE.findall(text)
     return repr(found[-1].strip()) if found else "?"
-
-
-def _is_union(hint) -> bool:
-    return get_origin(hint) is Union
 
 
 def _typehint(parser, key: str, owner: Optional[str]):
