@@ -39,7 +39,7 @@ TARGET = 1.15  # the masked model executes the dense one: only masking and round
 def make_spec(args, out_dir: str):
     from fl_lightning.algorithms.fiarse import FIARSE
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                     ModelConfig, PartitionConfig)
+                                     PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
     fractions = [SIZES[i % len(SIZES)] for i in range(args.clients)]
@@ -48,7 +48,7 @@ def make_spec(args, out_dir: str):
                    data=DataConfig(name="synthetic", options={"num_train": 4000, "num_test": 100,
                                                                "image_size": args.image_size, "channels": 3}),
                    partition=PartitionConfig(method="iid", num_clients=args.clients),
-                   model=ModelConfig(name=args.model),
+                   model={"class_path": args.model},
                    train=LocalTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=0.05, momentum=0.9),
                    federation=FederationConfig(rounds=args.rounds + 1, clients_per_round=args.clients),
                    eval=EvalConfig(every=10_000), fabric=FabricConfig(accelerator=args.accelerator, devices=1))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 def make_spec(num_clients: int, out_dir: str, rounds: int = 6):
     from fl_lightning.algorithms import HASFL
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                     ModelConfig, PartitionConfig)
+                                     PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
     return RunSpec(name=f"bench{num_clients}", out_dir=out_dir, seed=0,
@@ -37,7 +37,7 @@ def make_spec(num_clients: int, out_dir: str, rounds: int = 6):
                    data=DataConfig(name="synthetic", options={"num_train": 20000, "num_test": 200, "image_size": 16,
                                                                "channels": 3}),
                    partition=PartitionConfig(method="iid", num_clients=num_clients),
-                   model=ModelConfig(name="cnn"),
+                   model={"class_path": "fl_lightning.elastic.models.CNN"},
                    train=LocalTrainConfig(steps=5, batch_size=16, lr=0.05),
                    federation=FederationConfig(rounds=rounds, clients_per_round=10),
                    eval=EvalConfig(every=1000), fabric=FabricConfig(accelerator="cpu", devices=1))

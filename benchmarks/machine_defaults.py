@@ -45,7 +45,7 @@ from fl_lightning.runtime.seeding import balanced_share, client_generator, sampl
 
 ROOT = Path(__file__).resolve().parents[1]
 RESNET = "configs/split/offline/mnist_subset/resnet18_narrow/fedavg.yaml"
-EQUAL_WORK = ["--model.kwargs", "{width: 0.25}", "--partition.method", "iid", "--partition.num_clients", "20",
+EQUAL_WORK = ["--model.width", "0.25", "--partition.method", "iid", "--partition.num_clients", "20",
               "--federation.clients_per_round", "10", "--train.epochs", "1", "--train.batch_size", "32",
               "--train.momentum", "0.9"]
 # Run past the measured rounds without evaluating: no final evaluation, no checkpoint until the end.

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.runtime.client_data import ClientData
 from fl_lightning.federation.builder import RunSpec, build_global_model
@@ -37,7 +37,7 @@ from fl_lightning.runtime.seeding import client_generator, sample_clients
 CLIENTS, EXAMPLES_PER_CLIENT, EPOCHS, BATCH = 10, 48, 5, 16
 # The registry's width-elastic CNN; --channels picks its size. The smaller it is, the worse a
 # second thread helps each convolution, and the more client-level parallelism gains.
-MODEL = ModelConfig(name="cnn", kwargs={"channels": [16, 32, 64]})
+MODEL = {"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": [16, 32, 64]}}
 DATA = DataConfig(name="synthetic", options={"num_classes": 10, "image_size": 32, "channels": 3,
                                              "num_train": CLIENTS * EXAMPLES_PER_CLIENT, "num_test": 200})
 PARTITION = PartitionConfig(method="iid", num_clients=CLIENTS)
@@ -85,7 +85,7 @@ def cli_round_seconds(out_dir: str, name: str, devices: int, threads: int, round
     args = [sys.executable, "-m", "fl_lightning", "fit", "--name", name, "--out_dir", out_dir,
             "--data.name", "synthetic", "--data.options", json.dumps(DATA.options),
             "--partition.method", "iid", "--partition.num_clients", str(CLIENTS),
-            "--model.name", MODEL.name, "--model.kwargs", json.dumps(MODEL.kwargs), "--train.epochs", str(EPOCHS), "--train.batch_size", str(BATCH),
+            "--model", json.dumps(MODEL), "--train.epochs", str(EPOCHS), "--train.batch_size", str(BATCH),
             "--train.momentum", "0.9", "--federation.rounds", str(rounds),
             "--federation.clients_per_round", str(CLIENTS), "--eval.every", str(10**6),
             "--checkpoint_every", str(10**6), "--fabric.accelerator", "cpu",
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating repetitions of part 2")
     parser.add_argument("--channels", type=int, nargs=3, default=[16, 32, 64], help="CNN channels per stage")
     args = parser.parse_args()
-    MODEL.kwargs["channels"] = args.channels
+    MODEL["init_args"]["channels"] = args.channels
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as out:
         fed_times, bare_times = [], []

@@ -16,6 +16,7 @@ import torch
 from fl_lightning.elastic.macs import count_params
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.specs import WidthSpec
+from fl_lightning.elastic.models import ResNet18
 
 from _timing import median_time
 
@@ -28,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # copies are memory-bound; keep the comparison about work done
-    model = build_model("resnet18", args.classes, (3, 32, 32))
+    model = build_model(ResNet18, args.classes, (3, 32, 32))
     spec = WidthSpec.uniform(args.width, 4)
     client = model.extract(spec)
 

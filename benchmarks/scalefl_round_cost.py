@@ -29,12 +29,13 @@ import time
 import torch
 import torch.nn.functional as F
 from _timing import median
+from fl_lightning.elastic.models import ScaleFLResNet18
 
 
 def make_spec(out_dir: str, image_size: int, width: float, rounds: int, steps: int, b_min: float, b_max: float):
     from fl_lightning.algorithms.scalefl import ScaleFL
     from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FabricConfig, FederationConfig,
-                                     LocalTrainConfig, ModelConfig, PartitionConfig)
+                                     LocalTrainConfig, PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
     return RunSpec(name="bench_scalefl", out_dir=out_dir, seed=0,
@@ -43,7 +44,7 @@ def make_spec(out_dir: str, image_size: int, width: float, rounds: int, steps: i
                                                                "image_size": image_size, "channels": 3}),
                    partition=PartitionConfig(method="iid", num_clients=20,
                                              budgets=BudgetConfig(b_min=b_min, b_max=b_max, b_cap=b_max)),
-                   model=ModelConfig(name="scalefl_resnet18", kwargs={"width": width}),
+                   model={"class_path": "fl_lightning.elastic.models.ScaleFLResNet18", "init_args": {"width": width}},
                    train=LocalTrainConfig(steps=steps, batch_size=16, lr=0.05, momentum=0.9),
                    federation=FederationConfig(rounds=rounds, clients_per_round=10),
                    eval=EvalConfig(every=1000), fabric=FabricConfig(accelerator="cpu", devices=1))
@@ -55,14 +56,13 @@ def level_macs(image_size: int, width: float) -> list:
     from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.models.scalefl_resnet import DepthWidthSpec
 
-    model = build_model("scalefl_resnet18", 10, (3, image_size, image_size), width=width)
+    model = build_model(ScaleFLResNet18, 10, (3, image_size, image_size), width=width)
     return [spec_macs(model, DepthWidthSpec(b, w), (3, image_size, image_size)) for b, w in LEVELS]
 
 
 def federation(out_dir: str, args):
     from lightning.fabric import Fabric
 
-    import fl_lightning.elastic.models.scalefl_resnet  # noqa: F401 (registers scalefl_resnet18)
     from fl_lightning.federation.loop import Federation
     from fl_lightning.federation.run_dir import RunDir
 

@@ -25,6 +25,7 @@ from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.envelope import full_param_count, route_envelope, routed_param_count
 from fl_lightning.elastic.macs import spec_macs
 from fl_lightning.elastic.models import build_model
+from fl_lightning.elastic.models import OFAResNet
 
 from _timing import median_time
 
@@ -44,7 +45,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (3, 32, 32)
-    model = build_model("ofa_resnet", 100, shape, block=args.block)
+    model = build_model(OFAResNet, 100, shape, block=args.block)
     start = time.perf_counter()
     cache = sorted({model.sample_spec(generator) for _ in range(args.cache)},
                    key=lambda s: spec_macs(model, s, shape))

@@ -23,24 +23,24 @@ import torch
 import torch.nn.functional as F
 
 MODELS = {
-    "resnet": ("resnet18", {"width": 0.25}, "layer2.1"),
-    "vit": ("vit", {"patch_size": 4, "embed_dim": 96, "depth": 6, "num_heads": 3}, "block2"),
+    "resnet": ("fl_lightning.elastic.models.ResNet18", {"width": 0.25}, "layer2.1"),
+    "vit": ("fl_lightning.elastic.models.ViT", {"patch_size": 4, "embed_dim": 96, "depth": 6, "num_heads": 3}, "block2"),
 }
 
 
 def make_spec(method: str, model: str, out_dir: str, prompt_gradient: str = "all"):
     from fl_lightning.algorithms import FedSGA, SplitFed
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                     ModelConfig, PartitionConfig)
+                                     PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
-    name, kwargs, cut = MODELS[model]
+    class_path, init_args, cut = MODELS[model]
     algorithm = (SplitFed(cut=cut) if method == "splitfed"
                  else FedSGA(split_strategy="static", prompt_gradient=prompt_gradient))
     return RunSpec(name=f"bench_{method}", out_dir=out_dir, seed=0, algorithm=algorithm,
                    data=DataConfig(name="synthetic", options={"num_train": 4000, "num_test": 200, "image_size": 32}),
                    partition=PartitionConfig(method="iid", num_clients=10),
-                   model=ModelConfig(name=name, kwargs=kwargs),
+                   model={"class_path": class_path, "init_args": init_args},
                    train=LocalTrainConfig(steps=4, batch_size=32, lr=0.05, momentum=0.9),
                    federation=FederationConfig(rounds=100, clients_per_round=4),
                    eval=EvalConfig(every=1000), fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1))

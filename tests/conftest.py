@@ -22,14 +22,14 @@ def spec_factory(tmp_path):
     """Build a small RunSpec on digits; keyword overrides replace whole sections or fields."""
     from fl_lightning.algorithms import FedAvg
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                     ModelConfig, PartitionConfig)
+                                     PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
     def make(name="t", algorithm=None, **overrides):
         sections = dict(
             data=DataConfig(name="digits", val_size=100),
             partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5),
-            model=ModelConfig(name="cnn"),
+            model={"class_path": "fl_lightning.elastic.models.CNN"},
             train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05),
             federation=FederationConfig(rounds=3, clients_per_round=3),
             eval=EvalConfig(every=1),

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric import Fabric
 
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.federation.builder import RunSpec
 from fl_lightning.federation.loop import Federation
 from fl_lightning.federation.run_dir import RunDir
@@ -28,11 +28,11 @@ TRAIN = LocalTrainConfig(epochs=1, batch_size=32, lr=0.05, momentum=0.9, weight_
 HEAD = ("fc.weight", "fc.bias")
 # A model without batch norm or dropout (as the originals' networks of FedGH and FedAS): a
 # one-block ViT of width 8 on 2x2 patches of 4x4 pixels.
-VIT = ModelConfig(name="vit", kwargs={"patch_size": 4, "embed_dim": 8, "depth": 1, "num_heads": 2})
+VIT = {"class_path": "fl_lightning.elastic.models.ViT", "init_args": {"patch_size": 4, "embed_dim": 8, "depth": 1, "num_heads": 2}}
 
 
 def make_spec(out_dir, algorithm, *, train: LocalTrainConfig = TRAIN, num_clients: int = 8,
-              clients_per_round: int = 2, partition: str = "dirichlet", model: Optional[ModelConfig] = None,
+              clients_per_round: int = 2, partition: str = "dirichlet", model: Optional[dict] = None,
               data: Optional[DataConfig] = None) -> RunSpec:
     """Digits, ``num_clients`` clients (Dirichlet 0.5 unless ``partition``), a CNN of 4 and 8
     channels, one round of ``clients_per_round`` clients, one CPU rank."""
@@ -40,7 +40,7 @@ def make_spec(out_dir, algorithm, *, train: LocalTrainConfig = TRAIN, num_client
         name="ref", out_dir=str(out_dir), seed=0, algorithm=algorithm,
         data=data or DataConfig(name="digits", val_size=100),
         partition=PartitionConfig(method=partition, num_clients=num_clients, alpha=0.5),
-        model=model or ModelConfig(name="cnn", kwargs={"channels": [4, 8]}),
+        model=model or {"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": [4, 8]}},
         train=train,
         federation=FederationConfig(rounds=1, clients_per_round=clients_per_round),
         eval=EvalConfig(every=1),

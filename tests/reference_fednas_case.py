@@ -21,7 +21,7 @@ from typing import Dict
 import torch
 
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FabricConfig, FederationConfig,
-                                 LocalTrainConfig, ModelConfig, PartitionConfig)
+                                 LocalTrainConfig, PartitionConfig)
 from fl_lightning.federation.builder import RunSpec
 
 from reference_case import BatchRecorder, federation, shard_key
@@ -39,21 +39,20 @@ BUDGETS = BudgetConfig(b_min=1e9, b_max=2e9, b_cap=2e9)  # every client affords 
 # SuperFedNAS's ResNet-10-26 supernet (``OFAResNets32x32_10_26``) with two stages of base widths
 # 80 and 96, width multipliers 0.125 and 0.25, channel divisor 4: stem 8 / 16, stage widths
 # 12 / 20 and 12 / 24, up to two extra blocks per stage, middle widths round(out * e).
-SFN_MODEL = ModelConfig(name="ofa_resnet", kwargs={
+SFN_MODEL = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {
     "stem_channels": 64, "stage_channels": [80, 96], "width_multipliers": [0.125, 0.25], "max_extra_blocks": 2,
-    "divisor": 4, "round_middle": True})
+    "divisor": 4, "round_middle": True}}
 # DeepFedNAS's ``GenericOFAResNet`` with two stages: stem 8, stage widths 16 and 40, width
 # multipliers 0.5 and 1.0, channel divisor 8, one extra block per stage, both stages strided.
-DFN_MODEL = ModelConfig(name="ofa_resnet", kwargs={
+DFN_MODEL = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {
     "stem_channels": 8, "stage_channels": [16, 40], "width_multipliers": [0.5, 1.0], "max_extra_blocks": 1,
-    "divisor": 8, "stage_strides": [2, 2], "round_middle": True})
+    "divisor": 8, "stage_strides": [2, 2], "round_middle": True}}
 
 
 def build_model(method: str):
     from fl_lightning.elastic.models import build_model as build
 
-    cfg = SFN_MODEL if method == "superfednas" else DFN_MODEL
-    return build("ofa_resnet", NUM_CLASSES, INPUT, **cfg.kwargs)
+    return build(SFN_MODEL if method == "superfednas" else DFN_MODEL, NUM_CLASSES, INPUT)
 
 
 def algorithm(method: str, out_dir: Path):

@@ -27,6 +27,7 @@ from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state, s
 from fl_lightning.federation.run_dir import RESUME_SAFE_KEYS, check_resume_compatible
 
 QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+CNN, LSTM, OFA, VIT = (f"fl_lightning.elastic.models.{name}" for name in ("CNN", "CharLSTM", "OFAResNet", "ViT"))
 
 CONFIG_FILES = {
     "train5.yaml": "train: 5\n",
@@ -178,16 +179,15 @@ FIT_CASES = [
     (["--partition.budgets.b_max", "inf"], "partition.budgets.b_max"),
     (["--data.options", "{{num_train: .inf}}"], "data.options.num_train"),
     (["--data.options", "{{num_train: 99999999999999999999}}"], "data.options.num_train"),
-    (["--model.kwargs", "{{width: 1e400}}"], "model.kwargs.width"),
-    (["--model.kwargs", "{{channels: [8, 99999999999999999999]}}"], "model.kwargs.channels[1]"),
+    (["--model.width", "1e400"], "model.width"),
+    (["--model.channels", "[8, 99999999999999999999]"], "model.channels"),
     (["--algorithm", "FedProx", "--algorithm.mu", "inf"], "algorithm.mu"),
     (["--algorithm", "FedProx", "--algorithm.mu=-inf"], "algorithm.mu"),
     # models that cannot be built or would not fit in memory
-    (["--model.kwargs", "{{width: 10000}}"], "model.kwargs"),
-    (["--model.name", "vit", "--model.kwargs", "{{embed_dim: 64, num_heads: 5}}"], "model.kwargs.num_heads"),
-    (["--algorithm", "Feast", "--model.name", "ofa_resnet", "--model.kwargs", "{{width_scale: 0.1}}"],
-     "model.kwargs.width_scale"),
-    (["--algorithm", "Feast", "--model.name", "ofa_resnet", "--algorithm.search.segments", "[]"],
+    (["--model.width", "10000"], "model"),
+    (["--model", VIT, "--model.embed_dim", "64", "--model.num_heads", "5"], "model.num_heads"),
+    (["--algorithm", "Feast", "--model", OFA, "--model.width_scale", "0.1"], "model.width_scale"),
+    (["--algorithm", "Feast", "--model", OFA, "--algorithm.search.segments", "[]"],
      "algorithm.search.segments"),
     (["--algorithm", "HASFL", "--algorithm.tiers", "[0.5, 0.25, 1.0]"], "algorithm.tiers"),
     (["--algorithm", "HASFL", "--algorithm.tiers", "[0.25, 0.25, 1.0]"], "algorithm.tiers"),
@@ -203,7 +203,7 @@ FIT_CASES = [
     (["--data.download", "maybe"], "data.download"),
     (["--data.randaugment", "[a]"], "data.randaugment"),
     (["--data.val_size", "-1"], "data.val_size"),
-    (["--model.kwargs", "[1]"], "model.kwargs"),
+    (["--model", "[1]"], "model"),
     (["--partition.budgets.b_cap", "-1"], "partition.budgets.b_cap"),
     (["--partition.budgets.b_min", "0"], "partition.budgets.b_min"),
     (["--partition.budgets.b_max", "1"], "partition.budgets.b_max"),
@@ -222,20 +222,20 @@ FIT_CASES = [
     (["--algorithm", "FedOpt", "--algorithm.server.lr", "0"], "algorithm.server.lr"),
     (["--algorithm", "FedOpt", "--algorithm.server.name", "adamw"], "algorithm.server.name"),
     # model options
-    (["--model.kwargs", "{{channels: -1}}"], "model.kwargs.channels"),
-    (["--model.kwargs", "{{channels: [-1, 4]}}"], "model.kwargs.channels"),
-    (["--model.kwargs", "{{width: 0}}"], "model.kwargs.width"),
-    (["--model.kwargs", "{{min_width: 2}}"], "model.kwargs.min_width"),
-    (["--model.kwargs", "{{depth: 3}}"], "model.kwargs.depth"),
-    (["--model.name", "lstm", "--model.kwargs", "{{hidden_size: 0}}"], "model.kwargs.hidden_size"),
+    (["--model.channels", "-1"], "model.channels"),
+    (["--model.channels", "[-1, 4]"], "model.channels"),
+    (["--model.width", "0"], "model.width"),
+    (["--model.min_width", "2"], "model.min_width"),
+    (["--model.depth", "3"], "model.depth"),
+    (["--model", LSTM, "--model.hidden_size", "0"], "model.hidden_size"),
     # FEAST options (checked before its cache search or any data)
-    *[(["--algorithm", "Feast", "--model.name", "ofa_resnet", f"--algorithm.{k}", v], f"algorithm.{k}")
+    *[(["--algorithm", "Feast", "--model", OFA, f"--algorithm.{k}", v], f"algorithm.{k}")
       for k, v in (("search.population", "0"), ("search.generations", "0"), ("search.mutation", "2"),
                    ("calib_batch_size", "0"), ("mixup_alpha", "-1"), ("cutmix_alpha", "-1"), ("kappa", "-1"),
                    ("kappa", "inf"), ("rho_kd", "2"), ("temperature", "0"), ("rule", "sometimes"),
                    ("mix_schedule", "often"), ("calib_transform", "none"), ("cache", "{inputs}/binary.yaml"),
                    ("cache", "{tmp}/no_cache.json"))],
-    (["--algorithm", "Feast", "--model.name", "ofa_resnet", "--algorithm.mixup_alpha", "0"], "algorithm.mix_schedule"),
+    (["--algorithm", "Feast", "--model", OFA, "--algorithm.mixup_alpha", "0"], "algorithm.mix_schedule"),
 ]
 
 
@@ -462,8 +462,8 @@ def _resolved(*overrides: str) -> str:
 
 REFUSED = [
     (["--seed", "1"], "seed"),
-    (["--model.kwargs", "{width_scale: 0.5, max_extra_blocks: 1, divisor: 2}"], "model.kwargs.width_scale"),
-    (["--model.name", "cnn"], "model.name"),
+    (["--model.width_scale", "0.5"], "model.width_scale"),
+    (["--model", CNN], "model.class_path"),
     (["--data.name", "digits"], "data.name"),
     (["--data.val_size", "200"], "data.val_size"),
     (["--partition.alpha_eff", "0.3"], "partition.alpha_eff"),
@@ -686,7 +686,7 @@ def test_model_that_would_not_fit_in_memory_names_the_figure(tmp_path, capsys, m
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 10**6)
     line = fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--fabric.accelerator", "cpu"], capsys,
-                         "model.name", tmp_path)
+                         "model", tmp_path)
     assert "MB of weights" in line and "1.0 MB free on cpu" in line
 
 

@@ -1,5 +1,6 @@
 """Command-line behaviour: one-line errors before any work, complete configs, shipped YAMLs."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ BAD = [
     (["--federation.clients_per_round", "50"], "federation.clients_per_round"),
     (["--data.name", "mnist-typo"], "data.name"),
     (["--algorithm", "NoSuchAlgorithm"], "algorithm"),
-    (["--model.name", "nope"], "model.name"),
+    (["--model", "fl_lightning.elastic.models.Nope"], "model"),
     (["--data.name", "cifar10", "--data.root", "/nonexistent/dir"], "data.root"),
     (["--algorithm", "Scaffold", "--train.momentum", "0.9"], "train.momentum"),
     (["--partition.method", "shards"], "partition.method"),
@@ -132,7 +133,7 @@ def test_feast_paper_configs_hold_the_papers_protocol(name):
     t = args.train
     assert (t.epochs, t.batch_size, t.lr, t.momentum, t.weight_decay, t.grad_clip, t.lr_schedule) == \
         (1, 64, 0.025, 0.9, 1e-4, 10.0, "cosine")
-    assert args.model.name == "ofa_resnet" and args.model.kwargs == {"block": "basic_pair"}
+    assert args.model.class_path == "fl_lightning.elastic.models.OFAResNet" and args.model.init_args.block == "basic_pair"
     a = args.algorithm
     assert isinstance(a, Feast)
     assert (a.cache_path, a.retarget, a.routing, a.rule, a.rho_kd) == \
@@ -149,7 +150,7 @@ def test_partition_command_writes_report(tmp_path, capsys):
 
 
 def test_models_command_shows_quadratic_law(capsys):
-    code = main(["models", "--model.name", "resnet18", "--num_classes", "100", "--input_shape", "[3, 32, 32]",
+    code = main(["models", "--model", "fl_lightning.elastic.models.ResNet18", "--num_classes", "100", "--input_shape", "[3, 32, 32]",
                  "--widths", "[0.25, 0.5, 1.0]"])
     out = capsys.readouterr().out
     assert code == 0 and "width=0.25" in out and "6.3" in out and "25.1" in out
@@ -205,6 +206,36 @@ def test_cli_imports_neither_torch_nor_lightning():
     assert out.strip() == "[]"
 
 
+def test_runs_saved_with_a_named_model_resume_and_evaluate(tmp_path, capsys):
+    """A run directory written when models were named (model: {name, kwargs}) is read as the
+    same class_path section: the same command continues it, another model is refused, and
+    evaluate rebuilds it."""
+    out = str(tmp_path / "runs")
+    base = ["fit", "--data.name", "digits", "--partition.num_clients", "4", "--federation.clients_per_round", "2",
+            "--federation.rounds", "3", "--fabric.accelerator", "cpu", "--out_dir", out, "--name", "r",
+            "--model.channels", "[8, 16]"]
+    assert main(base + ["--stop_after", "1"]) == 0
+    saved = tmp_path / "runs" / "r" / "config.yaml"
+    tree = yaml.safe_load(saved.read_text())
+    assert tree["model"]["class_path"] == "fl_lightning.elastic.models.CNN"
+    tree["model"] = {"name": "cnn", "kwargs": {"channels": [8, 16]}}
+    saved.write_text(yaml.safe_dump(tree, sort_keys=False))
+    capsys.readouterr()
+    assert main(base[:-1] + ["[8, 32]", "--resume", "auto", "--stop_after", "2"]) == 2
+    assert "model.channels ([8, 16] -> [8, 32])" in capsys.readouterr().err
+    assert main(base + ["--resume", "auto", "--stop_after", "2"]) == 0
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "runs" / "r" / "metrics.jsonl").open()]
+    assert sorted(set(rounds)) == [0, 1]  # the second round, after the first
+    tree = yaml.safe_load(saved.read_text())
+    tree["model"] = {"name": "cnn", "kwargs": {"channels": [8, 16]}}
+    saved.write_text(yaml.safe_dump(tree, sort_keys=False))
+    assert main(["evaluate", "--run", str(tmp_path / "runs" / "r"), "--checkpoint", "last",
+                 "--fabric.accelerator", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["fit", "--model", "{name: cnn}"]) == 2  # a config of the old form says the new one
+    assert "error: model: models are chosen by class_path" in capsys.readouterr().err
+
+
 def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
     out = str(tmp_path / "runs")
     base = ["fit", "--data.name", "digits", "--partition.num_clients", "4", "--federation.clients_per_round", "2",
@@ -214,7 +245,7 @@ def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
     last = tmp_path / "runs" / "r" / "checkpoints" / "last.ckpt"
     saved = last.read_bytes()
     for change, key in ((["--federation.rounds", "5"], "federation.rounds"),
-                        (["--model.kwargs", "{channels: [8, 16, 32]}"], "model.kwargs")):
+                        (["--model.channels", "[8, 16, 32]"], "model.channels")):
         capsys.readouterr()
         code = main(base + ["--resume", "auto"] + change)
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
@@ -230,21 +261,24 @@ def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
 
 
 def test_help_lists_every_model_and_dataset_option(capsys):
-    """The catalog is read from the source; here it is checked against the imported registries."""
+    """Model options come from the class signatures; the dataset catalog is read from the
+    source, and checked here against the imported registry."""
     import inspect
 
+    import fl_lightning.elastic.models as models
     from fl_lightning.data.datasets import DATASETS
-    from fl_lightning.elastic.models import MODELS
-    from fl_lightning.option_catalog import dataset_options, model_options
+    from fl_lightning.option_catalog import dataset_options
 
     def names(function, fixed):
         return [p for p in inspect.signature(function).parameters if p not in fixed]
 
-    models = model_options()
-    assert set(models) == set(MODELS)
-    for name, cls in MODELS.items():
-        shown = [o.split("=")[0] for o in models[name]]
-        assert shown == names(cls, {"self", "num_classes", "input_shape"}), name
+    for name in (n for n in models.__all__ if n[0].isupper()):
+        with pytest.raises(SystemExit):
+            main(["fit", "--model.help", f"{models.__name__}.{name}"])
+        shown = capsys.readouterr().out
+        options = names(getattr(models, name), {"self"} | models.NOT_OPTIONS)
+        assert options and all(f"--model.{option} " in shown for option in options), name
+        assert "--model.num_classes" not in shown and "--model.max_widths" not in shown
     datasets = dataset_options()
     assert set(datasets) == set(DATASETS)
     for name, loader in DATASETS.items():
@@ -253,7 +287,7 @@ def test_help_lists_every_model_and_dataset_option(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "ofa_resnet: block=" in text and "synthetic: num_classes=10" in text
+    assert "Classes in fl_lightning.elastic.models: CNN, CharLSTM" in text and "synthetic: num_classes=10" in text
 
 
 def test_option_types_accept_what_they_name_and_refuse_the_rest():
@@ -290,7 +324,7 @@ def _numbers_without_range(hint) -> list:
 
 
 def test_every_numeric_option_carries_its_range():
-    """Options of the config sections, the commands and every algorithm are typed by
+    """Options of the config sections, the commands, every model and every algorithm are typed by
     option_types (a plain int or float would go unchecked); free-form mappings excepted."""
     import dataclasses
     import typing
@@ -312,8 +346,14 @@ def test_every_numeric_option_carries_its_range():
     for section in (config.DataConfig, config.PartitionConfig, config.LocalTrainConfig, config.FederationConfig,
                     config.EvalConfig, config.FabricConfig):
         visit(section.__name__, typing.get_type_hints(section))
+    from fl_lightning.elastic import models
+    from fl_lightning.elastic.models.base import ElasticModel
+
     for name, command in cli.COMMANDS.items():
-        visit(name, typing.get_type_hints(command, localns={"Algorithm": Algorithm}))
+        visit(name, typing.get_type_hints(command, localns={"Algorithm": Algorithm, "ElasticModel": ElasticModel}))
+    for name in (n for n in models.__all__ if n[0].isupper()):
+        hints = typing.get_type_hints(getattr(models, name).__init__)
+        visit(name, {option: hint for option, hint in hints.items() if option not in models.NOT_OPTIONS})
     for name in algorithm_names():
         cls = getattr(algorithms, name, None)
         if cls is not None and issubclass(cls, Algorithm):

@@ -19,6 +19,7 @@ import pytest
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
 from fl_lightning.elastic.search import (DEEPFEDNAS_4_STAGE, FEAST_DEEPFEDNAS, DeepFedNASArch, DeepFedNASCostModel,
                                          Fitness, FitnessConfig, counter_make_divisible, cost_model)
+from fl_lightning.elastic.models import OFAResNet
 
 CSV = Path(__file__).parent / "data" / "deepfednas_4_stage_cache_60_subnets.csv"
 REL = 1e-9
@@ -169,9 +170,9 @@ def test_basic_pair_supernet_is_counted_in_the_paper_convention():
     from fl_lightning.elastic.search.cost import DeepFedNASCostModel, cost_model
 
     with torch.device("meta"):
-        full = build_model("ofa_resnet", 100, (3, 32, 32), block="basic_pair")
+        full = build_model(OFAResNet, 100, (3, 32, 32), block="basic_pair")
     assert count_params(full) == 55_682_916 == cost_model(full).full_params()
-    model = build_model("ofa_resnet", 10, (3, 16, 16), block="basic_pair", width_scale=0.25, max_extra_blocks=1,
+    model = build_model(OFAResNet, 10, (3, 16, 16), block="basic_pair", width_scale=0.25, max_extra_blocks=1,
                         divisor=2)
     cost = cost_model(model)
     assert isinstance(cost, DeepFedNASCostModel)

@@ -17,6 +17,7 @@ from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search import FEAST_DEEPFEDNAS, DeepFedNASArch, VariantCache, build_cache, cost_model
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CACHE_SEGMENTS
+from fl_lightning.elastic.models import OFAResNet
 from hand_counts import basic_pair_params, hooked_macs, make_divisible
 
 DATA = Path(__file__).parent / "data"
@@ -59,7 +60,7 @@ def test_shipped_analytic_cache_belongs_to_feasts_deepfednas_space(cache):
         assert v.info["target"] in targets and v.info["rho_limit"] == targets[v.info["target"]]
         assert v.macs <= v.info["target"] and v.info["rho"] <= v.info["rho_limit"]
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32))
+        model = build_model(OFAResNet, 100, (3, 32, 32))
         for v in cache.variants[::9] + cache.variants[-1:]:  # loading checked every row against the cost model
             local = model.build_local(v.spec, elastic=False)
             assert (hooked_macs(local, (3, 32, 32))["paper"], sum(p.numel() for p in local.parameters())) \
@@ -170,7 +171,7 @@ def test_seed_search_breaks_shard_ties_by_least_reachable(cache):
 def test_analytic_envelope_equals_the_routed_supernet(block):
     """The cost model's envelope parameters equal the reduced supernet that routing builds."""
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 10, (3, 32, 32), block=block, width_scale=0.125, max_extra_blocks=2,
+        model = build_model(OFAResNet, 10, (3, 32, 32), block=block, width_scale=0.125, max_extra_blocks=2,
                             divisor=2)
     g = torch.Generator().manual_seed(0)
     specs = [model.min_spec()] + [model.sample_spec(g) for _ in range(5)]

@@ -13,12 +13,13 @@ from fl_lightning.elastic.layers.conv import ElasticConv2d
 from fl_lightning.elastic.layers.norm import ElasticBatchNorm2d
 from fl_lightning.elastic.macs import (count_macs, count_params, format_model_table, model_table,
                                        spec_macs, _SPEC_COST)
-from fl_lightning.elastic.models import MODELS, build_model
+from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.models.base import ElasticModel
 from fl_lightning.elastic.regions import LeadingSlice, RollingSlice
 from fl_lightning.elastic.routing import write_back
 from fl_lightning.elastic.specs import WidthSpec, spec_from_dict, spec_le, spec_to_dict
 from fl_lightning.errors import ConfigError
+from fl_lightning.elastic.models import CNN, ResNet18
 
 LEVELS = (0.0625, 0.125, 0.25, 0.5, 0.75, 1.0)
 
@@ -43,19 +44,19 @@ def random_specs(n_stages: int, count: int, seed: int) -> list[WidthSpec]:
 @pytest.fixture(scope="module")
 def cnn():
     torch.manual_seed(0)
-    return randomize_bn(build_model("cnn", 10, (3, 12, 12), channels=(16, 24, 32)), 1).eval()
+    return randomize_bn(build_model(CNN, 10, (3, 12, 12), channels=(16, 24, 32)), 1).eval()
 
 
 @pytest.fixture(scope="module")
 def small_resnet():
     torch.manual_seed(0)
-    return randomize_bn(build_model("resnet18", 10, (3, 16, 16), width=0.25), 2).eval()
+    return randomize_bn(build_model(ResNet18, 10, (3, 16, 16), width=0.25), 2).eval()
 
 
 @pytest.fixture(scope="module")
 def resnet100():
     torch.manual_seed(0)
-    return build_model("resnet18", 100, (3, 32, 32))
+    return build_model(ResNet18, 100, (3, 32, 32))
 
 
 def both(request_names=("cnn", "small_resnet")):
@@ -136,7 +137,7 @@ def test_extraction_copies_and_does_not_alias(cnn):
 def test_train_mode_bn_matches_and_writes_back(small_resnet):
     """In training mode both use batch statistics; the running statistics move the same way."""
     spec = WidthSpec((0.5, 0.25, 0.5, 0.75))
-    model = build_model("resnet18", 10, (3, 16, 16), width=0.25)
+    model = build_model(ResNet18, 10, (3, 16, 16), width=0.25)
     model.load_state_dict(small_resnet.state_dict())
     routed = model.extract(spec)
     x = torch.randn(4, 3, 16, 16)
@@ -219,7 +220,7 @@ def test_rolling_full_width_is_a_consistent_permutation(name, request):
 def test_rolling_window_equals_leading_slice_of_rolled_model(cnn):
     offset, spec = 9, WidthSpec((0.5, 0.25, 0.75))
     rolled_full = cnn.extract(cnn.max_spec(), kind="rolling", offset=offset).module
-    shifted = build_model("cnn", 10, (3, 12, 12), channels=(16, 24, 32))
+    shifted = build_model(CNN, 10, (3, 12, 12), channels=(16, 24, 32))
     shifted.load_state_dict(rolled_full.state_dict())
     expected = shifted.extract(spec).module.state_dict()
     got = cnn.extract(spec, kind="rolling", offset=offset).module.state_dict()
@@ -277,7 +278,7 @@ def test_resnet18_size_and_quadratic_law(resnet100):
 # -- batch norm recalibration ----------------------------------------------------------------
 
 def test_recalibration_is_deterministic_and_keeps_parameters(cnn):
-    model = build_model("cnn", 10, (3, 12, 12), channels=(16, 24, 32))
+    model = build_model(CNN, 10, (3, 12, 12), channels=(16, 24, 32))
     model.load_state_dict(cnn.state_dict())
     model.eval()
     model.set_active(WidthSpec.uniform(0.5, 3))
@@ -305,18 +306,23 @@ def test_recalibration_is_deterministic_and_keeps_parameters(cnn):
 
 # -- registry --------------------------------------------------------------------------------
 
-def test_registry_errors_name_the_key():
-    assert {"cnn", "resnet18"} <= set(MODELS)
-    assert all(issubclass(cls, ElasticModel) for cls in MODELS.values())
+def test_every_exported_model_is_elastic_and_unknown_ones_name_the_key():
+    import fl_lightning.elastic.models as models
+
+    exported = [getattr(models, name) for name in models.__all__ if name[0].isupper()]
+    assert len(exported) == 6 and all(issubclass(cls, ElasticModel) for cls in exported)
     with pytest.raises(ConfigError) as err:
-        build_model("resnet19", 10, (3, 32, 32))
-    assert err.value.key == "model.name" and "resnet18" in str(err.value)
+        build_model("fl_lightning.elastic.models.ResNet19", 10, (3, 32, 32))
+    assert err.value.key == "model" and "fl_lightning.elastic.models.ResNet18" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        build_model("cnn", 10, (1, 8, 8), depth=3)
-    assert err.value.key == "model.kwargs.depth"
+        build_model("fl_lightning.elastic.specs.WidthSpec", 10, (3, 32, 32))
+    assert err.value.key == "model" and "not an ElasticModel" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        build_model(CNN, 10, (1, 8, 8), depth=3)
+    assert err.value.key == "model" and "depth" in str(err.value)
 
 
 def test_cnn_handles_digit_and_emnist_shapes():
     for shape in [(1, 8, 8), (1, 28, 28), (3, 32, 32)]:
-        model = build_model("cnn", 10, shape).eval()
+        model = build_model(CNN, 10, shape).eval()
         assert model(torch.randn(2, *shape)).shape == (2, 10)

@@ -12,9 +12,8 @@ from fl_lightning.elastic.layers.conv import ElasticConv2d
 from fl_lightning.elastic.layers.linear import ElasticLinear
 from fl_lightning.elastic.layers.norm import ElasticBatchNorm2d
 from fl_lightning.elastic.layers.sequence import ElasticLSTM
-from fl_lightning.elastic.models import build_model
+from fl_lightning.elastic.models import CNN, CharLSTM, OFAResNet, ResNet18, ViT, build_model
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
-from fl_lightning.elastic.models.vit import ViT
 from fl_lightning.elastic.routing import Routed, write_back
 from fl_lightning.elastic.specs import WidthSpec, spec_le
 
@@ -36,28 +35,28 @@ def randomize_norms(model: nn.Module, seed: int) -> nn.Module:
 
 # Each case: a global model, an input, the width p a client holds and smaller widths q <= p.
 def cnn_case():
-    model = randomize_norms(build_model("cnn", 10, (3, 12, 12), channels=(16, 24, 32)), 1)
+    model = randomize_norms(build_model(CNN, 10, (3, 12, 12), channels=(16, 24, 32)), 1)
     p = WidthSpec((0.5, 0.75, 0.5))
     qs = [WidthSpec((0.25, 0.5, 0.5)), WidthSpec.uniform(0.0625, 3), WidthSpec((0.5, 0.25, 0.125)), p]
     return model, torch.randn(3, 3, 12, 12), p, qs
 
 
 def resnet_case():
-    model = randomize_norms(build_model("resnet18", 10, (3, 16, 16), width=0.25), 2)
+    model = randomize_norms(build_model(ResNet18, 10, (3, 16, 16), width=0.25), 2)
     p = WidthSpec.uniform(0.5, 4)
     qs = [WidthSpec.uniform(0.25, 4), WidthSpec((0.125, 0.5, 0.25, 0.0625)), p]
     return model, torch.randn(2, 3, 16, 16), p, qs
 
 
 def lstm_case():
-    model = build_model("lstm", 30, (12,), hidden_size=40)
+    model = build_model(CharLSTM, 30, (12,), hidden_size=40)
     p = WidthSpec((0.6,))  # 24 of 40 hidden units
     qs = [WidthSpec((0.5,)), WidthSpec((0.3,)), WidthSpec((0.0625,)), p]
     return model, torch.randint(0, 30, (3, 12)), p, qs
 
 
 def ofa_case(block="basic_pair"):
-    model = randomize_norms(build_model("ofa_resnet", 10, (3, 16, 16), block=block, width_scale=0.125,
+    model = randomize_norms(build_model(OFAResNet, 10, (3, 16, 16), block=block, width_scale=0.125,
                                         max_extra_blocks=2, divisor=2), 3)
     p = OFASpec((1, 2, 0, 1), (0.25,) * 4, (6, 9, 4, 7, 5))
     qs = [OFASpec((0, 2, 0, 1), (0.1, 0.18, 0.25, 0.14), (6, 3, 4, 7, 0)),
@@ -119,7 +118,7 @@ def test_reduced_model_refuses_larger_specs(case):
 def test_training_a_smaller_width_inside_the_reduced_model_writes_back_its_slice():
     """FjORD: a step at width q inside the local model at p changes only q's positions."""
     torch.manual_seed(0)
-    model = build_model("cnn", 10, (3, 12, 12), channels=(16, 24, 32))
+    model = build_model(CNN, 10, (3, 12, 12), channels=(16, 24, 32))
     p, q = WidthSpec.uniform(0.5, 3), WidthSpec.uniform(0.25, 3)
     routed = model.extract(p, elastic=True)
     local = routed.module.train()
@@ -141,7 +140,7 @@ def test_training_a_smaller_width_inside_the_reduced_model_writes_back_its_slice
 
 
 def test_envelope_route_is_the_elastic_extraction_of_the_envelope():
-    model = build_model("ofa_resnet", 10, (3, 16, 16), width_scale=0.125, max_extra_blocks=2, divisor=2)
+    model = build_model(OFAResNet, 10, (3, 16, 16), width_scale=0.125, max_extra_blocks=2, divisor=2)
     group = [OFASpec((0, 1, 2, 0), (0.1, 0.14, 0.1, 0.1), (2, 5, 1, 0, 3)),
              OFASpec((2, 1, 0, 0), (0.1, 0.18, 0.1, 0.1), (1, 6, 1, 2, 0))]
     routed = route_envelope(model, group)
@@ -156,9 +155,9 @@ def test_envelope_route_is_the_elastic_extraction_of_the_envelope():
 
 
 def test_every_model_extracts_through_the_shared_mechanism():
-    models = [build_model("cnn", 10, (1, 8, 8)), build_model("resnet18", 10, (3, 8, 8), width=0.125),
-              build_model("lstm", 20, (6,), hidden_size=16), build_model("vit", 10, (3, 8, 8), depth=1),
-              build_model("ofa_resnet", 10, (3, 8, 8), width_scale=0.0625, max_extra_blocks=1, divisor=2)]
+    models = [build_model(CNN, 10, (1, 8, 8)), build_model(ResNet18, 10, (3, 8, 8), width=0.125),
+              build_model(CharLSTM, 20, (6,), hidden_size=16), build_model(ViT, 10, (3, 8, 8), depth=1),
+              build_model(OFAResNet, 10, (3, 8, 8), width_scale=0.0625, max_extra_blocks=1, divisor=2)]
     elastic_layers = (ElasticConv2d, ElasticBatchNorm2d, ElasticLinear, ElasticLSTM)
     for model in models:
         assert "extract" not in type(model).__dict__  # one mechanism, in ElasticModel
@@ -174,7 +173,7 @@ def test_every_model_extracts_through_the_shared_mechanism():
 
 
 def test_extraction_follows_the_global_dtype():
-    model = build_model("cnn", 10, (1, 8, 8)).double()
+    model = build_model(CNN, 10, (1, 8, 8)).double()
     routed = model.extract(WidthSpec.uniform(0.5, 3), elastic=True)
     state = routed.module.state_dict()
     assert all(t.dtype == torch.float64 for k, t in state.items() if not k.endswith("num_batches_tracked"))
@@ -183,7 +182,7 @@ def test_extraction_follows_the_global_dtype():
 
 
 def test_payload_bytes_counts_parameters_and_buffers_at_local_precision():
-    model = build_model("cnn", 10, (1, 8, 8), channels=(8, 8, 8))
+    model = build_model(CNN, 10, (1, 8, 8), channels=(8, 8, 8))
     routed = model.extract(WidthSpec.uniform(0.5, 3))
     state = routed.module.state_dict()
     params = sum(t.numel() for t in routed.module.parameters())

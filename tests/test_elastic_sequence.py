@@ -16,6 +16,7 @@ from fl_lightning.elastic.layers.sequence import (
     GateBlockSlice,
 )
 from fl_lightning.elastic.routing import load_routed_state, write_back
+from fl_lightning.elastic.models import CharLSTM, ViT
 
 ATOL = 1e-5
 
@@ -238,7 +239,7 @@ def test_transformer_block_physical_equals_elastic_and_loads_timm_block():
 def _lstm_model(**kwargs):
     from fl_lightning.elastic.models import build_model
 
-    return build_model("lstm", num_classes=80, input_shape=(80,), **kwargs)
+    return build_model(CharLSTM, num_classes=80, input_shape=(80,), **kwargs)
 
 
 def test_shakespeare_lstm_matches_leaf_architecture():
@@ -317,7 +318,7 @@ def test_shakespeare_lstm_refuses_rolling_regions():
 def _vit(**kwargs):
     from fl_lightning.elastic.models import build_model
 
-    return build_model("vit", num_classes=10, input_shape=(3, 32, 32), **kwargs).eval()
+    return build_model(ViT, num_classes=10, input_shape=(3, 32, 32), **kwargs).eval()
 
 
 def test_vit_split_equals_full_forward():

@@ -7,7 +7,7 @@ import torch
 
 from fl_lightning.algorithms import Feast
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.envelope import route_envelope
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
@@ -18,7 +18,7 @@ from fl_lightning.federation.loop import run_fit
 from fl_lightning.runtime.seeding import sample_clients
 from hand_counts import basic_pair_params, hooked_macs, make_divisible
 
-MODEL = ModelConfig(name="ofa_resnet", kwargs={"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2})
+MODEL = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
 DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
                   val_size=40, calib_size=32)
 
@@ -39,7 +39,7 @@ def small_cache(tmp_path, include_max=False) -> str:
 def build_global_model_for_cache():
     from fl_lightning.elastic.models import build_model
 
-    return build_model("ofa_resnet", 4, (3, 16, 16), **MODEL.kwargs)
+    return build_model(MODEL, 4, (3, 16, 16))
 
 
 def feast_spec(spec_factory, tmp_path, name, budgets=None, **feast_args):
@@ -243,7 +243,7 @@ def test_evaluate_and_extract_commands_on_a_finished_run(spec_factory, tmp_path,
     result = json.loads(out[out.rindex("{\n"):])
     saved = load_checkpoint(tmp_path / "subnet.pt")
     spec_found = OFASpec(**saved["spec"])
-    subnet = build_model("ofa_resnet", 4, (3, 16, 16), **MODEL.kwargs).extract(spec_found).module
+    subnet = build_model(MODEL, 4, (3, 16, 16)).extract(spec_found).module
     subnet.load_state_dict(saved["model"])  # the saved weights are exactly that architecture's
     assert hooked_macs(subnet, (3, 16, 16))["paper"] == saved["macs"] == result["macs"] <= 0.1e6
     test = build_federated_data(spec.data, spec.partition, spec.seed).bundle.test
@@ -264,7 +264,7 @@ def _config_yaml(spec) -> str:
     init_args = {"cache": algorithm.cache_path, "routing": algorithm.routing, "mix_schedule": algorithm.mix_schedule}
     return yaml.safe_dump({
         "name": spec.name, "out_dir": spec.out_dir, "seed": spec.seed, "data": asdict(spec.data),
-        "partition": asdict(spec.partition), "model": asdict(spec.model), "train": asdict(spec.train),
+        "partition": asdict(spec.partition), "model": spec.model, "train": asdict(spec.train),
         "federation": asdict(spec.federation), "eval": asdict(spec.eval), "fabric": asdict(spec.fabric),
         "algorithm": {"class_path": "fl_lightning.algorithms.Feast", "init_args": init_args}})
 

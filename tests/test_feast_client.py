@@ -19,6 +19,7 @@ from fl_lightning.modules.feast_client import RULES, FeastClient
 from fl_lightning.modules.inplace_distillation import (OperatingPoint, Pass, SandwichSampler, kd_loss,
                                                        sandwich_step, soft_targets, student_loss)
 from fl_lightning.modules.mixing import AlternatingMixer, NoMix, soft_cross_entropy
+from fl_lightning.elastic.models import OFAResNet
 from hand_counts import hooked_macs
 
 SHAPE = (3, 8, 8)
@@ -38,7 +39,7 @@ def supernet():
     """FEAST's supernet (the default construction) narrowed: same search space, 1/16 width, at
     most one extra block per stage."""
     torch.manual_seed(0)
-    return build_model("ofa_resnet", CLASSES, SHAPE, width_scale=0.0625, max_extra_blocks=1, divisor=2)
+    return build_model(OFAResNet, CLASSES, SHAPE, width_scale=0.0625, max_extra_blocks=1, divisor=2)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from fl_lightning.algorithms.fednas import (ARCH_STREAM, DeepFedNAS, PathSearch, SuperFedNAS, sandwich_roles,
                                             uniform_architecture)
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.maxnet import maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.regions import Full, LeadingSlice
@@ -25,7 +25,7 @@ from fl_lightning.runtime.seeding import derive_seed, sample_clients
 from option_checks import option_refusal
 
 # the narrowed supernet and data of tests/test_feast.py
-MODEL = ModelConfig(name="ofa_resnet", kwargs={"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2})
+MODEL = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
 DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
                   val_size=40, calib_size=32)
 BUDGETS = BudgetConfig(b_min=1e5, b_max=3e6, b_cap=2e6)
@@ -37,7 +37,7 @@ SMALL_PATH = PathSearch(targets=8, population=16, generations=10, rho=1.0)
 def build_global_model_for_cache():
     from fl_lightning.elastic.models import build_model
 
-    return build_model("ofa_resnet", 4, (3, 16, 16), **MODEL.kwargs)
+    return build_model(MODEL, 4, (3, 16, 16))
 
 
 def small_cache(tmp_path) -> str:

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.algorithms import FedSGA, SplitFed
-from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, ModelConfig, PartitionConfig
+from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, PartitionConfig
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
+from fl_lightning.elastic.models import ResNet18
 
-RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})
-VIT = ModelConfig(name="vit", kwargs={"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2})
+RESNET = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
+VIT = {"class_path": "fl_lightning.elastic.models.ViT", "init_args": {"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2}}
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 
 
@@ -76,7 +77,7 @@ def test_logged_cut_is_psi_of_the_logged_r_within_the_budget(spec_factory):
                         federation=FederationConfig(rounds=5, clients_per_round=6))
     run_fit(spec)
     budgets = load_checkpoint(Path(spec.out_dir) / spec.name / "partition.pt")["budgets"].tolist()
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     cuts = ["layer1.1", "layer2.1", "layer3.1"]
     macs = [count_macs(model.split(cut)[0], (1, 8, 8)) for cut in cuts]
     afford = [max(k for k, m in enumerate(macs) if m <= b) for b in budgets]
@@ -233,7 +234,7 @@ def test_calibration_and_descriptor_uploads_are_counted(spec_factory):
     run_fit(spec)
     from fl_lightning.elastic.models import build_model
 
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     x = torch.zeros(1, 1, 8, 8)
     p1 = model.forward_until(x, "layer1.1").numel() * 4
     ref = model.forward_until(x, "layer2.1").numel() * 4
@@ -265,7 +266,7 @@ algorithm = (FedSGA(calibration_every=2, probe_size=8, prompt_width=1) if method
              else SplitFed(cut="layer2.1", version="v2"))
 run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=algorithm,
                 data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
-                model=ModelConfig(name="resnet18", kwargs={"width": 0.125}),
+                model={"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}},
                 train=LocalTrainConfig(batch_size=16, lr=0.05, momentum=0.9),
                 federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
                 fabric=FabricConfig(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")))

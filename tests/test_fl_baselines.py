@@ -523,7 +523,7 @@ def test_evaluate_rescores_a_personalized_method_with_its_client_state(tmp_path,
     config = tmp_path / "fedgh.yaml"
     config.write_text(
         "name: gh\nseed: 0\ndata: {name: digits, val_size: 100}\n"
-        "partition: {method: dirichlet, num_clients: 6, alpha: 0.5}\nmodel: {name: cnn}\n"
+        "partition: {method: dirichlet, num_clients: 6, alpha: 0.5}\nmodel: {class_path: fl_lightning.elastic.models.CNN}\n"
         "algorithm: {class_path: fl_lightning.algorithms.FedGH}\n"
         "train: {epochs: 1, batch_size: 16, lr: 0.05}\nfederation: {rounds: 4, clients_per_round: 6}\n"
         "eval: {every: 1}\nfabric: {accelerator: cpu}\n")

@@ -16,7 +16,7 @@ from fl_lightning.algorithms.bn_protocol import estimate_statistics, without_sta
 from fl_lightning.algorithms.heterofl_tiers import HETEROFL_TIERS, TierAssignment
 from fl_lightning.algorithms.submodel import TIER_PROBS, TIERS
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.elastic.bn import statistics_keys
 from fl_lightning.elastic.layers.scaler import Scaler, attach_scaler
 from fl_lightning.elastic.macs import count_macs
@@ -25,9 +25,10 @@ from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
+from fl_lightning.elastic.models import ResNet18
 from option_checks import option_refusal
 
-NARROW = ModelConfig(name="resnet18", kwargs={"width": 0.125})
+NARROW = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
 DATA = DataConfig(name="digits", val_size=100, calib_size=64)
 
 
@@ -104,7 +105,7 @@ def test_scaler_is_one_over_rate_in_training_and_identity_at_evaluation():
     assert torch.equal(Scaler(0.25).eval()(x), x)
 
     torch.manual_seed(0)
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125).extract(WidthSpec.uniform(0.5, 4)).module
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125).extract(WidthSpec.uniform(0.5, 4)).module
     images = torch.randn(4, 1, 8, 8)
     keys = set(model.state_dict())
     plain_eval = model.eval()(images)
@@ -149,7 +150,7 @@ def batch_moments(model, batches):
 
 def test_estimated_statistics_equal_an_independent_mean_and_variance_over_the_pass():
     torch.manual_seed(1)
-    net = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    net = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     small, large = (net.extract(WidthSpec.uniform(w, 4)).module for w in (0.25, 1.0))
     batches = [torch.randn(10, 1, 8, 8) * 3 + 1 for _ in range(3)]
     alone = copy.deepcopy(large)
@@ -175,7 +176,7 @@ def test_served_statistics_come_from_the_chosen_data(spec_factory, bn, data):
     unbiased variance of its stem conv outputs over exactly the chosen examples."""
     algorithm = HeteroFL(caps=[1.0, 0.5, 0.25, 0.5, 1.0, 0.25], bn=bn, sbn_data=data,
                          calib_batch_size=100_000, calib_transform="eval")
-    spec = heterofl_spec(spec_factory, f"{bn}_{data}", algorithm, budgets=BudgetConfig(), model=ModelConfig(name="cnn"),
+    spec = heterofl_spec(spec_factory, f"{bn}_{data}", algorithm, budgets=BudgetConfig(), model={"class_path": "fl_lightning.elastic.models.CNN"},
                          num_clients=6, per_round=3)
     summary = run_fit(spec)
     assert "test_acc" in summary["final"]
@@ -197,7 +198,7 @@ def test_served_statistics_come_from_the_chosen_data(spec_factory, bn, data):
 
 
 def test_sbn_clients_neither_receive_nor_return_statistics():
-    net = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    net = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     routed = net.extract(WidthSpec.uniform(0.5, 4))
     stats = statistics_keys(routed.module)
     stat_bytes = sum(routed.module.state_dict()[k].numel() * routed.module.state_dict()[k].element_size() for k in stats)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from fl_lightning.cli import main
-from fl_lightning.config import DataConfig, FabricConfig, ModelConfig
+from fl_lightning.config import DataConfig, FabricConfig
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.machine import (GB, Footprint, Machine, dataset_facts, parameter_count, physical_cores,
                                              place, resolve_threads)
+from fl_lightning.elastic.models import CNN
 
 SMALL = Footprint(parameters=100_000, data_bytes=10 * 2**20)
 PLENTY = 256 * GB
@@ -94,12 +95,12 @@ def test_default_on_a_gpu_node_is_every_visible_gpu(accelerator):
 
 
 def test_footprint_counts_the_model_without_building_it():
-    model = ModelConfig(name="cnn")
+    model = {"class_path": "fl_lightning.elastic.models.CNN"}
     classes, shape, data_bytes = dataset_facts(DataConfig(name="digits"))
     assert (classes, shape) == (10, (1, 8, 8)) and data_bytes == 1_797 * 64 * 4
     from fl_lightning.elastic.models import build_model
 
-    real = build_model("cnn", classes, shape)
+    real = build_model(CNN, classes, shape)
     assert parameter_count(model, classes, shape) == sum(t.numel() for t in real.state_dict().values())
     synthetic = DataConfig(name="synthetic", options={"image_size": 16, "channels": 3, "num_train": 100,
                                                       "num_test": 20, "num_classes": 7})

@@ -25,7 +25,7 @@ def small(request):
     """A narrowed supernet of each construction (same search space, 1/8 width, up to 2 extra
     blocks) with non-trivial BN statistics, so eval-mode outputs depend on every sliced tensor."""
     torch.manual_seed(0)
-    model = build_model("ofa_resnet", 10, SHAPE, block=request.param, width_scale=0.125, max_extra_blocks=2,
+    model = build_model(OFAResNet, 10, SHAPE, block=request.param, width_scale=0.125, max_extra_blocks=2,
                         divisor=2)
     with torch.no_grad():
         for m in model.modules():
@@ -88,7 +88,7 @@ def test_feast_supernet_is_the_default_and_has_55_68m_parameters():
     [128, 256, 512, 1024] (Supp. B), DeepFedNAS's 64-channel stem, middle 0.25 x out at the
     largest expansion, nine blocks per stage; 55.68M parameters at 100 classes (paper)."""
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32))
+        model = build_model(OFAResNet, 100, (3, 32, 32))
     assert model.arch["block"] == "basic_pair"
     by_hand = basic_pair_params(64, [(128, 32, 9), (256, 64, 9), (512, 128, 9), (1024, 256, 9)], 100)
     assert full_param_count(model) == by_hand
@@ -109,7 +109,7 @@ def test_feast_supernet_is_the_default_and_has_55_68m_parameters():
 
 def test_bottleneck_supernet_has_55_68m_parameters():
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32), block="bottleneck")
+        model = build_model(OFAResNet, 100, (3, 32, 32), block="bottleneck")
     by_hand = bottleneck_params(128, [(256, 64, 9), (512, 128, 9), (1024, 256, 9), (2048, 512, 9)], 100)
     assert full_param_count(model) == by_hand
     assert round(by_hand / 1e6, 2) == 55.68
@@ -123,7 +123,7 @@ def test_bottleneck_supernet_has_55_68m_parameters():
 def test_subnets_match_the_parameter_count_by_hand(block):
     """basic_pair: DeepFedNAS's counting rule (utils/subnet_cost.py); bottleneck: its layers."""
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 100, (3, 32, 32), block=block)
+        model = build_model(OFAResNet, 100, (3, 32, 32), block=block)
     g = torch.Generator().manual_seed(7)
     for spec in [model.min_spec(), model.max_spec()] + [model.sample_spec(g) for _ in range(6)]:
         with torch.device("meta"):
@@ -146,7 +146,7 @@ FEAST_CACHE_ROWS = [
 def test_basic_pair_reproduces_feast_cache_figures():
     """The paper's cached variants have exactly the published parameters and MACs here."""
     with torch.device("meta"):
-        model = build_model("ofa_resnet", 10, (3, 32, 32), block="basic_pair")
+        model = build_model(OFAResNet, 10, (3, 32, 32), block="basic_pair")
     for macs, params, d, e, w in FEAST_CACHE_ROWS:
         spec = OFASpec(d, e, w)
         local = model.reduced(spec).extract(spec).module
@@ -154,7 +154,7 @@ def test_basic_pair_reproduces_feast_cache_figures():
         assert hooked_macs(local, (3, 32, 32))["paper"] == macs, spec
     # rounding out * e first (FEAST's network code) widens stage 2 of the 284M variant: 17.6 -> 24
     assert model.mid_width(176, 0.1) == 16
-    rounded = build_model("ofa_resnet", 10, (3, 32, 32), block="basic_pair", round_middle=True,
+    rounded = build_model(OFAResNet, 10, (3, 32, 32), block="basic_pair", round_middle=True,
                           max_extra_blocks=0, max_width_index=(0,) * 5)
     assert rounded.mid_width(176, 0.1) == 24
 
@@ -168,7 +168,7 @@ def test_basic_pair_tinyimagenet_stem_strides_like_feast_code():
     assert spec_macs(model, spec, (3, 64, 64)) == spec_macs(cifar, spec, (3, 32, 32))
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 200)
     with pytest.raises(ConfigError, match="block"):
-        build_model("ofa_resnet", 10, SHAPE, block="inverted")
+        build_model(OFAResNet, 10, SHAPE, block="inverted")
 
 
 def test_mac_span_brackets_the_papers_cache_at_32px():
@@ -176,7 +176,7 @@ def test_mac_span_brackets_the_papers_cache_at_32px():
     the plain module, the closed form over hand-derived channels, the cost model), enclose the
     paper's cache, 24.96M-595.67M MACs (Supp. Table 1; the release's exact end rows)."""
     with torch.device("meta"):
-        full = build_model("ofa_resnet", 100, (3, 32, 32))
+        full = build_model(OFAResNet, 100, (3, 32, 32))
         smallest, largest = (full.build_local(s, elastic=False) for s in (full.min_spec(), full.max_spec()))
     # w = 0 (x0.1): stem md(6.4) = 8, stages md(12.8, 25.6, 51.2, 102.4) = 16, 24, 48, 104;
     # e = 0.1: middles md(1.6, 2.4, 4.8) = 8 and md(10.4) = 16 (8 would lose over 10%).
@@ -222,7 +222,7 @@ def test_bad_specs_are_refused(small):
     with pytest.raises(ValueError, match="len"):
         OFASpec((0,) * 4, (0.1,) * 3, (0,) * 5)
     with pytest.raises(ConfigError, match="max_extra_blocks"):
-        build_model("ofa_resnet", 10, SHAPE, max_extra_blocks=(1, 2))
+        build_model(OFAResNet, 10, SHAPE, max_extra_blocks=(1, 2))
 
 
 # -- extraction ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from reference_case import TRAIN, load, make_spec, max_abs_diff, run_one_round
 
-from fl_lightning.config import ModelConfig
+from fl_lightning.elastic.models import CNN
 
 TOL = 1e-5
 PARAMS = ("features.block0.conv.weight", "features.block0.bn.weight", "features.block0.bn.bias",
@@ -63,7 +63,7 @@ def test_fjord_width_rule_matches_the_ordered_dropout_layers(golden):
                 artefacts.append((p, c))
     assert artefacts == [(0.6000000000000001, c) for c in range(5, 65, 5)], artefacts
     channels = golden["case"]["channels"]
-    model = build_model("cnn", 10, (1, 8, 8), channels=channels)
+    model = build_model(CNN, 10, (1, 8, 8), channels=channels)
     ratios = list(widths["ratios"])
     for p in golden["case"]["tiers"]:
         row = widths["out"][ratios.index(p)]
@@ -82,7 +82,7 @@ def test_fjord_round_matches_the_flower_baseline(tmp_path, golden, form):
     alg = FjORD(caps=case["caps"], tiers=case["tiers"], **case["cases"][form])
     train = replace(TRAIN, lr=case["lr"], momentum=case["momentum"], weight_decay=case["weight_decay"])
     spec = make_spec(tmp_path, alg, num_clients=6, clients_per_round=3, partition="iid", train=train,
-                     model=ModelConfig(name="cnn", kwargs={"channels": case["channels"]}))
+                     model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": case["channels"]}})
     trained, modules = {}, {}
     commit, client_module = alg.commit, alg.client_module
 
@@ -133,7 +133,7 @@ def test_fjord_aggregation_matches_the_flower_strategy(golden):
     from fl_lightning.elastic.specs import WidthSpec
 
     agg, initial = golden["aggregation"], golden["case"]["initial"]
-    model = build_model("cnn", 10, (1, 8, 8), channels=golden["case"]["channels"])
+    model = build_model(CNN, 10, (1, 8, 8), channels=golden["case"]["channels"])
     model.load_state_dict(initial)
     acc = SparseAccumulator(model.state_dict(), dense=False)
     for p_max, examples, client in zip(agg["p_max"], agg["examples"], agg["clients"]):

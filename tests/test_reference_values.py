@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from reference_case import TRAIN, load, make_spec, max_abs_diff, run_one_round
+from fl_lightning.elastic.models import CNN
 
 TOL = 1e-5
 
@@ -218,7 +219,7 @@ def test_heterofl_extraction_matches_split_model():
     from fl_lightning.elastic.specs import WidthSpec
 
     golden = load("heterofl", "authors.pt")["extraction"]
-    model = build_model("cnn", 10, (1, 8, 8), channels=[6, 10])
+    model = build_model(CNN, 10, (1, 8, 8), channels=[6, 10])
     state = model.state_dict()
     state.update(golden["global"])
     model.load_state_dict(state)

@@ -128,7 +128,7 @@ devices, sequential, name = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
 Cyclic.sequential_clients = sequential
 run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=Cyclic(),
                 data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
-                model=ModelConfig(name="cnn"), train=LocalTrainConfig(batch_size=16, lr=0.05),
+                model={{"class_path": "fl_lightning.elastic.models.CNN"}}, train=LocalTrainConfig(batch_size=16, lr=0.05),
                 federation=FederationConfig(rounds=2, clients_per_round=4), eval=EvalConfig(every=2),
                 fabric=FabricConfig(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")))
 """

@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import fl_lightning.elastic.models.scalefl_resnet  # noqa: F401 (registers scalefl_resnet18)
 from fl_lightning.algorithms.levels import assign_levels
 from fl_lightning.algorithms.scalefl import LEVELS, ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.macs import count_params
 from fl_lightning.elastic.models import build_model
@@ -21,15 +20,16 @@ from fl_lightning.federation.builder import build_global_model
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.modules.scalefl_client import scalefl_loss
+from fl_lightning.elastic.models import ScaleFLResNet18
 from option_checks import option_refusal
 
 SPECS = [DepthWidthSpec(b, w) for b, w in LEVELS]
-NARROW = ModelConfig(name="scalefl_resnet18", kwargs={"width": 0.125})
+NARROW = {"class_path": "fl_lightning.elastic.models.ScaleFLResNet18", "init_args": {"width": 0.125}}
 DATA = DataConfig(name="digits", val_size=100, calib_size=64)
 
 
 def narrow_model(num_classes=10, shape=(1, 8, 8)):
-    return build_model("scalefl_resnet18", num_classes, shape, width=0.125)
+    return build_model(ScaleFLResNet18, num_classes, shape, width=0.125)
 
 
 # -- the substrate ------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def test_exits_with_convs_route_and_aggregate_like_the_blocks():
     """ScaleFL's own ResNet exits (exit_convs=3): conv-BN-ReLU layers at the block's width,
     sliced with it."""
     torch.manual_seed(0)
-    model = build_model("scalefl_resnet18", 10, (1, 8, 8), width=0.125, exit_convs=3).eval()
+    model = build_model(ScaleFLResNet18, 10, (1, 8, 8), width=0.125, exit_convs=3).eval()
     local = model.extract(SPECS[1]).module.eval()  # level 2: exits after blocks 3 and 4
     # stage 2 of the 0.125-wide substrate has 16 channels; level 2 (width 0.5) holds 8 of them
     assert local.exits["3"].convs[0].weight.shape == (8, 8, 3, 3) and len(local.exits["3"].convs) == 9
@@ -75,7 +75,7 @@ def test_exits_with_convs_route_and_aggregate_like_the_blocks():
 def test_level_macs_and_exit_macs_on_the_cifar100_substrate():
     """Measured: 35.69M / 72.70M / 127.75M / 556.71M MACs served (fvcore counts BN and
     pooling too), 11.27M parameters with the three pool + linear exits."""
-    model = build_model("scalefl_resnet18", 100, (3, 32, 32))
+    model = build_model(ScaleFLResNet18, 100, (3, 32, 32))
     costs = [exit_costs(model, spec, (3, 32, 32)) for spec in SPECS]
     served = [c["served_macs"] for c in costs]
     assert 34e6 <= served[0] <= 37e6  # "approximately 35M" (FEAST Supp. E.1)

@@ -16,14 +16,15 @@ from fl_lightning.algorithms.musplitfed import MUSplitFed
 from fl_lightning.algorithms.multisfl import (MultiSFL, choose_assistants, decayed_distribution,
                                               replay_requirement, weak_aggregate)
 from fl_lightning.algorithms.splitfed import SplitFed
-from fl_lightning.config import FederationConfig, LocalTrainConfig, ModelConfig
+from fl_lightning.config import FederationConfig, LocalTrainConfig
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
+from fl_lightning.elastic.models import ResNet18
 from option_checks import option_refusal
 
-RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})
+RESNET = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 PLAIN = LocalTrainConfig(steps=1, batch_size=4, lr=0.1)  # one plain SGD step: hand computations
 
@@ -136,7 +137,7 @@ def test_mergesfl_round_counts_the_bytes_that_cross(spec_factory):
                         train=LocalTrainConfig(steps=3, batch_size=8, lr=0.05),
                         federation=FederationConfig(rounds=1, clients_per_round=3))
     run_fit(spec)
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     per_example = model.forward_until(torch.zeros(1, 1, 8, 8), "layer2.0").numel() * 4
     clients = rows(spec, "clients.jsonl")
     assert sum(r["batch_size"] for r in clients) == 24
@@ -328,7 +329,7 @@ def test_replayed_examples_reach_the_server(spec_factory):
     spec = spec_factory(name="replay", algorithm=MultiSFL(cut="layer2.0", replay_budget=0.1), model=RESNET,
                         train=TRAIN, federation=FederationConfig(rounds=2, clients_per_round=3))
     run_fit(spec)
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     per_example = model.forward_until(torch.zeros(1, 1, 8, 8), "layer2.0").numel() * 4
     clients = rows(spec, "clients.jsonl")
     assert sum(r["replay_examples"] for r in clients) > 0

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.elastic.models import build_model
-from fl_lightning.elastic.models.resnet import ResNet18
+from fl_lightning.elastic.models import CNN, CharLSTM, OFAResNet, ResNet18, ViT, build_model
 from fl_lightning.elastic.models.vit import insert_prompts
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.elastic.split import split_keys
@@ -23,12 +22,12 @@ ATOL, RTOL = 1e-6, 1e-5
 
 def _resnet(stem: str = "cifar", side: int = 32, **kwargs) -> ResNet18:
     torch.manual_seed(0)
-    return build_model("resnet18", 10, (3, side, side), width=0.25, stem=stem, **kwargs)
+    return build_model(ResNet18, 10, (3, side, side), width=0.25, stem=stem, **kwargs)
 
 
 def _vit(**kwargs):
     torch.manual_seed(0)
-    return build_model("vit", 10, (3, 32, 32), embed_dim=32, depth=3, num_heads=2, patch_size=4, **kwargs)
+    return build_model(ViT, 10, (3, 32, 32), embed_dim=32, depth=3, num_heads=2, patch_size=4, **kwargs)
 
 
 CASES = {
@@ -104,8 +103,8 @@ def test_cnn_and_ofa_supernet_split_by_the_default():
     from fl_lightning.elastic.models.ofa_resnet import OFASpec
 
     torch.manual_seed(0)
-    cnn = build_model("cnn", 10, (3, 12, 12), channels=(8, 8, 8)).eval()
-    ofa = build_model("ofa_resnet", 10, (3, 16, 16), width_scale=0.125, max_extra_blocks=1, divisor=2).eval()
+    cnn = build_model(CNN, 10, (3, 12, 12), channels=(8, 8, 8)).eval()
+    ofa = build_model(OFAResNet, 10, (3, 16, 16), width_scale=0.125, max_extra_blocks=1, divisor=2).eval()
     for model, x in ((cnn, torch.randn(2, 3, 12, 12)), (ofa, torch.randn(2, 3, 16, 16))):
         for cut in model.block_names:
             front, back = model.split(cut)
@@ -123,7 +122,7 @@ def test_cnn_and_ofa_supernet_split_by_the_default():
 
 
 def test_split_keys_names_a_tensor_in_neither_or_both_halves():
-    model = build_model("cnn", 10, (3, 12, 12), channels=(8, 8, 8))
+    model = build_model(CNN, 10, (3, 12, 12), channels=(8, 8, 8))
     front, back = model.split("block0")
     model.split = lambda cut: (front, nn.Module())
     with pytest.raises(RuntimeError, match="features.block1.conv.weight is in neither half"):
@@ -134,7 +133,7 @@ def test_split_keys_names_a_tensor_in_neither_or_both_halves():
 
 
 def test_default_split_needs_module_blocks_and_known_cuts():
-    lstm = build_model("lstm", 30, (12,), hidden_size=8)
+    lstm = build_model(CharLSTM, 30, (12,), hidden_size=8)
     with pytest.raises(TypeError, match="'lstm' is not an nn.Module"):
         lstm.split("embed")
     with pytest.raises(KeyError):
@@ -210,8 +209,8 @@ def test_stem_output_size_and_reduced_width_extraction(stem, side, after_stem):
 
 def test_bad_stem_is_a_config_error():
     with pytest.raises(ConfigError) as err:
-        build_model("resnet18", 10, (3, 32, 32), stem="huge")
-    assert err.value.key == "model.kwargs.stem" and "cifar" in str(err.value)
+        build_model(ResNet18, 10, (3, 32, 32), stem="huge")
+    assert err.value.key == "model.stem" and "cifar" in str(err.value)
     with pytest.raises(ConfigError):
         ResNet18(10, (3, 32, 32), stem="Tiny")
 
@@ -259,7 +258,7 @@ def test_resnet_pretrained_survives_build_local_without_reloading(torchvision_fi
     path, source = torchvision_file
     copy_path = tmp_path / "copy.pth"
     copy_path.write_bytes(path.read_bytes())
-    model, _ = _load_warning(lambda: build_model("resnet18", 10, (3, 32, 32), pretrained=str(copy_path)))
+    model, _ = _load_warning(lambda: build_model(ResNet18, 10, (3, 32, 32), pretrained=str(copy_path)))
     copy_path.unlink()  # a local copy must not read the file again
     routed = model.extract(WidthSpec.uniform(0.5, 4))
     torch.testing.assert_close(routed.module.layer1[0].conv1.weight, source["layer1.0.conv1.weight"][:32, :32])
@@ -273,10 +272,10 @@ def test_pretrained_file_problems_are_config_errors(tmp_path):
     for path in (tmp_path / "missing.pth", not_a_dict, text, foreign):
         with pytest.raises(ConfigError) as err:
             ResNet18(10, (3, 32, 32), width=0.25, pretrained=str(path))
-        assert err.value.key == "model.kwargs.pretrained" and "\n" not in str(err.value)
+        assert err.value.key == "model.pretrained" and "\n" not in str(err.value)
     with pytest.raises(ConfigError) as err:
         _vit(pretrained=str(tmp_path / "missing.pth"))
-    assert err.value.key == "model.kwargs.pretrained"
+    assert err.value.key == "model.pretrained"
 
 
 def test_vit_loads_timm_weights_with_resized_position_embedding(tmp_path):
@@ -322,4 +321,4 @@ def test_vit_refuses_another_architecture(tmp_path):
     for path in (wider, deeper, npz):
         with pytest.raises(ConfigError) as err:
             _vit(pretrained=str(path))
-        assert err.value.key == "model.kwargs.pretrained" and "\n" not in str(err.value)
+        assert err.value.key == "model.pretrained" and "\n" not in str(err.value)

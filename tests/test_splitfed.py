@@ -8,15 +8,16 @@ import pytest
 import torch
 
 from fl_lightning.algorithms import FedAvg, FedSGA, SplitFed
-from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, ModelConfig, PartitionConfig
+from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, PartitionConfig
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
+from fl_lightning.elastic.models import ResNet18
 from option_checks import option_refusal
 
-RESNET = ModelConfig(name="resnet18", kwargs={"width": 0.125})
-VIT = ModelConfig(name="vit", kwargs={"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2})
+RESNET = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
+VIT = {"class_path": "fl_lightning.elastic.models.ViT", "init_args": {"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2}}
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 
 
@@ -118,7 +119,7 @@ def test_bytes_at_the_cut_are_the_tensor_sizes(spec_factory):
                         train=LocalTrainConfig(epochs=2, batch_size=16, lr=0.05),
                         federation=FederationConfig(rounds=1, clients_per_round=3))
     run_fit(spec)
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     activation = model.forward_until(torch.zeros(1, 1, 8, 8), "layer2.0")
     per_example = activation.numel() * 4
     front = [k for k, v in model.state_dict().items()
@@ -161,7 +162,7 @@ def test_prompts_stay_private(spec_factory):
                         federation=FederationConfig(rounds=2, clients_per_round=6))
     run_fit(spec)
     state = saved(spec)
-    model = build_model("resnet18", 10, (1, 8, 8), width=0.125)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     assert set(state["model"]) == set(model.state_dict())  # nothing of the prompts in the global model
     prompts = [v for k, v in state["algorithm"].items() if k.endswith("/prompt")]
     assert len(prompts) == 6 and all(p.abs().sum() > 0 for p in prompts)

@@ -336,7 +336,7 @@ devices, name = int(sys.argv[1]), sys.argv[2]
 run_fit(RunSpec(name=name, out_dir=sys.argv[3], seed=0,
                 algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=[1.0, 0.5, 0.25, 0.75, 1.0, 0.5]),
                 data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
-                model=ModelConfig(name="cnn"), train=LocalTrainConfig(batch_size=16, lr=0.05),
+                model={"class_path": "fl_lightning.elastic.models.CNN"}, train=LocalTrainConfig(batch_size=16, lr=0.05),
                 federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
                 fabric=FabricConfig(accelerator="cpu", devices=devices, threads_per_rank=1,
                                     strategy="ddp" if devices > 1 else "auto")))

@@ -44,10 +44,10 @@ def test_offline_shakespeare_keeps_table6_structure():
     cfg = written("offline", "shakespeare", "hasfl")
     assert cfg["data"]["name"] == "shakespeare" and cfg["data"]["options"]["max_roles"] == 20
     assert cfg["partition"] == {"method": "natural", "num_clients": 20}
-    assert cfg["federation"]["clients_per_round"] == 10 and cfg["model"]["name"] == "lstm"
+    assert cfg["federation"]["clients_per_round"] == 10 and cfg["model"]["class_path"] == "fl_lightning.elastic.models.CharLSTM"
     assert cfg["data"]["root"] == "data"  # reads the fetched plays inside the project
     # the documented CPU-sized deviations
-    assert cfg["model"]["kwargs"]["hidden_size"] == 128 and cfg["data"]["options"]["test_stride"] == 20
+    assert cfg["model"]["init_args"]["hidden_size"] == 128 and cfg["data"]["options"]["test_stride"] == 20
     assert cfg["federation"]["rounds"] == 60 and cfg["train"]["steps"] == 20
     assert [written("offline", "shakespeare", p)["algorithm"]["class_path"].rsplit(".", 1)[1]
             for p in ("hasfl", "fjord", "uniform")] == ["HASFL", "FjORD", "Uniform"]
@@ -59,7 +59,7 @@ def test_paper_shakespeare_is_the_papers_protocol():
     options = cfg["data"]["options"]
     assert options.get("test_stride", 1) == 1  # every test window
     assert options["vocabulary"] == "printable" and options["max_roles"] == 20  # 95 symbols, 20 roles
-    assert cfg["model"].get("kwargs", {}).get("hidden_size", 256) == 256
+    assert cfg["model"].get("init_args", {}).get("hidden_size", 256) == 256
     assert cfg["federation"] == {"rounds": 200, "clients_per_round": 10}
     assert cfg["train"]["lr"] == 0.1 and cfg["train"]["grad_clip"] == 5.0 and cfg["train"]["epochs"] == 1
     assert "steps" not in cfg["train"]

@@ -50,17 +50,18 @@ def test_paper_files_are_what_the_tool_writes(where, dataset):
 @pytest.mark.parametrize("where,dataset", [k for k in tool.SOURCES if k[0] == "offline"])
 def test_offline_files_match_the_tool_on_the_substrate_written(where, dataset):
     """Without rerunning the cache search: the rest of each file follows from the width it holds."""
-    width = written(where, dataset, "heterofl")["model"]["kwargs"]["width"]
+    width = written(where, dataset, "heterofl")["model"]["init_args"]["width"]
     for method in tool.METHODS:
         cfg = written(where, dataset, method)
         assert cfg == tool.config_for(where, dataset, method, width), f"{method}: rerun python tools/supernet_configs.py"
         if method in ("heterofl", "scalefl", "fiarse"):
-            assert cfg["model"]["kwargs"]["width"] == width
+            assert cfg["model"]["init_args"]["width"] == width
 
 
 def test_paper_baselines_use_the_full_substrate_with_the_datasets_stem():
     for dataset, stem in (("cifar100", "cifar"), ("cinic10", "cifar"), ("tinyimagenet", "tiny")):
-        assert written("paper", dataset, "heterofl")["model"] == {"name": "resnet18", "kwargs": {"stem": stem}}
-        assert written("paper", dataset, "scalefl")["model"] == {"name": "scalefl_resnet18", "kwargs": {"stem": stem}}
+        assert written("paper", dataset, "heterofl")["model"] == {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"stem": stem}}
+        assert written("paper", dataset, "scalefl")["model"] == {"class_path": "fl_lightning.elastic.models.ScaleFLResNet18",
+                                                                 "init_args": {"stem": stem}}
         transfer = written("paper", dataset, "dfn_constrained")["algorithm"]["init_args"]
         assert transfer["cache"] == tool.load_yaml(tool.SOURCES[("paper", dataset)])["algorithm"]["init_args"]["cache"]

@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import fl_lightning.elastic.models.scalefl_resnet  # noqa: F401 (registers scalefl_resnet18)
 from fl_lightning.algorithms import Feast, HeteroFL
 from fl_lightning.algorithms.fiarse import FIARSE
 from fl_lightning.algorithms.mergesfl import MergeSFL
 from fl_lightning.algorithms.scalefl import ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.runtime.checkpoint import load_checkpoint
@@ -22,13 +21,13 @@ from fl_lightning.federation.loop import run_fit
 ROUNDS, STOP = 3, 2
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, grad_clip=10.0)
 DIGITS = DataConfig(name="digits", val_size=100, calib_size=64)
-OFA = ModelConfig(name="ofa_resnet", kwargs={"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2})
+OFA = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
 SYNTHETIC = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
                        val_size=40, calib_size=32)
 
 
 def feast_cache(tmp_path) -> str:
-    model = build_model("ofa_resnet", 4, (3, 16, 16), **OFA.kwargs)
+    model = build_model(OFA, 4, (3, 16, 16))
     g = torch.Generator().manual_seed(3)
     specs = {model.min_spec()} | {model.sample_spec(g) for _ in range(5)}
     path = tmp_path / "cache.json"
@@ -52,19 +51,19 @@ def method_sections(method, tmp_path):
                                                budgets=BudgetConfig(b_min=1e5, b_max=7e5))))
     if method == "heterofl_tiers":  # budgets 2K-200K MACs: every tier, one client below the smallest
         return (lambda: HeteroFL(assign="budget", bn="sbn", scaler=True, mix_schedule="alternate"),
-                dict(data=DIGITS, model=ModelConfig(name="resnet18", kwargs={"width": 0.125}), train=TRAIN,
+                dict(data=DIGITS, model={"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}, train=TRAIN,
                      federation=FederationConfig(rounds=ROUNDS, clients_per_round=4),
                      partition=PartitionConfig(method="iid", num_clients=8,
                                                budgets=BudgetConfig(b_min=2e3, b_max=2e5))))
     if method == "scalefl":  # budgets 20K-929K MACs: levels 1-4 and one fallback
         return (lambda: ScaleFL(),
-                dict(data=DIGITS, model=ModelConfig(name="scalefl_resnet18", kwargs={"width": 0.125}),
+                dict(data=DIGITS, model={"class_path": "fl_lightning.elastic.models.ScaleFLResNet18", "init_args": {"width": 0.125}},
                      train=TRAIN, federation=fed,
                      partition=PartitionConfig(method="iid", num_clients=8,
                                                budgets=BudgetConfig(b_min=2e4, b_max=1e6))))
     if method == "mergesfl":
         return (lambda: MergeSFL(cut="layer2.0"),
-                dict(model=ModelConfig(name="resnet18", kwargs={"width": 0.125}),
+                dict(model={"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}},
                      train=LocalTrainConfig(steps=3, batch_size=8, lr=0.05, momentum=0.9), federation=fed))
     raise ValueError(method)
 

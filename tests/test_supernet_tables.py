@@ -114,14 +114,15 @@ BASE = {
     "eval": {"every": 1, "test": "final"},
     "fabric": {"accelerator": "cpu"},
 }
-OFA = {"name": "ofa_resnet", "kwargs": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
+OFA = {"class_path": "fl_lightning.elastic.models.OFAResNet",
+       "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
 
 
 def _cache(path: Path) -> str:
     from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.search.cache import VariantCache
 
-    model = build_model("ofa_resnet", 4, (3, 16, 16), **OFA["kwargs"])
+    model = build_model(OFA, 4, (3, 16, 16))
     g = torch.Generator().manual_seed(3)
     specs = {model.min_spec()} | {model.sample_spec(g) for _ in range(4)}
     VariantCache.from_specs(model, sorted(specs, key=str)).save(path)
@@ -138,7 +139,8 @@ def tiny_runs(tmp_path_factory):
         "feast": {"model": OFA, "algorithm": {
             "class_path": "fl_lightning.algorithms.Feast",
             "init_args": {"cache": _cache(root / "cache.json"), "mix_schedule": "none"}}},
-        "scalefl": {"model": {"name": "scalefl_resnet18", "kwargs": {"width": 0.125}},
+        "scalefl": {"model": {"class_path": "fl_lightning.elastic.models.ScaleFLResNet18",
+                              "init_args": {"width": 0.125}},
                     "algorithm": {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL"}},
     }
     for name, extra in configs.items():

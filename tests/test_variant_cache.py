@@ -15,6 +15,7 @@ from fl_lightning.elastic.search import (Fitness, FitnessConfig, InfeasibleError
 from fl_lightning.elastic.search.genetic import Problem, evolve, sample_feasible
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CACHE_SEGMENTS
+from fl_lightning.elastic.models import OFAResNet
 from hand_counts import bottleneck_params, hooked_macs, make_divisible
 
 NARROW = dict(width_scale=0.125, max_extra_blocks=2, divisor=2)
@@ -27,14 +28,14 @@ def full():
     """FEAST's 55.68M supernet at CIFAR size (the default construction, MACs in the paper's
     convention); on ``meta``, since search needs no weights."""
     with torch.device("meta"):
-        return build_model("ofa_resnet", 100, (3, 32, 32))
+        return build_model(OFAResNet, 100, (3, 32, 32))
 
 
 @pytest.fixture(scope="module")
 def bottleneck():
     """The bottleneck construction at the same size, counted by :class:`OFACostModel` (fvcore)."""
     with torch.device("meta"):
-        return build_model("ofa_resnet", 100, (3, 32, 32), block="bottleneck")
+        return build_model(OFAResNet, 100, (3, 32, 32), block="bottleneck")
 
 
 def random_specs(model, n, seed):
@@ -53,7 +54,7 @@ def random_specs(model, n, seed):
                           stem_stride=2)),
 ])
 def test_analytic_cost_equals_fvcore_on_narrowed_models(shape, classes, options):
-    model = build_model("ofa_resnet", classes, shape, **options)
+    model = build_model(OFAResNet, classes, shape, **options)
     cost = OFACostModel(model)
     for spec in random_specs(model, 6, seed=1):
         assert cost.spec_macs(spec) == spec_macs(model, spec, shape), spec
@@ -62,7 +63,7 @@ def test_analytic_cost_equals_fvcore_on_narrowed_models(shape, classes, options)
 
 def test_analytic_cost_at_another_input_size():
     """MACs at an input other than the model's own (strides kept): as fvcore counts them."""
-    model = build_model("ofa_resnet", 10, (3, 32, 32), **BOTTLENECK_NARROW)
+    model = build_model(OFAResNet, 10, (3, 32, 32), **BOTTLENECK_NARROW)
     cost = OFACostModel(model, (3, 48, 40))
     for spec in random_specs(model, 2, seed=2):
         assert cost.spec_macs(spec) == spec_macs(model, spec, (3, 48, 40))
@@ -173,7 +174,7 @@ def test_search_respects_limits_and_is_deterministic(full):
 def test_search_limits_hold_on_the_module_of_a_narrowed_model(block, convention):
     """The found subnet, counted by hooks on its extracted module in its construction's
     convention, costs what the search says and fits the limit."""
-    model = build_model("ofa_resnet", 10, (3, 32, 32), **dict(NARROW, block=block))
+    model = build_model(OFAResNet, 10, (3, 32, 32), **dict(NARROW, block=block))
     fitness = Fitness(cost_model(model))
     limit, rho = 5e6, 1.5
     spec, macs, _ = search(model, limit, rho, population=24, generations=15, seed=0)
@@ -264,8 +265,8 @@ def test_load_rejects_an_incompatible_model(tmp_path, full, small_cache):
     path = tmp_path / "cache.json"
     small_cache.save(path)
     with torch.device("meta"):
-        narrow = build_model("ofa_resnet", 100, (3, 32, 32), width_scale=0.5)
-        tiny_imagenet = build_model("ofa_resnet", 200, (3, 64, 64))
+        narrow = build_model(OFAResNet, 100, (3, 32, 32), width_scale=0.5)
+        tiny_imagenet = build_model(OFAResNet, 200, (3, 64, 64))
     with pytest.raises(ConfigError, match="stem_channels: cache 64, model 32"):  # 64 x width_scale 0.5
         VariantCache.load(path, narrow)
     with pytest.raises(ConfigError, match="stem_stride: cache 1, model 2"):  # 64 px: a stride-2 stem
@@ -335,7 +336,7 @@ def test_build_cache_tool(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "MACs" in printed and "built in" in printed
-    model = build_model("ofa_resnet", 10, (3, 32, 32), **NARROW)
+    model = build_model(OFAResNet, 10, (3, 32, 32), **NARROW)
     assert len(VariantCache.load(out, model)) >= 1
     assert tool.main(["--segments", "[[1, 2]]", "--output", str(out)]) == 2
 
@@ -355,7 +356,7 @@ def test_shipped_quickstart_cache_equals_a_fresh_search():
     data = config["data"]["options"]
     shape = (data["channels"], data["image_size"], data["image_size"])
     with torch.device("meta"):
-        model = build_model(config["model"]["name"], data["num_classes"], shape, **config["model"]["kwargs"])
+        model = build_model(config["model"], data["num_classes"], shape)
     shipped = VariantCache.load(root / args["cache"], model)  # also checks model, MACs and parameters
     search = CacheSearch(**args["search"])
     fresh = build_cache(model, shape, [tuple(s) for s in search.segments], search.population, search.generations,

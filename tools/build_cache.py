@@ -31,6 +31,7 @@ from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search import DeepFedNASArch, FitnessConfig, build_cache, cost_model
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CACHE_SEGMENTS, SEARCH_GENERATIONS, SEARCH_POPULATION
+from fl_lightning.elastic.models import OFAResNet
 
 
 def parse_segments(text: str) -> list[tuple[float, float, int, float]]:
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
             model = DeepFedNASArch(num_classes=args.num_classes, input_shape=tuple(args.input_shape), **kwargs)
         else:
             with torch.device("meta"):  # only the channel arithmetic is needed, not the weights
-                model = build_model("ofa_resnet", args.num_classes, args.input_shape, **kwargs)
+                model = build_model(OFAResNet, args.num_classes, args.input_shape, **kwargs)
         if args.fitness_layers not in cost_model(model).layer_accountings:
             # the bottleneck accounting needs the bottleneck block
             raise ValueError(f"--fitness-layers {args.fitness_layers} does not apply to this construction "

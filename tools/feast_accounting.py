@@ -65,7 +65,7 @@ def main() -> None:
         space_cost = cost
         what = f"DeepFedNAS construction, DeepFedNAS MACs, analytic parameters; cache {args.cache or DEEPFEDNAS_CACHE}"
     else:
-        model = build_model(run.model.name, args.classes, tuple(args.input_shape), **run.model.kwargs)
+        model = build_model(run.model, args.classes, tuple(args.input_shape))
         cache = VariantCache.load(args.cache or algorithm.cache_path)
         if algorithm.retarget:
             cache = cache.retarget(model, tuple(args.input_shape))
@@ -73,7 +73,7 @@ def main() -> None:
         full = full_param_count(model)
         footprints = acc.parameter_footprints(model, cache, acc.default_anchors(cache.macs))
         space_cost = cost_model(model, tuple(args.input_shape))
-        what = f"model {run.model.name}, fvcore MACs; cache {args.cache or algorithm.cache_path}"
+        what = f"model {type(model).__name__}, fvcore MACs; cache {args.cache or algorithm.cache_path}"
     p = run.partition
     b = p.budgets
     budgets = zipf_budgets(p.num_clients, seed, s=b.zipf_s, b_min=b.b_min, b_max=b.b_max)

@@ -70,7 +70,7 @@ def main(argv=None):
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     fed = build_federated_data(cfg.data, cfg.partition, cfg.seed)
     b = fed.bundle
-    model = build_model(cfg.model.name, b.num_classes, b.input_shape, **cfg.model.kwargs)
+    model = build_model(cfg.model, b.num_classes, b.input_shape)
     model.load_state_dict(state["model"])
     test, test_idx = fed.split("test")
     labels = torch.cat([y for _, y in eval_batches(test, test_idx, 500)])

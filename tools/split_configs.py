@@ -5,7 +5,7 @@
 ``paper/``: the protocol of the FedSGA paper (Sec. 4.1.3): N = 20 clients, all participating,
 5 local epochs, batch 64, SGD; CIFAR-10 at lr 0.1 for 100 rounds, the others at lr 0.01 for
 300 rounds; Dirichlet(0.1) (``--partition.method iid`` gives the IID rows); ResNet-18 and
-ViT-B/16 (inputs resized to 224; ``--model.kwargs.pretrained <file>`` starts from local
+ViT-B/16 (inputs resized to 224; ``--model.init_args.pretrained <file>`` starts from local
 weights). ``offline/``: CPU-sized versions on the real MNIST subset, with a narrow ResNet-18
 and a tiny ViT, including the ablation (Table 4) and split-strategy (Fig. 4) variants. Every
 method of the comparison (FedAvg, FedProx, FedBABU, FedGH, FedAS, FedMut, SplitFed,
@@ -58,8 +58,9 @@ VARIANTS = {
 SPLITFED_CUT = {"resnet18": "layer2.1", "vit_b16": "block5", "resnet18_narrow": "layer2.1", "vit_tiny": "block1"}
 
 BACKBONES = {
-    "resnet18": lambda stem: {"name": "resnet18", "kwargs": {"stem": stem}},
-    "vit_b16": lambda stem: {"name": "vit", "kwargs": {"variant": "vit_base_patch16_224", "image_size": 224}},
+    "resnet18": lambda stem: {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"stem": stem}},
+    "vit_b16": lambda stem: {"class_path": "fl_lightning.elastic.models.ViT",
+                               "init_args": {"variant": "vit_base_patch16_224", "image_size": 224}},
 }
 STEMS = {"cifar10": "cifar", "cifar100": "cifar", "tinyimagenet": "tiny", "domainnet": "imagenet"}
 PAPER_DATA = {
@@ -70,8 +71,9 @@ PAPER_DATA = {
 }
 
 OFFLINE_BACKBONES = {
-    "resnet18_narrow": {"name": "resnet18", "kwargs": {"width": 0.125}},
-    "vit_tiny": {"name": "vit", "kwargs": {"patch_size": 4, "embed_dim": 48, "depth": 4, "num_heads": 3}},
+    "resnet18_narrow": {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}},
+    "vit_tiny": {"class_path": "fl_lightning.elastic.models.ViT",
+                 "init_args": {"patch_size": 4, "embed_dim": 48, "depth": 4, "num_heads": 3}},
 }
 
 
@@ -81,7 +83,7 @@ def fedsga_budgets(model: dict, num_classes: int, input_shape) -> dict:
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
 
-    net = build_model(model["name"], num_classes, tuple(input_shape), **model.get("kwargs", {}))
+    net = build_model(model, num_classes, tuple(input_shape))
     cuts = default_candidates(list(net.block_names))
     macs = [count_macs(net.split(cut)[0], tuple(input_shape)) for cut in cuts]
     low, high = float(macs[(len(cuts) - 1) // 2]), 1.5 * float(macs[-1])

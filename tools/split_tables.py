@@ -41,7 +41,7 @@ def whole_model_cost(config: dict) -> tuple[int, int]:
 
     data, model = config["data"], config["model"]
     bundle = load_dataset(data["name"], data.get("root", "data"), False, False, **(data.get("options") or {}))
-    net = build_model(model["name"], bundle.num_classes, bundle.input_shape, **(model.get("kwargs") or {}))
+    net = build_model(model, bundle.num_classes, bundle.input_shape)
     return sum(p.numel() for p in net.parameters()), count_macs(net, bundle.input_shape)
 
 

@@ -47,6 +47,11 @@ IMAGE_TRAIN = {"epochs": 5, "batch_size": 32, "lr": 0.01, "momentum": 0.9, "weig
                "grad_clip": 10.0, "lr_schedule": "exponential", "lr_decay": 0.995}
 
 
+def model(cls: str, **init_args) -> dict:
+    section = {"class_path": f"fl_lightning.elastic.models.{cls}"}
+    return {**section, "init_args": init_args} if init_args else section
+
+
 def base(name, data, partition, model, train, rounds, eval_every, accelerator="auto"):
     return {"name": name, "seed": 0, "data": data, "partition": partition, "model": model,
             "train": train, "federation": {"rounds": rounds, "clients_per_round": 10},
@@ -56,29 +61,29 @@ def base(name, data, partition, model, train, rounds, eval_every, accelerator="a
 SETTINGS = {
     ("paper", "cifar10"): base("cifar10", {"name": "cifar10", "download": True, "val_size": 2000},
                                {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
-                               {"name": "cnn", "kwargs": {"channels": [64, 128, 256]}}, IMAGE_TRAIN, 200, 5),
+                               model("CNN", channels=[64, 128, 256]), IMAGE_TRAIN, 200, 5),
     ("paper", "emnist"): base("emnist", {"name": "emnist", "download": True, "val_size": 5000},
                               {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
-                              {"name": "cnn", "kwargs": {"channels": [64, 128, 256]}}, {**IMAGE_TRAIN, "epochs": 1}, 200, 5),
+                              model("CNN", channels=[64, 128, 256]), {**IMAGE_TRAIN, "epochs": 1}, 200, 5),
     ("paper", "shakespeare"): base("shakespeare", {"name": "shakespeare",
                                                    "options": {"source": "plays", "max_roles": 20, "vocabulary": "printable"},
                                                    "val_size": 2000},
-                                   {"method": "natural", "num_clients": 20}, {"name": "lstm"},
+                                   {"method": "natural", "num_clients": 20}, model("CharLSTM"),
                                    {**IMAGE_TRAIN, "epochs": 1, "batch_size": 64, "lr": 0.1, "grad_clip": 5.0}, 200, 10),
     ("offline", "mnist_subset"): base("mnist_subset", {"name": "mnist_subset", "val_size": 500},
                                       {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
-                                      {"name": "cnn", "kwargs": {"channels": [16, 32, 64]}},
+                                      model("CNN", channels=[16, 32, 64]),
                                       {**IMAGE_TRAIN, "epochs": 1, "lr": 0.05}, 20, 5, "cpu"),
     ("offline", "digits"): base("digits", {"name": "digits", "val_size": 150},
                                 {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
-                                {"name": "cnn"}, {**IMAGE_TRAIN, "epochs": 2, "batch_size": 16, "lr": 0.05}, 30, 5, "cpu"),
+                                model("CNN"), {**IMAGE_TRAIN, "epochs": 2, "batch_size": 16, "lr": 0.05}, 30, 5, "cpu"),
     # CPU-sized Shakespeare: deviations from the paper in the module docstring
     ("offline", "shakespeare"): base("shakespeare", {"name": "shakespeare", "root": "data",
                                                      "options": {"source": "plays", "max_roles": 20,
                                                                  "vocabulary": "printable", "test_stride": 20},
                                                      "val_size": 1000},
                                      {"method": "natural", "num_clients": 20},
-                                     {"name": "lstm", "kwargs": {"hidden_size": 128}},
+                                     model("CharLSTM", hidden_size=128),
                                      {**IMAGE_TRAIN, "epochs": 1, "steps": 20, "batch_size": 32, "lr": 0.5,
                                       "grad_clip": 5.0, "momentum": 0.9}, 60, 5, "cpu"),
 }

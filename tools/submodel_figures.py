@@ -26,12 +26,12 @@ import numpy as np  # noqa: E402
 
 def fig_widths(out: Path) -> None:
     from fl_lightning.elastic.macs import count_macs, count_params
-    from fl_lightning.elastic.models import build_model
+    from fl_lightning.elastic.models import CNN, CharLSTM, build_model
     from fl_lightning.elastic.specs import WidthSpec
 
     widths = [0.25, 0.5, 0.75, 1.0]
-    archs = {"CNN 3x32x32": ("cnn", 10, (3, 32, 32), None), "CNN 1x28x28": ("cnn", 62, (1, 28, 28), None),
-             "LSTM (80 chars)": ("lstm", 80, (80,), __import__("torch").long)}
+    archs = {"CNN 3x32x32": (CNN, 10, (3, 32, 32), None), "CNN 1x28x28": (CNN, 62, (1, 28, 28), None),
+             "LSTM (80 chars)": (CharLSTM, 80, (80,), __import__("torch").long)}
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for label, (name, classes, shape, dtype) in archs.items():
         model = build_model(name, num_classes=classes, input_shape=shape)

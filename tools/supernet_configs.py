@@ -33,6 +33,7 @@ import textwrap
 from pathlib import Path
 
 import yaml
+from fl_lightning.elastic.models import ResNet18
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,11 +105,11 @@ def deep_update(base: dict, overlay: dict) -> dict:
     return base
 
 
-def substrate(name: str, dataset: str, width: float | None) -> dict:
+def substrate(class_path: str, dataset: str, width: float | None) -> dict:
     kwargs = {"stem": STEMS[dataset]}
     if width is not None:
         kwargs = {"width": width, **kwargs}
-    return {"name": name, "kwargs": kwargs}
+    return {"class_path": class_path, "init_args": kwargs}
 
 
 def config_for(where: str, dataset: str, method: str, width: float | None = None) -> dict:
@@ -134,16 +135,16 @@ def config_for(where: str, dataset: str, method: str, width: float | None = None
         cfg["algorithm"] = {"class_path": algorithm["class_path"], "init_args": args}
         return deep_update(cfg, overlay)
     if method == "heterofl":
-        cfg["model"] = substrate("resnet18", dataset, width)
+        cfg["model"] = substrate("fl_lightning.elastic.models.ResNet18", dataset, width)
         cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.HeteroFL",
                             "init_args": {"assign": "budget", "tiers": list(HETEROFL_TIERS), "bn": "recalibrate",
                                           "scaler": True, **mixing(source)}}
     elif method == "scalefl":
-        cfg["model"] = substrate("scalefl_resnet18", dataset, width)
+        cfg["model"] = substrate("fl_lightning.elastic.models.ScaleFLResNet18", dataset, width)
         cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL",  # defaults: Supp. E.1's levels
                             "init_args": mixing(source)}
     elif method == "fiarse":
-        cfg["model"] = substrate("resnet18", dataset, width)
+        cfg["model"] = substrate("fl_lightning.elastic.models.ResNet18", dataset, width)
         cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.fiarse.FIARSE", "init_args": mixing(source)}
         cfg["train"]["weight_decay"] = 0.0
     else:
@@ -165,8 +166,7 @@ def offline_width(source_path: str) -> dict:
     data = source["data"]
     bundle = load_dataset(data["name"], root=data.get("root", "data"), augment=False, **data.get("options", {}))
     shape, classes = tuple(bundle.input_shape), bundle.num_classes
-    supernet = build_model(source["model"]["name"], num_classes=classes, input_shape=shape,
-                           **source["model"].get("kwargs", {}))
+    supernet = build_model(source["model"], num_classes=classes, input_shape=shape)
     args = source["algorithm"]["init_args"]
     if args.get("cache"):  # a shipped cache (checked against the supernet) stands for the search
         cache = VariantCache.load(ROOT / args["cache"], supernet)
@@ -178,7 +178,7 @@ def offline_width(source_path: str) -> dict:
     largest = max(cache.macs)
     candidates = {}
     for k in range(1, 65):
-        model = build_model("resnet18", num_classes=classes, input_shape=shape, width=k / 64)
+        model = build_model(ResNet18, num_classes=classes, input_shape=shape, width=k / 64)
         candidates[k] = count_macs(model, shape)
         if candidates[k] > 4 * largest:  # MACs grow with width; nothing wider can be nearer
             break

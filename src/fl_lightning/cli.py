@@ -12,20 +12,23 @@ do) are imported when the parser is built.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import os
 import stat
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
 from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction, number_type
@@ -33,17 +36,19 @@ from fl_lightning.parse_errors import one_line
 
 if TYPE_CHECKING:
     from fl_lightning.algorithms import Algorithm
+    from fl_lightning.elastic.models.base import ElasticModel
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 DEFAULT_ALGORITHM = {"class_path": "fl_lightning.algorithms.FedAvg"}
+DEFAULT_MODEL = {"class_path": "fl_lightning.elastic.models.CNN"}
 Seed = number_type(int, ge=0, lt=2**63)  # numpy's and torch's generators take any of these
 
 
 def fit(
     data: DataConfig = DataConfig(),
     partition: PartitionConfig = PartitionConfig(),
-    model: ModelConfig = ModelConfig(),
+    model: ElasticModel = DEFAULT_MODEL,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     train: LocalTrainConfig = LocalTrainConfig(),
     federation: FederationConfig = FederationConfig(),
@@ -102,7 +107,7 @@ def partition(out: Optional[str] = None):
 
 
 def models(
-    model: ModelConfig = ModelConfig(),
+    model: ElasticModel = DEFAULT_MODEL,
     data: DataConfig = DataConfig(),
     widths: List[UnitFraction] = [0.0625, 0.125, 0.25, 0.5, 0.75, 1.0],
     num_classes: Optional[PositiveInt] = None,
@@ -111,7 +116,7 @@ def models(
     """Print parameters and MACs (fvcore, one multiply-add = one MAC) per width tier.
 
     Args:
-        model: architecture to inspect.
+        model: architecture to inspect (as fit's model).
         data: dataset that fixes classes and input shape (unless both are given below).
         widths: uniform width multipliers to list.
         num_classes: classes of the head (default: the dataset's).
@@ -151,6 +156,7 @@ COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition, "models": 
 def build_parser() -> ArgumentParser:
     global Algorithm
     from fl_lightning.algorithms import Algorithm  # noqa: F811 (torch and Lightning: only when parsing)
+    from fl_lightning.elastic.models.base import ElasticModel
 
     parser = ArgumentParser(prog="python -m fl_lightning", description=__doc__.splitlines()[0],
                             exit_on_error=False)
@@ -159,22 +165,52 @@ def build_parser() -> ArgumentParser:
     for name, function in COMMANDS.items():
         sub = ArgumentParser(exit_on_error=False)
         sub.add_argument("--config", action="config", help="YAML config file")
-        if name == "partition":  # reads a fit config as it is
-            sub.add_function_arguments(fit, as_group=False)
-        sub.add_function_arguments(function, as_group=False)
+        for options in ([fit] if name == "partition" else []) + [function]:  # partition reads a fit config
+            _add_function(sub, options, ElasticModel)
         _list_registered_options(sub)
         subcommands.add_subcommand(name, sub, help=function.__doc__.splitlines()[0])
         parser.subcommand_parsers[name] = sub
     return parser
 
 
-def _list_registered_options(sub: ArgumentParser) -> None:
-    """Append every model's and dataset's options to the help of ``--model.kwargs`` and
-    ``--data.options`` (read from the source, so ``--help`` stays fast)."""
-    from fl_lightning.option_catalog import dataset_options, describe, model_options
+def _add_function(sub: ArgumentParser, command, model_base: type) -> None:
+    """The options of ``command`` in signature order, its ``model`` as a subclass option."""
+    names = list(inspect.signature(command).parameters)
+    if "model" not in names:
+        sub.add_function_arguments(command, as_group=False)
+        return
+    at = names.index("model")
+    sub.add_function_arguments(command, as_group=False, skip=set(names[at:]))
+    _add_model(sub, model_base, command)
+    sub.add_function_arguments(command, as_group=False, skip=set(names[:at + 1]))
 
-    catalogs = {"model.kwargs": ("options per model", model_options),
-                "data.options": ("options per dataset", dataset_options)}
+
+def _add_model(sub: ArgumentParser, base: type, command) -> None:
+    """``--model``: any ElasticModel by ``class_path`` and ``init_args``, as the algorithm. The
+    dataset gives the constructor's class count and input shape, so they are not options, and
+    the section stays a description until the data is loaded (``build_model``)."""
+    from fl_lightning.elastic.models import NOT_OPTIONS, __all__ as exported
+
+    classes = ", ".join(name for name in exported if name[0].isupper())
+    described = (f"{_parameter_help(command, 'model')} Classes in fl_lightning.elastic.models: {classes} "
+                 f"(default {DEFAULT_MODEL['class_path']}); --model.help fl_lightning.elastic.models.CLASS "
+                 "lists its options.")
+    sub.add_subclass_arguments(base, "model", skip=set(NOT_OPTIONS), instantiate=False, help=described)
+
+
+def _parameter_help(function, name: str) -> str:
+    """The docstring text of ``function``'s parameter ``name``."""
+    from docstring_parser import parse
+
+    return next(p.description for p in parse(function.__doc__).params if p.arg_name == name).replace("\n", " ")
+
+
+def _list_registered_options(sub: ArgumentParser) -> None:
+    """Append every dataset's options to the help of ``--data.options`` (read from the source, so
+    ``--help`` stays fast)."""
+    from fl_lightning.option_catalog import dataset_options, describe
+
+    catalogs = {"data.options": ("options per dataset", dataset_options)}
     for action in sub._actions:
         if action.dest in catalogs:
             title, catalog = catalogs[action.dest]
@@ -224,8 +260,21 @@ def parse_command(argv: List[str]):
 
 
 def _parse(parser: ArgumentParser, argv: List[str]):
+    """Parse ``argv``; a command given no model class gets ``DEFAULT_MODEL`` as if it had named
+    it where it is first needed: at the end, or before the first model option if nothing before
+    it named a class. (As a parser default, its options would carry over to a class_path that
+    accepts them, such as CNN's channels to ResNet18.)"""
     try:
-        return parser.parse_args(argv)
+        try:
+            cfg = parser.parse_args(argv)
+        except Exception as error:
+            first = next((i for i, a in enumerate(argv) if a.startswith("--model.")), None)
+            if first is None or "NestedArg(" not in str(error) or "class_path" in str(error):
+                raise
+            cfg = parser.parse_args([*argv[:first], "--model", DEFAULT_MODEL["class_path"], *argv[first:]])
+        if "model" in cfg[cfg.command] and cfg[cfg.command].model is None:
+            cfg = parser.parse_args([*argv, "--model", DEFAULT_MODEL["class_path"]])
+        return cfg
     except Exception as error:  # jsonargparse reports bad keys and values as ArgumentError
         if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
             raise ConfigError(*one_line(error, parser)) from None
@@ -233,12 +282,37 @@ def _parse(parser: ArgumentParser, argv: List[str]):
 
 
 def load_fit_config(path, key: str = "run"):
-    """A saved run's ``config.yaml`` parsed and instantiated exactly as ``fit`` parsed it; any
-    problem with the file is a ConfigError under ``key`` naming it (for evaluate and extract)."""
+    """A saved run's ``config.yaml`` parsed and instantiated exactly as ``fit`` parsed it (one
+    written by an earlier version read as today's, ``saved_configs``); any problem with the file
+    is a ConfigError under ``key`` naming it (for evaluate and extract)."""
+    return _load_saved(path, key)[0]
+
+
+def resolved_saved_config(path, key: str = "resume") -> str:
+    """A saved run's ``config.yaml`` as today's ``fit`` resolves it (for comparing on resume):
+    the file's text, or for one written by an earlier version its upgraded, resolved form."""
+    from fl_lightning.saved_configs import upgraded
+
+    text = Path(path).read_text()
+    return text if upgraded(text) is None else _load_saved(path, key)[1]
+
+
+def _load_saved(path, key: str):
+    from fl_lightning.saved_configs import upgraded
+
     try:
         check_config_files(["fit", "--config", str(path)])
         parser = shared_parser()
-        return _instantiate(parser, _parse(parser, ["fit", "--config", str(path)])).fit
+        new_text = upgraded(Path(path).read_text())
+        with tempfile.TemporaryDirectory() if new_text else contextlib.nullcontext() as folder:
+            if new_text:
+                path = Path(folder) / "config.yaml"
+                path.write_text(new_text)
+            cfg = _parse(parser, ["fit", "--config", str(path)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # skip_none's deprecation
+            resolved = parser.subcommand_parsers["fit"].dump(cfg["fit"], skip_none=False)
+        return _instantiate(parser, cfg).fit, resolved
     except ConfigError as error:
         raise ConfigError(key, f"{path}: {error}") from None
 

@@ -16,9 +16,9 @@ from fl_lightning.federation.run_dir import RunDir, check_resume_compatible, che
 
 
 def _check_model(model) -> None:
-    from fl_lightning.elastic.models import check_model_kwargs
+    from fl_lightning.elastic.models import check_model
 
-    check_model_kwargs(model.name, model.kwargs)
+    check_model(model)
 
 
 def _check_data(data, partition) -> None:
@@ -30,6 +30,7 @@ def _check_data(data, partition) -> None:
 
 def fit_command(args, config_yaml: str) -> dict:
     """Validate everything that can be checked cheaply, then train."""
+    from fl_lightning.cli import resolved_saved_config
     from fl_lightning.federation.builder import RunSpec
     from fl_lightning.federation.loop import run_fit
 
@@ -46,7 +47,7 @@ def fit_command(args, config_yaml: str) -> dict:
         resume_from = run_dir.resolve_resume(args.resume)
         saved_config = run_dir.path / "config.yaml"
         if resume_from is not None and saved_config.is_file():
-            check_resume_compatible(saved_config.read_text(), config_yaml)
+            check_resume_compatible(resolved_saved_config(saved_config), config_yaml)
         if resume_from is not None:  # every checkpoint the run will read, before any work
             method = method_record(args.algorithm, config_yaml)
             check_checkpoints([resume_from], method, key="resume", required=("model", "algorithm", "round", "best"))
@@ -123,13 +124,13 @@ def models_command(args, config_yaml: str) -> list:
         input_shape = tuple(args.input_shape or bundle.input_shape)
     else:
         num_classes, input_shape = args.num_classes, tuple(args.input_shape)
-    model = build_model(args.model.name, num_classes, input_shape, **args.model.kwargs)
+    model = build_model(args.model, num_classes, input_shape)
     top = model.max_spec()
     if not isinstance(top, WidthSpec):
-        raise ConfigError("model.name", f"{args.model.name} has no width tiers to list")
+        raise ConfigError("model", f"{type(model).__name__} has no width tiers to list")
     specs = [WidthSpec.uniform(w, len(top.widths)) for w in sorted(args.widths)]
     rows = model_table(model, specs, input_shape)
-    print(f"{args.model.name}: {num_classes} classes, input {list(input_shape)}")
+    print(f"{type(model).__name__}: {num_classes} classes, input {list(input_shape)}")
     print(format_model_table(rows))
     return rows
 

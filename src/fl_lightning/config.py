@@ -104,14 +104,6 @@ class PartitionConfig:
 
 
 @dataclass
-class ModelConfig:
-    name: str = "cnn"
-    """Architecture from the model registry: cnn, resnet18, lstm, vit, ofa_resnet."""
-    kwargs: Dict[str, Any] = field(default_factory=dict)
-    """Extra constructor arguments of the architecture."""
-
-
-@dataclass
 class LocalTrainConfig:
     epochs: PositiveInt = 1
     """Local epochs per round (ignored when ``steps`` is set)."""

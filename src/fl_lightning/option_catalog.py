@@ -1,8 +1,8 @@
-"""The options of every registered model and dataset, read from the source without importing it.
+"""The options of every registered dataset, read from the source without importing it.
 
-``--help`` shows them under ``--model.kwargs`` and ``--data.options``. Importing the model
-modules would pull in timm, torchvision and fvcore (seconds); parsing their source takes
-milliseconds. ``tests/test_cli.py`` checks the catalog against the imported registries.
+``--help`` shows them under ``--data.options``. Importing the loaders would pull in
+torchvision (seconds); parsing their source takes milliseconds. ``tests/test_cli.py`` checks
+the catalog against the imported registry.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Dict, List
 
 PACKAGE = Path(__file__).parent
-MODEL_SOURCES = sorted((PACKAGE / "elastic" / "models").glob("*.py"))
 DATASET_SOURCES = [PACKAGE / "data" / "datasets.py", PACKAGE / "data" / "shakespeare.py"]
-MODEL_FIXED = {"self", "num_classes", "input_shape"}  # given by the dataset, not options
 DATASET_FIXED = {"root", "download", "augment"}  # data.root, data.download, data.augment
 
 
@@ -97,11 +95,6 @@ def _catalog(sources: List[Path], registrar: str, fixed: set) -> Dict[str, List[
 
 
 @functools.lru_cache(maxsize=None)  # read once per process, not once per subcommand
-def model_options() -> Dict[str, List[str]]:
-    return _catalog(MODEL_SOURCES, "register_model", MODEL_FIXED)
-
-
-@functools.lru_cache(maxsize=None)
 def dataset_options() -> Dict[str, List[str]]:
     return _catalog(DATASET_SOURCES, "register", DATASET_FIXED)
 

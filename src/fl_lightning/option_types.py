@@ -7,7 +7,7 @@ the command before any work, with one message naming the range. Besides its decl
 every number must be finite and every integer lie within ``INT_LIMIT`` (past it numpy and torch
 overflow or try to allocate the impossible). A parsed value is a plain ``int`` or ``float``.
 
-``check_numbers`` gives free-form mappings (``model.kwargs``, ``data.options``) the same
+``check_numbers`` gives free-form mappings (``model``, ``data.options``) the same
 finiteness and size checks.
 """
 
@@ -140,7 +140,7 @@ UnitFraction = number_type(float, gt=0, le=1)
 
 def check_numbers(key: str, value: Any, int_limit: int = INT_LIMIT) -> None:
     """Every number in ``value`` (through lists and mappings) is finite and every integer lies in
-    [-int_limit, int_limit]; ConfigError naming the key (``model.kwargs.width``) otherwise."""
+    [-int_limit, int_limit]; ConfigError naming the key (``model.width``) otherwise."""
     if isinstance(value, dict):
         for name, item in value.items():
             check_numbers(f"{key}.{name}", item, int_limit)

@@ -135,8 +135,8 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
     """Refusals that are not about a value's type: unknown options, algorithms and subcommands."""
     from fl_lightning.cli import COMMANDS
 
-    first = next((line.strip() for line in text.splitlines() if line.strip() and not _KEY.match(line)
-                  and not _CLASS.search(line)), "")
+    first = next((line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()
+                  and not _KEY.match(line) and not _CLASS.search(line)), "")
     if match := re.match(r"unrecognized arguments: (\S+)", first):
         name = match.group(1).lstrip("-").split("=", 1)[0]
         return name, "unknown option" + _did_you_mean(name, parser)
@@ -145,14 +145,25 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
     if match := re.match(r"the following arguments are required: ([^,\s]+)", first):
         command, _, name = match.group(1).lstrip("-").partition(".")
         return (name if command in COMMANDS and name else match.group(1)), "required"
-    if match := re.match(r"Option '([^']+)' is not accepted", first):
+    if match := re.search(r"^\s*(?:- )?Option '([^']+)' is not accepted", text, re.M):
         owner = _CLASS.search(text)
         return f"{key}.{match.group(1)}", f"not an option of {owner.group(1).rsplit('.', 1)[-1] if owner else key}"
-    if re.match(r"(Expected a dot import path string|Not a valid subclass of|.*does not correspond to a subclass)",
-                first):
-        given = _VALUE.findall(text) or re.findall(r"string: (.*)$", first)
+    if re.match(r"(Expected a dot import path string|Not a valid subclass of|.*does not correspond to a subclass"
+                r"|Expected a path but|module '[^']+' has no attribute)", first):
+        given = (_VALUE.findall(text) or re.findall(r"(?:string:|Expected a path but) (\S*)", first)
+                 or _CLASS.findall(text))
+        if key == "model":
+            return key, (f"unknown model {given[-1].strip()!r}; choose one of {', '.join(model_paths())} "
+                         "or give {class_path: ..., init_args: ...}")
         return key or "algorithm", (f"unknown algorithm {given[-1].strip()!r}; choose one of "
                                     f"{', '.join(algorithm_names())} or give {{class_path: ..., init_args: ...}}")
+    if key == "model" and re.search(r"^\s*Given value: {'name':", text, re.M):
+        return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
+                     "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs form "
+                     "is read only from saved runs")
+    if key in ("model", "algorithm") and "NestedArg(" in text and not _CLASS.search(text):
+        return key, (f"its options need its class first, e.g. --{key} "
+                     f"{'fl_lightning.elastic.models.CNN' if key == 'model' else 'FedProx'} --{key}.<option> <value>")
     if match := re.match(r"Unable to load config ['\"](.*)['\"]", first):
         return key, f"expected a mapping of its fields or a YAML file, got {match.group(1)!r}"
     if match := re.search(r"invalid choice: '([^']*)'", first):
@@ -160,6 +171,13 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
     if 'expected "command"' in first:
         return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
     return None
+
+
+def model_paths() -> List[str]:
+    """Class paths of every model in the package."""
+    from fl_lightning.elastic import models
+
+    return [f"{models.__name__}.{name}" for name in models.__all__ if name[0].isupper()]
 
 
 def algorithm_names() -> List[str]:

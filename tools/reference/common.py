@@ -24,6 +24,7 @@ for extra in (ROOT / "src", ROOT / "tests"):
         sys.path.insert(0, str(extra))
 
 import reference_case  # noqa: E402  (tests/reference_case.py)
+from fl_lightning.elastic.models import CNN, ViT
 
 
 _ADDED: list = []
@@ -162,7 +163,7 @@ def check_same_function(initial, case_batches) -> None:
     """Our CNN and the plain copy give the same logits on a recorded batch."""
     from fl_lightning.elastic.models import build_model
 
-    ours = build_model("cnn", 10, (1, 8, 8), channels=[4, 8])
+    ours = build_model(CNN, 10, (1, 8, 8), channels=[4, 8])
     ours.load_state_dict(initial)
     plain = plain_model(initial)
     x = case_batches[0][0]
@@ -182,14 +183,14 @@ class SplitViT(nn.Module):
         super().__init__()
         from fl_lightning.elastic.models import build_model
 
-        ours = build_model("vit", 10, (1, 8, 8), **model_kwargs)
+        ours = build_model(ViT, 10, (1, 8, 8), **model_kwargs)
         ours.load_state_dict(initial)
         vit = ours.vit
         self.head = vit.head
         vit.head = nn.Identity()
         self.base = vit
         x = torch.randn(3, 1, 8, 8)
-        check = build_model("vit", 10, (1, 8, 8), **model_kwargs)
+        check = build_model(ViT, 10, (1, 8, 8), **model_kwargs)
         check.load_state_dict(initial)
         with torch.no_grad():
             assert (check(x) - self(x)).abs().max() < 1e-6

@@ -36,12 +36,12 @@ from reference_fednas_case import DFN_MODEL, INPUT, MAXNET_STEPS, NUM_CLASSES
 
 ARCH_PARAMS = {
     "num_stages": 2, "initial_input_hw": INPUT[1], "initial_input_channels": INPUT[0], "stem_stride": 1,
-    "original_stem_out_channels": DFN_MODEL.kwargs["stem_channels"],
-    "original_stage_base_channels": list(DFN_MODEL.kwargs["stage_channels"]),
-    "stage_downsample_factors": list(DFN_MODEL.kwargs["stage_strides"]),
-    "max_extra_blocks_per_stage": DFN_MODEL.kwargs["max_extra_blocks"],
-    "channel_divisible_by": DFN_MODEL.kwargs["divisor"],
-    "width_multiplier_choices": list(DFN_MODEL.kwargs["width_multipliers"]),
+    "original_stem_out_channels": DFN_MODEL["init_args"]["stem_channels"],
+    "original_stage_base_channels": list(DFN_MODEL["init_args"]["stage_channels"]),
+    "stage_downsample_factors": list(DFN_MODEL["init_args"]["stage_strides"]),
+    "max_extra_blocks_per_stage": DFN_MODEL["init_args"]["max_extra_blocks"],
+    "channel_divisible_by": DFN_MODEL["init_args"]["divisor"],
+    "width_multiplier_choices": list(DFN_MODEL["init_args"]["width_multipliers"]),
     "expansion_ratio_choices": [0.1, 0.14, 0.18, 0.22, 0.25], "n_classes": NUM_CLASSES,
 }
 BLOCKS = ARCH_PARAMS["max_extra_blocks_per_stage"] + 1

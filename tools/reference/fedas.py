@@ -38,7 +38,7 @@ def record(clients_per_round):
     spec = make_spec(tempfile.mkdtemp(), FedAS(), model=VIT, train=replace(TRAIN, momentum=0.0),
                      clients_per_round=clients_per_round)
     fed, initial, cohort, batches = run_one_round(spec)
-    case = {"initial": initial, "cohort": cohort, "lr": spec.train.lr, "model": VIT.kwargs,
+    case = {"initial": initial, "cohort": cohort, "lr": spec.train.lr, "model": VIT["init_args"],
             "batches": {c: batches[c] for c in cohort},
             "align_batches": {c: batches[(c, 16)] for c in cohort},
             "sizes": {c: len(fed.ctx.shards[c]) for c in cohort}}

@@ -41,7 +41,7 @@ def record():
     fed, initial, cohort, batches = run_one_round(spec)
     return {"initial": initial, "cohort": cohort, "batches": {c: batches[c] for c in cohort},
             "sizes": {c: len(fed.ctx.shards[c]) for c in cohort}, "lr": spec.train.lr,
-            "server_lr": SERVER_LR, "server_batch_size": SERVER_BATCH, "model": VIT.kwargs}
+            "server_lr": SERVER_LR, "server_batch_size": SERVER_BATCH, "model": VIT["init_args"]}
 
 
 def pfllib(repo, case):

@@ -51,9 +51,9 @@ from torch import nn
 import common
 from reference_case import TRAIN, make_spec, run_one_round
 
-from fl_lightning.config import ModelConfig
 
 from fl_lightning.algorithms.submodel import FjORD
+from fl_lightning.elastic.models import CNN
 
 CAPS = [0.2, 0.6, 0.2, 0.4, 1.0, 0.8]  # the round's cohort: clients 1, 4, 5 at 0.6, 1, 0.8
 TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)  # the baseline's p_s (conf/common.yaml)
@@ -80,7 +80,7 @@ def train_config():
 def our_cnn():
     from fl_lightning.elastic.models import build_model
 
-    return build_model("cnn", 10, (1, 8, 8), channels=list(CHANNELS))
+    return build_model(CNN, 10, (1, 8, 8), channels=list(CHANNELS))
 
 
 # -- our side ------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def record():
     for name, kwargs in CASES.items():
         alg = FjORD(caps=CAPS, tiers=TIERS, **kwargs)
         spec = make_spec(tempfile.mkdtemp(), alg, num_clients=6, clients_per_round=3, partition="iid",
-                         train=train_config(), model=ModelConfig(name="cnn", kwargs={"channels": list(CHANNELS)}))
+                         train=train_config(), model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": list(CHANNELS)}})
         modules, client_module = {}, alg.client_module
 
         def keep(routed, task, plan, _modules=modules, _make=client_module):

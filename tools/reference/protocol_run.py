@@ -56,7 +56,7 @@ class Protocol:
         self.cfg, self.seed, self.train = cfg, seed, cfg.train
         self.fed = build_federated_data(cfg.data, cfg.partition, seed)
         b = self.fed.bundle
-        self.make = lambda: build_model(cfg.model.name, b.num_classes, b.input_shape, **cfg.model.kwargs)
+        self.make = lambda: build_model(cfg.model, b.num_classes, b.input_shape)
         torch.manual_seed(derive_seed(seed, MODEL_INIT))  # as build_global_model
         self.initial = self.make().state_dict()
         self.shards = [ClientData(b.train, idx, cfg.train.batch_size, None) for idx in self.fed.clients]

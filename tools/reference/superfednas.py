@@ -40,12 +40,12 @@ import common
 import fednas_rounds as fr
 from reference_fednas_case import INPUT, MAXNET_STEPS, NUM_CLASSES, SFN_MODEL
 
-STAGE_WIDTHS = list(SFN_MODEL.kwargs["stage_channels"])
-DIVISOR = SFN_MODEL.kwargs["divisor"]
-BLOCKS = SFN_MODEL.kwargs["max_extra_blocks"] + 1
+STAGE_WIDTHS = list(SFN_MODEL["init_args"]["stage_channels"])
+DIVISOR = SFN_MODEL["init_args"]["divisor"]
+BLOCKS = SFN_MODEL["init_args"]["max_extra_blocks"] + 1
 INIT_PARAMS = {"n_classes": NUM_CLASSES, "depth_list": list(range(BLOCKS)),
                "expand_ratio_list": [0.1, 0.14, 0.18, 0.22, 0.25],
-               "width_mult_list": list(SFN_MODEL.kwargs["width_multipliers"])}
+               "width_mult_list": list(SFN_MODEL["init_args"]["width_multipliers"])}
 SCHEDULE = {"type": "maxnet_cos_all_subnet", "num_steps": MAXNET_STEPS, "init": 0.9, "final": 0.125}
 PACKAGES = ("fedml_api.standalone.superfednas.Server.ServerModel",
             "fedml_api.standalone.superfednas.Server.ServerTrainer",

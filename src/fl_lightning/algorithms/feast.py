@@ -121,7 +121,7 @@ class Feast(Algorithm):
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
 
         if not isinstance(ctx.model, OFAResNet):
-            raise ConfigError("model.name", "FEAST trains an ofa_resnet supernet")
+            raise ConfigError("model", "FEAST trains an OFAResNet supernet")
         super().setup(ctx)
         data = ctx.data
         self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform,

@@ -220,7 +220,7 @@ class _FedNASTransfer(Feast):
         from fl_lightning.elastic.search.cost import cost_model
 
         if not isinstance(ctx.model, OFAResNet):
-            raise ConfigError("model.name", f"{self.method} trains an ofa_resnet supernet")
+            raise ConfigError("model", f"{self.method} trains an OFAResNet supernet")
         Algorithm.setup(self, ctx)
         self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform,
                                              required_by=f"{self.method} is evaluated as FEAST, recalibrating BN")

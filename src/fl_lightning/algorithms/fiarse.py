@@ -191,7 +191,7 @@ class FIARSE(FedAvg):
         super().setup(ctx)
         self.keys = maskable_keys(ctx.model)
         if not self.keys:
-            raise ConfigError("model.name", "FIARSE masks convolution and linear parameters; this model has none")
+            raise ConfigError("model", "FIARSE masks convolution and linear parameters; this model has none")
         self.groups = group_keys(ctx.model, self.threshold)
         self.maskable_numel = sum(self.global_state[k].numel() for k in self.keys)
         self.param_keys = {k for k, _ in ctx.model.named_parameters()}

@@ -42,7 +42,7 @@ def find_classifier(model: nn.Module) -> Tuple[str, nn.Linear]:
         classes = getattr(model, "num_classes", None)
         linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == classes]
     if not linears:
-        raise ConfigError("model.name", f"{type(model).__name__} has no linear classifier to treat as the head")
+        raise ConfigError("model", f"{type(model).__name__} has no linear classifier to treat as the head")
     classifier = linears[-1]
     name = next(n for n, m in model.named_modules() if m is classifier)
     return name, classifier

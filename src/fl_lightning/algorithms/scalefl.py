@@ -65,7 +65,7 @@ class ScaleFL(FedAvg):
         Args:
             levels: the levels as [blocks, width] pairs, smallest first: the first ``blocks``
                 BasicBlocks at width ratio ``width`` and the exit after them (the model must have
-                a classifier there: ``model.kwargs.exit_blocks``). Default ScaleFL's four,
+                a classifier there: ``model.exit_blocks``). Default ScaleFL's four,
                 (3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00) (FEAST Supp. E.1).
             kd_gamma: weight gamma of the self-distillation term (ScaleFL's ``--KD_gamma``; its
                 code's default 0 disables it, 0.05 is the value its published commands use).
@@ -117,7 +117,7 @@ class ScaleFL(FedAvg):
         self.check(ctx.train)
         model = ctx.model
         if getattr(model, "spec_type", None) is not DepthWidthSpec or not hasattr(model, "forward_exits"):
-            raise ConfigError("model.name", "ScaleFL trains a scalefl_resnet18 (a depth-width model with exits)")
+            raise ConfigError("model", "ScaleFL trains a ScaleFLResNet18 (a depth-width model with exits)")
         if ctx.budgets is None:
             raise ConfigError("partition.budgets", "ScaleFL assigns levels by client MAC budgets")
         self.ctx = ctx
@@ -133,7 +133,7 @@ class ScaleFL(FedAvg):
                 raise ConfigError(f"algorithm.levels[{i}]",
                                   f"level {i + 1} ends after block {spec.depth}, where the model has no exit "
                                   f"(classifiers follow blocks {model.classifier_depths()}; "
-                                  f"see model.kwargs.exit_blocks)")
+                                  f"see model.exit_blocks)")
         self.input_shape = tuple(ctx.data.bundle.input_shape)
         self.costs = [exit_costs(model, spec, self.input_shape) for spec in self.specs]
         self.level_macs = [spec_macs(model, spec, self.input_shape) for spec in self.specs]  # served, memoized

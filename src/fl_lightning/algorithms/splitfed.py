@@ -99,7 +99,7 @@ class SplitFed(FedAvg):
             raise ConfigError("fabric.precision", "split methods step two optimizers per batch; fp16 with a "
                                                   "gradient scaler is not supported, use bf16-mixed or 32-true")
         if not hasattr(ctx.model, "split"):
-            raise ConfigError("model.name", f"{type(ctx.model).__name__} has no block boundaries to split at")
+            raise ConfigError("model", f"{type(ctx.model).__name__} has no block boundaries to split at")
         self.global_state = ctx.model.state_dict()
         self.cuts = self.candidate_cuts(ctx.model)
         self.halves = SplitHalves(ctx.model, self.cuts, ctx.data.bundle.input_shape)

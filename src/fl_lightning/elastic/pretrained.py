@@ -5,7 +5,7 @@ Nothing is ever downloaded (the machines running this code reach no model hub): 
 to its own and copies every tensor whose name and shape match; what does not fit is skipped and
 reported in one warning line, so loading ImageNet weights into a CIFAR-sized model (another
 stem, another number of classes) keeps everything that can be kept and says what was not.
-A missing or unreadable file is a ConfigError under ``model.kwargs.pretrained``.
+A missing or unreadable file is a ConfigError under ``model.pretrained``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from fl_lightning.errors import ConfigError
 
-KEY = "model.kwargs.pretrained"
+KEY = "model.pretrained"
 
 
 def _one_line(text: str, limit: int = 160) -> str:

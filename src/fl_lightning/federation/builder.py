@@ -15,7 +15,7 @@ import torch
 from lightning.fabric import Fabric
 
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 ModelConfig, PartitionConfig)
+                                 PartitionConfig)
 from fl_lightning.data.federated import FederatedData, build_federated_data
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError
@@ -36,7 +36,8 @@ class RunSpec:
     seed: int
     data: DataConfig
     partition: PartitionConfig
-    model: ModelConfig
+    model: Any
+    """The model section: ``class_path`` and ``init_args`` (``fl_lightning.elastic.models``)."""
     train: LocalTrainConfig
     federation: FederationConfig
     eval: EvalConfig
@@ -80,7 +81,7 @@ def set_threads(fabric: Fabric, cfg: FabricConfig, sequential: bool = False) -> 
 def build_global_model(spec: RunSpec, fed: FederatedData) -> torch.nn.Module:
     """The global model, identically initialized on every rank."""
     torch.manual_seed(derive_seed(spec.seed, MODEL_INIT))
-    return build_model(spec.model.name, fed.bundle.num_classes, fed.bundle.input_shape, **spec.model.kwargs)
+    return build_model(spec.model, fed.bundle.num_classes, fed.bundle.input_shape)
 
 
 def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"] = "fit",
@@ -97,12 +98,12 @@ def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"
     bundle = fed.bundle
     timings["data"] = time.perf_counter() - started
     started = time.perf_counter()
-    check_model_fits(spec.model.name, spec.model.kwargs, bundle.num_classes, bundle.input_shape, fabric.device)
+    check_model_fits(spec.model, bundle.num_classes, bundle.input_shape, fabric.device)
     model = build_global_model(spec, fed).to(fabric.device)
     shards = [ClientData(bundle.train, idx, spec.train.batch_size, fabric.device) for idx in fed.clients]
     ctx = RunContext(
         fabric=fabric, model=model,
-        make_model=lambda: build_model(spec.model.name, bundle.num_classes, bundle.input_shape, **spec.model.kwargs),
+        make_model=lambda: build_model(spec.model, bundle.num_classes, bundle.input_shape),
         data=fed, shards=shards, train=spec.train, seed=spec.seed, rounds=spec.federation.rounds,
         clients_per_round=spec.federation.clients_per_round, run_dir=spec.run_path, mode=mode,
         resuming=mode == "evaluate" or spec.resume_from is not None)

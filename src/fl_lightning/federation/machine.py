@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from fl_lightning.config import DataConfig, FabricConfig, ModelConfig
+from fl_lightning.config import DataConfig, FabricConfig
 from fl_lightning.errors import ConfigError
 
 PLACEMENT_ENV = "FL_LIGHTNING_PLACEMENT"
@@ -141,14 +141,14 @@ def dataset_facts(data: DataConfig) -> Tuple[int, tuple, int]:
     return classes, shape, count * per_example
 
 
-def parameter_count(model: ModelConfig, classes: int, input_shape: tuple) -> int:
+def parameter_count(model, classes: int, input_shape: tuple) -> int:
     """Parameters and buffers of the global model, built on the meta device (no memory)."""
     import torch
 
     from fl_lightning.elastic.models import build_model
 
     with torch.device("meta"):
-        built = build_model(model.name, classes, input_shape, **model.kwargs)
+        built = build_model(model, classes, input_shape)
     return sum(t.numel() for t in built.state_dict().values())
 
 
@@ -164,7 +164,7 @@ class Footprint:
         return RANK_BASE_BYTES + BYTES_PER_PARAMETER * self.parameters + self.data_bytes
 
     @classmethod
-    def of(cls, model: ModelConfig, data: DataConfig) -> "Footprint":
+    def of(cls, model, data: DataConfig) -> "Footprint":
         classes, shape, data_bytes = dataset_facts(data)
         return cls(parameter_count(model, classes, shape), data_bytes)
 
@@ -232,7 +232,7 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
                 devices = max(1, fits)
                 why += f", lowered to {devices} by memory"
         if not gpu and fits is not None and fits < 1:  # no rank count helps: the model or data is too big
-            key = "model.kwargs" if BYTES_PER_PARAMETER * footprint.parameters >= footprint.data_bytes else "data.name"
+            key = "model" if BYTES_PER_PARAMETER * footprint.parameters >= footprint.data_bytes else "data.name"
             raise ConfigError(key, f"one rank needs {need}, but {have}")
     # Several CPU ranks on one node are forked from this process once it has imported and
     # checked everything: re-running the command per rank (Fabric's ddp launcher) would repeat
@@ -260,7 +260,7 @@ def launched_by_command_line() -> bool:
     return spec is not None and spec.name in ("fl_lightning.__main__", "fl_lightning")
 
 
-def placement_for(fabric: FabricConfig, model: ModelConfig, data: DataConfig, cohort: int,
+def placement_for(fabric: FabricConfig, model, data: DataConfig, cohort: int,
                   sequential: bool) -> Placement:
     """``place`` on this machine; a rank started by rank 0 takes rank 0's placement."""
     inherited = os.environ.get(PLACEMENT_ENV)

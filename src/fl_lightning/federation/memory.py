@@ -19,12 +19,13 @@ from fl_lightning.errors import ConfigError
 COPIES = 4
 
 
-def model_bytes(name: str, num_classes: int, input_shape: Sequence[int], kwargs: dict) -> int:
-    """Bytes of the parameters and buffers of the model, counted without allocating them."""
+def model_bytes(model, num_classes: int, input_shape: Sequence[int]) -> int:
+    """Bytes of the parameters and buffers of ``model`` (a config section), counted without
+    allocating them."""
     from fl_lightning.elastic.models import build_model
 
     with torch.device("meta"):
-        model = build_model(name, num_classes, input_shape, **kwargs)
+        model = build_model(model, num_classes, input_shape)
     return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
@@ -42,21 +43,21 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_model_fits(name: str, kwargs: dict, num_classes: int, input_shape: Sequence[int],
-                     device: torch.device) -> None:
-    """ConfigError (``model.kwargs``, or ``model.name`` without options) when about COPIES times
-    the model's bytes exceed what ``device`` has free."""
+def check_model_fits(model, num_classes: int, input_shape: Sequence[int], device: torch.device) -> None:
+    """ConfigError under ``model`` when about COPIES times the bytes of ``model`` (a
+    config section) exceed what ``device`` has free."""
+    from fl_lightning.elastic.models import model_class, model_options
+
     try:
-        nbytes = model_bytes(name, num_classes, input_shape, kwargs)
+        nbytes = model_bytes(model, num_classes, input_shape)
     except ConfigError:
         raise
     except Exception:  # a model that cannot be built on the meta device is not estimated
         return
     needed, free = COPIES * nbytes, available_bytes(device)
     if needed > free:
-        key = "model.kwargs" if kwargs else "model.name"
-        shown = f" with {kwargs}" if kwargs else ""
-        raise ConfigError(key, f"{name}{shown} holds {_gb(nbytes)} of weights, and a run holds about {COPIES} "
+        shown = f"{model_class(model).__name__} with {model_options(model)}"
+        raise ConfigError("model", f"{shown} holds {_gb(nbytes)} of weights, and a run holds about {COPIES} "
                                f"copies ({_gb(needed)}), more than the {_gb(free)} free on {device.type}; "
                                "choose a smaller model")
 

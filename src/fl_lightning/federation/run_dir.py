@@ -210,10 +210,10 @@ def _flat_config(text: str, which: str) -> dict:
 
 def _flatten(tree, prefix: str, out: dict) -> None:
     for name, value in tree.items():
-        if prefix == "algorithm." and name == "init_args" and isinstance(value, dict):
+        if prefix in ("algorithm.", "model.") and name == "init_args" and isinstance(value, dict):
             _flatten(value, prefix, out)  # algorithm.<option>, as on the command line
             continue
-        if prefix == "algorithm." and name == "class_path" and isinstance(value, str):
+        if prefix in ("algorithm.", "model.") and name == "class_path" and isinstance(value, str):
             value = value.rsplit(".", 1)[-1]  # Feast and fl_lightning.algorithms.Feast are one class
         dotted = f"{prefix}{name}"
         if isinstance(value, dict) and value:

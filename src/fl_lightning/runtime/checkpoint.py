@@ -130,7 +130,7 @@ def load_model_state(model: torch.nn.Module, state: Any, path: Path, key: str = 
             problems.append(f"{len(names)} {label}: {_few(names)}")
     if problems:
         raise ConfigError(key, f"{path} does not fit the model ({'; '.join(problems)}); it was saved from "
-                               "another architecture or size (model.name, model.kwargs, data classes)")
+                               "another architecture or size (model.class_path, model, data classes)")
     model.load_state_dict(state)
 
 

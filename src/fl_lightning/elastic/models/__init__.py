@@ -1,84 +1,95 @@
-"""Model registry: ``build_model("resnet18", num_classes=100, input_shape=(3, 32, 32), width=1.0)``.
+"""The models, chosen in a config by ``class_path`` and ``init_args`` like algorithms::
 
-Model modules register their class with ``@register_model(name)``; the constructor signature is
-``cls(num_classes, input_shape, **kwargs)`` and every keyword is a documented config option.
+    model:
+      class_path: fl_lightning.elastic.models.ResNet18
+      init_args: {width: 0.125}
+
+Each model is an :class:`~fl_lightning.elastic.models.base.ElasticModel` whose constructor is
+``cls(num_classes, input_shape, **options)``: the dataset gives the first two, and every typed,
+documented keyword is a config option (``--model.help ResNet18`` lists them). The classes are
+imported on first use, so that reading options (``--help``) does not import timm.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, Sequence
+import importlib
+from typing import Any, Mapping, Sequence, Union
 
-from fl_lightning.option_types import check_numbers, is_finite_number
 from fl_lightning.errors import ConfigError
 
-MODELS: dict[str, type] = {}
+# Class name -> module, for ``fl_lightning.elastic.models.<Class>`` without importing them all.
+_MODULES = {"CNN": "cnn", "CharLSTM": "lstm", "OFAResNet": "ofa_resnet", "ResNet18": "resnet",
+            "ScaleFLResNet18": "scalefl_resnet", "ViT": "vit"}
+__all__ = sorted(_MODULES) + ["build_model", "check_model", "model_class"]
+
+# Constructor arguments that are not options: the dataset's, and those that build a client's
+# reduced copy of a model (``extract``).
+NOT_OPTIONS = frozenset({"num_classes", "input_shape", "elastic", "max_widths", "max_width", "max_depth"})
+KEY = "model"
 
 
-def register_model(name: str) -> Callable[[type], type]:
-    """Class decorator adding a model to :data:`MODELS` under ``name``."""
-    def add(cls: type) -> type:
-        if name in MODELS and MODELS[name] is not cls:
-            raise ValueError(f"model name {name!r} is already registered by {MODELS[name].__qualname__}")
-        MODELS[name] = cls
-        return cls
-    return add
+def __getattr__(name: str):
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def model_kwargs(name: str) -> list[str]:
-    """The keyword options a registered model accepts besides num_classes and input_shape."""
-    params = inspect.signature(MODELS[name]).parameters
-    return [p for p in params if p not in ("self", "num_classes", "input_shape")
-            and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
+def model_class(model: Union[type, str, Mapping, Any]) -> type:
+    """The class of a model given as a class, a class path or a ``{class_path, init_args}``
+    section (a mapping or a parsed namespace)."""
+    from fl_lightning.elastic.models.base import ElasticModel
+
+    if isinstance(model, type):
+        found = model
+    else:
+        path = model if isinstance(model, str) else _section(model)[0]
+        module, _, name = path.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            raise ConfigError(KEY, f"cannot import {path!r}; models: "
+                              + ", ".join(f"{__name__}.{c}" for c in sorted(_MODULES))) from None
+    if not (isinstance(found, type) and issubclass(found, ElasticModel)):
+        raise ConfigError(KEY, f"{found!r} is not an ElasticModel")
+    return found
 
 
-# Architecture options several models share, checked before any model is built.
-_POSITIVE_INTS = ("embedding_dim", "hidden_size", "num_layers", "stem_channels", "vocab_size", "depth",
-                  "num_heads", "embed_dim", "patch_size", "divisor")
-_POSITIVE_NUMBERS = ("width", "width_scale")
-_RATIOS = ("min_width",)
-_INT_LISTS = ("channels", "stage_channels")
+def _section(model) -> tuple:
+    """``(class_path, init_args)`` of a mapping or namespace section."""
+    get = model.get if isinstance(model, Mapping) else (lambda key, default=None: getattr(model, key, default))
+    init_args = get("init_args") or {}
+    if not isinstance(init_args, Mapping):
+        init_args = vars(init_args)  # a jsonargparse Namespace
+    return get("class_path"), dict(init_args)
 
 
-def check_model_kwargs(name: str, kwargs: dict) -> None:
-    """Unknown options and out-of-range values of the shared options, as ConfigErrors naming
-    ``model.kwargs.<option>`` (cheap: nothing is built, no data is needed)."""
-    if name not in MODELS:
-        raise ConfigError("model.name", f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    known = model_kwargs(name)
-    for key, value in kwargs.items():
-        where = f"model.kwargs.{key}"
-        if key not in known:
-            raise ConfigError(where, f"not an option of model {name!r}; options: {', '.join(known) or 'none'}")
-        if key in _POSITIVE_INTS and not (_is_int(value) and value >= 1):
-            raise ConfigError(where, f"must be an integer >= 1, got {value!r}")
-        if key in _POSITIVE_NUMBERS and not (is_finite_number(value) and value > 0):
-            raise ConfigError(where, f"must be a finite number > 0, got {value!r}")
-        if key in _RATIOS and not (is_finite_number(value) and 0 < value <= 1):
-            raise ConfigError(where, f"must be in (0, 1], got {value!r}")
-        if key in _INT_LISTS and not (isinstance(value, (list, tuple)) and value
-                                      and all(_is_int(v) and v >= 1 for v in value)):
-            raise ConfigError(where, f"must be a non-empty list of integers >= 1, got {value!r}")
-    check_numbers("model.kwargs", kwargs)
-    rules = getattr(MODELS[name], "check_options", None)  # a model's cross-option rules
+def model_options(model) -> dict:
+    """The options (``init_args``) of a model section; none for a bare class or path."""
+    return {} if isinstance(model, (type, str)) else _section(model)[1]
+
+
+def check_model(model) -> None:
+    """The class imports and its cross-option rules hold (each option's own range is its type's,
+    checked while parsing); ConfigError naming ``model.<option>``. Builds nothing."""
+    cls = model_class(model)
+    rules = getattr(cls, "check_options", None)
     if rules is not None:
-        rules(**kwargs)
+        rules(**model_options(model))
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def build_model(name: str, num_classes: int, input_shape: Sequence[int], **kwargs: Any):
-    """Construct a registered model, failing with a ConfigError that names the bad key."""
-    check_model_kwargs(name, kwargs)
+def build_model(model, num_classes: int, input_shape: Sequence[int], **options: Any):
+    """The model of section ``model`` (or class / class path ``model`` with ``options``) for
+    ``num_classes`` outputs and inputs of ``input_shape``; a constructor's refusal is a
+    ConfigError under ``model``."""
+    cls = model_class(model)
+    options = {**model_options(model), **options}
+    rules = getattr(cls, "check_options", None)
+    if rules is not None:
+        rules(**options)
     try:
-        return MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kwargs)
+        return cls(num_classes=num_classes, input_shape=tuple(input_shape), **options)
     except ConfigError:
         raise
     except (TypeError, ValueError, AssertionError) as error:  # a combination of options the constructor refuses
-        raise ConfigError("model.kwargs", f"{name} cannot be built with {kwargs}: {' '.join(str(error).split())}") from None
-
-
-# Model modules register themselves on import.
-from fl_lightning.elastic.models import cnn, lstm, ofa_resnet, resnet, scalefl_resnet, vit  # noqa: E402,F401
+        raise ConfigError(KEY, f"{cls.__name__} cannot be built with {options}: "
+                          f"{' '.join(str(error).split())}") from None

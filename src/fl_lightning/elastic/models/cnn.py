@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, tag
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
+from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction
 
 
 class ConvBlock(nn.Module):
@@ -28,7 +28,6 @@ class ConvBlock(nn.Module):
         return self.pool(F.relu(self.bn(self.conv(x))))
 
 
-@register_model("cnn")
 class CNN(WidthElasticModel):
     """Conv blocks (each a stage of the width spec), global average pool, linear head.
 
@@ -44,8 +43,8 @@ class CNN(WidthElasticModel):
             values build a reduced copy (a client's local model) whose specs keep their meaning.
     """
 
-    def __init__(self, num_classes: int, input_shape: Sequence[int], channels: Sequence[int] = (32, 64, 128),
-                 width: float = 1.0, min_width: float = 0.0625, elastic: bool = True,
+    def __init__(self, num_classes: int, input_shape: Sequence[int], channels: Sequence[PositiveInt] = (32, 64, 128),
+                 width: PositiveFloat = 1.0, min_width: UnitFraction = 0.0625, elastic: bool = True,
                  max_widths: Optional[Sequence[float]] = None):
         full = tuple(scale_channels(c, width) for c in channels)
         super().__init__(full, elastic, min_width, max_widths, num_classes=num_classes, input_shape=tuple(input_shape))

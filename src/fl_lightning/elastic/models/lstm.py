@@ -17,14 +17,13 @@ from torch import nn
 
 from fl_lightning.elastic.layers.linear import ElasticLinear
 from fl_lightning.elastic.layers.sequence import ElasticEmbedding, ElasticLSTM
-from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import ElasticModel
 from fl_lightning.elastic.regions import Full
 from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
+from fl_lightning.option_types import PositiveInt, UnitFraction
 
 
-@register_model("lstm")
 class CharLSTM(ElasticModel):
     """Next-character LSTM (LEAF Shakespeare); the hidden width is the elastic dimension.
 
@@ -45,9 +44,10 @@ class CharLSTM(ElasticModel):
 
     spec_type = WidthSpec
 
-    def __init__(self, num_classes: int, input_shape: Sequence[int], embedding_dim: int = 8,
-                 hidden_size: int = 256, num_layers: int = 2, vocab_size: Optional[int] = None,
-                 min_width: float = 0.0625, elastic: bool = True, max_widths: Optional[Sequence[float]] = None):
+    def __init__(self, num_classes: int, input_shape: Sequence[int], embedding_dim: PositiveInt = 8,
+                 hidden_size: PositiveInt = 256, num_layers: PositiveInt = 2,
+                 vocab_size: Optional[PositiveInt] = None, min_width: UnitFraction = 0.0625,
+                 elastic: bool = True, max_widths: Optional[Sequence[float]] = None):
         vocab_size = vocab_size or num_classes
         bounds = WidthSpec(tuple(max_widths) if max_widths is not None else (1.0,))
         super().__init__(num_classes=num_classes, input_shape=tuple(input_shape), embedding_dim=embedding_dim,

@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit, kaiming_init
 from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeInt, PositiveFloat, PositiveInt
 
 EXPANSION_CHOICES = (0.10, 0.14, 0.18, 0.22, 0.25)
 WIDTH_MULTIPLIERS = tuple(round(0.1 * (i + 1), 1) for i in range(10))
@@ -276,7 +276,6 @@ def leading_regions(global_state, local_state) -> RegionMap:
 # The elastic supernet
 # ------------------------------------------------------------------------------------------
 
-@register_model("ofa_resnet")
 class OFAResNet(_ResNetBody, ElasticModel):
     """FEAST's OFA-style elastic ResNet (``d``, ``e``, ``w`` elastic).
 
@@ -326,23 +325,24 @@ class OFAResNet(_ResNetBody, ElasticModel):
         stages = construction.stage_channels if stage_channels is None else stage_channels
         fractional = [c for c in [stem, *stages] if not float(c * width_scale).is_integer()]
         if fractional:
-            raise ConfigError("model.kwargs.width_scale",
+            raise ConfigError("model.width_scale",
                               f"{width_scale} gives fractional base channels ({fractional[0]} x {width_scale} = "
                               f"{fractional[0] * width_scale:g}); with block basic_pair the base channels "
                               f"({stem}, {', '.join(map(str, stages))}) times width_scale must be whole numbers, "
                               "e.g. 0.25 or 0.5")
 
     def __init__(self, num_classes: int = 100, input_shape: Sequence[int] = (3, 32, 32),
-                 block: str = "basic_pair", stem_channels: Optional[int] = None,
-                 stage_channels: Optional[Sequence[int]] = None,
-                 width_scale: float = 1.0, max_extra_blocks: Union[int, Sequence[int]] = MAX_EXTRA_BLOCKS,
-                 expansions: Sequence[float] = EXPANSION_CHOICES,
-                 width_multipliers: Sequence[float] = WIDTH_MULTIPLIERS,
-                 max_width_index: Optional[Sequence[int]] = None, divisor: int = CHANNEL_DIVISOR,
-                 stage_strides: Optional[Sequence[int]] = None, stem_stride: Optional[int] = None,
+                 block: str = "basic_pair", stem_channels: Optional[PositiveInt] = None,
+                 stage_channels: Optional[Sequence[PositiveInt]] = None, width_scale: PositiveFloat = 1.0,
+                 max_extra_blocks: Union[NonNegativeInt, Sequence[NonNegativeInt]] = MAX_EXTRA_BLOCKS,
+                 expansions: Sequence[PositiveFloat] = EXPANSION_CHOICES,
+                 width_multipliers: Sequence[PositiveFloat] = WIDTH_MULTIPLIERS,
+                 max_width_index: Optional[Sequence[NonNegativeInt]] = None, divisor: PositiveInt = CHANNEL_DIVISOR,
+                 stage_strides: Optional[Sequence[PositiveInt]] = None, stem_stride: Optional[PositiveInt] = None,
                  round_middle: Optional[bool] = None):
         if block not in CONSTRUCTIONS:
-            raise ConfigError("model.kwargs.block", f"unknown block {block!r}; known: {', '.join(sorted(CONSTRUCTIONS))}")
+            raise ConfigError("model.block",
+                              f"unknown block {block!r}; known: {', '.join(sorted(CONSTRUCTIONS))}")
         construction = CONSTRUCTIONS[block]
         stem_channels = construction.stem_channels if stem_channels is None else stem_channels
         stage_channels = construction.stage_channels if stage_channels is None else stage_channels
@@ -495,7 +495,7 @@ def _leading_only(kind: str) -> None:
 def _check_arch(arch: dict) -> None:
     """Fail early, naming the option, on inconsistent architecture options."""
     def bad(key: str, problem: str) -> ConfigError:
-        return ConfigError(f"model.kwargs.{key}", problem)
+        return ConfigError(f"model.{key}", problem)
 
     stages = len(arch["stage_channels"])
     if stages < 1:

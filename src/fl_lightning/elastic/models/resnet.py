@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, kaiming_init, tag
 from fl_lightning.elastic.pretrained import copy_matching, read_state_dict, warn_skipped
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,6 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-@register_model("resnet18")
 class ResNet18(WidthElasticModel):
     """ResNet-18; one width ratio per stage (the stem shares stage 1's width).
 
@@ -131,11 +130,12 @@ class ResNet18(WidthElasticModel):
     base_channels = (64, 128, 256, 512)
     depths = (2, 2, 2, 2)
 
-    def __init__(self, num_classes: int, input_shape: Sequence[int], width: float = 1.0,
-                 channels: Sequence[int] | None = None, min_width: float = 0.0625, elastic: bool = True,
-                 max_widths: Sequence[float] | None = None, stem: str = "cifar", pretrained: Optional[str] = None):
+    def __init__(self, num_classes: int, input_shape: Sequence[int], width: PositiveFloat = 1.0,
+                 channels: Optional[Sequence[PositiveInt]] = None, min_width: UnitFraction = 0.0625,
+                 elastic: bool = True, max_widths: Sequence[float] | None = None, stem: str = "cifar",
+                 pretrained: Optional[str] = None):
         if stem not in STEMS:
-            raise ConfigError("model.kwargs.stem", f"unknown stem {stem!r}; known: {', '.join(STEMS)}")
+            raise ConfigError("model.stem", f"unknown stem {stem!r}; known: {', '.join(STEMS)}")
         full = tuple(channels) if channels is not None else tuple(
             scale_channels(c, width) for c in self.base_channels)
         if len(full) != len(self.depths):
@@ -188,7 +188,7 @@ class ResNet18(WidthElasticModel):
         source = {torchvision_to_local(k): v for k, v in read_state_dict(path).items()}
         outcome = copy_matching(self.state_dict(), source)
         if not outcome["loaded"] and not outcome["mismatched"]:
-            raise ConfigError("model.kwargs.pretrained", f"{path} holds no resnet18 tensor (names like "
+            raise ConfigError("model.pretrained", f"{path} holds no resnet18 tensor (names like "
                                                          f"conv1.weight, layer1.0.conv1.weight, fc.weight)")
         warn_skipped(path, outcome)
 

@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import (REGION_KINDS, LayerKit, WidthElasticModel, _tensor_groups, kaiming_init,
                                               tag)
 from fl_lightning.elastic.models.resnet import STEMS, BasicBlock, Stem
 from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction
 
 DEFAULT_EXIT_BLOCKS = (3, 4, 5)
 """Blocks after which ScaleFL's levels 1-3 end (levels (3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))."""
@@ -87,7 +87,6 @@ class ExitHead(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(self.convs(h), 1).flatten(1))
 
 
-@register_model("scalefl_resnet18")
 class ScaleFLResNet18(WidthElasticModel):
     """ResNet-18 whose operating points are (depth in BasicBlocks, one width ratio), with exits.
 
@@ -116,20 +115,18 @@ class ScaleFLResNet18(WidthElasticModel):
     depths = (2, 2, 2, 2)
     spec_type = DepthWidthSpec
 
-    def __init__(self, num_classes: int, input_shape: Sequence[int], exit_blocks: Sequence[int] = DEFAULT_EXIT_BLOCKS,
-                 exit_convs: int = 0, width: float = 1.0, channels: Sequence[int] | None = None,
-                 min_width: float = 0.0625, stem: str = "cifar", elastic: bool = True, max_width: float = 1.0,
-                 max_depth: Optional[int] = None):
+    def __init__(self, num_classes: int, input_shape: Sequence[int],
+                 exit_blocks: Sequence[PositiveInt] = DEFAULT_EXIT_BLOCKS, exit_convs: NonNegativeInt = 0,
+                 width: PositiveFloat = 1.0,
+                 channels: Optional[Sequence[PositiveInt]] = None, min_width: UnitFraction = 0.0625,
+                 stem: str = "cifar", elastic: bool = True, max_width: float = 1.0, max_depth: Optional[int] = None):
         total = sum(self.depths)
         if stem not in STEMS:
-            raise ConfigError("model.kwargs.stem", f"unknown stem {stem!r}; known: {', '.join(STEMS)}")
+            raise ConfigError("model.stem", f"unknown stem {stem!r}; known: {', '.join(STEMS)}")
         exits = tuple(exit_blocks)
-        if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b < total for b in exits) \
-                or list(exits) != sorted(set(exits)):
-            raise ConfigError("model.kwargs.exit_blocks",
+        if any(not 1 <= b < total for b in exits) or list(exits) != sorted(set(exits)):
+            raise ConfigError("model.exit_blocks",
                               f"must be increasing distinct block counts in 1..{total - 1}, got {list(exits)}")
-        if isinstance(exit_convs, bool) or not isinstance(exit_convs, int) or exit_convs < 0:
-            raise ConfigError("model.kwargs.exit_convs", f"must be an integer >= 0, got {exit_convs!r}")
         if not 0 < float(max_width) <= 1:
             raise ValueError(f"max_width must lie in (0, 1], got {max_width}")
         max_depth = total if max_depth is None else int(max_depth)

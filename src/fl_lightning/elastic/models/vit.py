@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 from timm.models.vision_transformer import VisionTransformer, _load_weights, checkpoint_filter_fn
 
-from fl_lightning.elastic.models import register_model
 from fl_lightning.elastic.models.base import ElasticModel
 from fl_lightning.elastic.pretrained import KEY as PRETRAINED_KEY
 from fl_lightning.elastic.pretrained import copy_matching, read_state_dict, shape_text, warn_skipped
 from fl_lightning.elastic.routing import RegionMap, full_region_map
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import PositiveFloat, PositiveInt, number_type
 
 # timm's architectures by name (the suffix names the pretraining resolution; the image size
 # here comes from ``input_shape``). Weights are never downloaded (see ``pretrained``).
@@ -140,7 +140,6 @@ class ViTServer(nn.Module):
         return self.forward_head(self.norm(self.blocks(h)))
 
 
-@register_model("vit")
 class ViT(ElasticModel):
     """A timm ``VisionTransformer`` with named block boundaries.
 
@@ -174,31 +173,29 @@ class ViT(ElasticModel):
     def check_options(cls, variant: Optional[str] = None, embed_dim: int = 64, num_heads: int = 4, **_) -> None:
         """Rules between options, checked before anything is built: the heads split the width."""
         if variant is None and embed_dim % num_heads:
-            raise ConfigError("model.kwargs.num_heads", f"must divide embed_dim ({embed_dim}) into equal heads, "
+            raise ConfigError("model.num_heads", f"must divide embed_dim ({embed_dim}) into equal heads, "
                                                         f"got {num_heads}")
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], variant: Optional[str] = None,
-                 patch_size: int = 4, embed_dim: int = 64, depth: int = 4, num_heads: int = 4,
-                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.0, global_pool: str = "token",
-                 image_size: Optional[int] = None, pretrained: Optional[str] = None):
+                 patch_size: PositiveInt = 4, embed_dim: PositiveInt = 64, depth: PositiveInt = 4,
+                 num_heads: PositiveInt = 4, mlp_ratio: PositiveFloat = 4.0,
+                 drop_path_rate: number_type(float, ge=0, lt=1) = 0.0, global_pool: str = "token",
+                 image_size: Optional[PositiveInt] = None, pretrained: Optional[str] = None):
         if variant is not None:
             if variant not in VIT_VARIANTS:
-                raise ConfigError("model.kwargs.variant",
+                raise ConfigError("model.variant",
                                   f"unknown ViT {variant!r}; known: {', '.join(VIT_VARIANTS)}")
             arch = VIT_VARIANTS[variant]
             patch_size, embed_dim, depth, num_heads = (
                 arch["patch_size"], arch["embed_dim"], arch["depth"], arch["num_heads"])
         input_shape = tuple(input_shape)
-        if image_size is not None and not (isinstance(image_size, int) and image_size >= patch_size):
-            raise ConfigError("model.kwargs.image_size", f"must be an integer >= the patch size {patch_size}, "
-                                                          f"got {image_size!r}")
+        if image_size is not None and image_size < patch_size:
+            raise ConfigError("model.image_size", f"must be >= the patch size {patch_size}, got {image_size}")
         grid = tuple(input_shape[1:]) if image_size is None else (image_size, image_size)
         if len(input_shape) != 3 or any(side % patch_size for side in grid):
             raise ConfigError("model.input_shape",
                               f"needs (channels, height, width) with sides divisible by patch size "
                               f"{patch_size}, got {input_shape}")
-        if depth < 1:
-            raise ConfigError("model.kwargs.depth", f"must be at least 1, got {depth}")
         config = dict(num_classes=num_classes, input_shape=input_shape, variant=variant,
                       patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
                       mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate, global_pool=global_pool,
