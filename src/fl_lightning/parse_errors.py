@@ -148,6 +148,10 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
     if match := re.search(r"^\s*(?:- )?Option '([^']+)' is not accepted", text, re.M):
         owner = _CLASS.search(text)
         return f"{key}.{match.group(1)}", f"not an option of {owner.group(1).rsplit('.', 1)[-1] if owner else key}"
+    if key == "model" and "{'name':" in text:
+        return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
+                     "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs form "
+                     "is read only from saved runs")
     if re.match(r"(Expected a dot import path string|Not a valid subclass of|.*does not correspond to a subclass"
                 r"|Expected a path but|module '[^']+' has no attribute)", first):
         given = (_VALUE.findall(text) or re.findall(r"(?:string:|Expected a path but) (\S*)", first)
@@ -157,10 +161,6 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
                          "or give {class_path: ..., init_args: ...}")
         return key or "algorithm", (f"unknown algorithm {given[-1].strip()!r}; choose one of "
                                     f"{', '.join(algorithm_names())} or give {{class_path: ..., init_args: ...}}")
-    if key == "model" and re.search(r"^\s*Given value: {'name':", text, re.M):
-        return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
-                     "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs form "
-                     "is read only from saved runs")
     if key in ("model", "algorithm") and "NestedArg(" in text and not _CLASS.search(text):
         return key, (f"its options need its class first, e.g. --{key} "
                      f"{'fl_lightning.elastic.models.CNN' if key == 'model' else 'FedProx'} --{key}.<option> <value>")
