@@ -48,7 +48,7 @@ def describe(hint: Any) -> str:
         return wanted
     origin, args = get_origin(hint), get_args(hint)
     if origin is Literal:
-        names = [str(a) for a in args]
+        names = list(dict.fromkeys(str(a) for a in args))  # 16 and "16" read alike
         return names[0] if len(names) == 1 else "one of " + ", ".join(names)
     if origin is Union:
         choices = [c for a in args if get_origin(a) is Literal for c in get_args(a)]

@@ -11,15 +11,16 @@ result back with :func:`fl_lightning.data.splits.to_dataset_indices`.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, get_args
 
 import numpy as np
 import torch
 
+from fl_lightning.config import PartitionMethod
 from fl_lightning.data.budgets import B_CAP, allocation_weights, seeded_rng
 from fl_lightning.errors import ConfigError
 
-PARTITION_METHODS = ("iid", "dirichlet", "natural", "gamma_dirichlet")
+PARTITION_METHODS = get_args(PartitionMethod)
 CLASS_ORDERS = ("ascending", "random")
 DEFAULT_MAX_RETRIES = 10000
 
