@@ -38,7 +38,9 @@ def whole_model_cost(config: dict) -> tuple[int, int]:
     from fl_lightning.data.datasets import load_dataset
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
+    from fl_lightning.saved_configs import upgrade_tree
 
+    config = upgrade_tree(config) or config  # a run saved with a named model
     data, model = config["data"], config["model"]
     bundle = load_dataset(data["name"], data.get("root", "data"), False, False, **(data.get("options") or {}))
     net = build_model(model, bundle.num_classes, bundle.input_shape)
