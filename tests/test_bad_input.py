@@ -225,6 +225,7 @@ FIT_CASES = [
     (["--model.channels", "-1"], "model.channels"),
     (["--model.channels", "[-1, 4]"], "model.channels"),
     (["--model.width", "0"], "model.width"),
+    (["--model.channels", "abc"], "model.channels"),
     (["--model.min_width", "2"], "model.min_width"),
     (["--model.depth", "3"], "model.depth"),
     (["--model", LSTM, "--model.hidden_size", "0"], "model.hidden_size"),

@@ -367,3 +367,5 @@ def test_help_shows_ranges_and_errors_say_them(capsys):
     assert capsys.readouterr().err.strip() == "error: fabric.devices: must be an integer >= 1 or auto, got 0"
     assert main(["fit", "--algorithm", "FedProx", "--algorithm.mu=-1"]) == 2
     assert capsys.readouterr().err.strip() == "error: algorithm.mu: must be a finite number >= 0, got -1"
+    assert main(["fit", "--model.channels", "abc"]) == 2  # a model's option, its class exported lazily
+    assert capsys.readouterr().err.strip() == "error: model.channels: must be a list (an integer >= 1 each), got 'abc'"

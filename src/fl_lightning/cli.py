@@ -12,14 +12,12 @@ do) are imported when the parser is built.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import os
 import stat
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
@@ -263,25 +261,31 @@ def parse_command(argv: List[str]):
 
 
 def _parse(parser: ArgumentParser, argv: List[str]):
-    """Parse ``argv``; a command given no model class gets ``DEFAULT_MODEL`` as if it had named
-    it where it is first needed: at the end, or before the first model option if nothing before
-    it named a class. (As a parser default, its options would carry over to a class_path that
-    accepts them, such as CNN's channels to ResNet18.)"""
+    """Parse ``argv``; a command given no model class (none at all, or model options before any
+    class) is parsed again with ``DEFAULT_MODEL`` named where it is first needed
+    (``_with_default_model``). As a parser default, its options would carry over to a class_path
+    that accepts them, such as CNN's channels to a config's ResNet18."""
     try:
         try:
             cfg = parser.parse_args(argv)
+            classless = "model" in cfg[cfg.command] and cfg[cfg.command].model is None
         except Exception as error:
-            first = next((i for i, a in enumerate(argv) if a.startswith("--model.")), None)
-            if first is None or "NestedArg(" not in str(error) or "class_path" in str(error):
+            text = str(error)
+            classless = text.lstrip().startswith('Parser key "model"') and "NestedArg(" in text \
+                and "class_path" not in text
+            if not classless:
                 raise
-            cfg = parser.parse_args([*argv[:first], "--model", DEFAULT_MODEL["class_path"], *argv[first:]])
-        if "model" in cfg[cfg.command] and cfg[cfg.command].model is None:
-            cfg = parser.parse_args([*argv, "--model", DEFAULT_MODEL["class_path"]])
-        return cfg
+        return parser.parse_args(_with_default_model(argv)) if classless else cfg
     except Exception as error:  # jsonargparse reports bad keys and values as ArgumentError
         if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
             raise ConfigError(*one_line(error, parser)) from None
         raise
+
+
+def _with_default_model(argv: List[str]) -> List[str]:
+    """``argv`` naming ``DEFAULT_MODEL`` before its first model option, or at its end."""
+    first = next((i for i, a in enumerate(argv) if a.startswith("--model.")), len(argv))
+    return [*argv[:first], "--model", DEFAULT_MODEL["class_path"], *argv[first:]]
 
 
 def load_fit_config(path, key: str = "run"):
@@ -306,12 +310,8 @@ def _load_saved(path, key: str):
     try:
         check_config_files(["fit", "--config", str(path)])
         parser = shared_parser()
-        new_text = upgraded(Path(path).read_text())
-        with tempfile.TemporaryDirectory() if new_text else contextlib.nullcontext() as folder:
-            if new_text:
-                path = Path(folder) / "config.yaml"
-                path.write_text(new_text)
-            cfg = _parse(parser, ["fit", "--config", str(path)])
+        new_text = upgraded(Path(path).read_text())  # --config takes a file or YAML text
+        cfg = _parse(parser, ["fit", "--config", new_text or str(path)])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # skip_none's deprecation
             resolved = parser.subcommand_parsers["fit"].dump(cfg["fit"], skip_none=False)

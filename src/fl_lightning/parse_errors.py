@@ -8,6 +8,7 @@ carry their own words.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import importlib
@@ -56,7 +57,7 @@ def describe(hint: Any) -> str:
         if choices:
             others.append(describe(Literal[tuple(dict.fromkeys(choices))]))
         return " or ".join(others) + (" or null" if type(None) in args else "")
-    if origin in (list, tuple) or hint in (list, tuple):
+    if origin in (list, tuple, collections.abc.Sequence) or hint in (list, tuple):
         if origin is tuple and args and args[-1] is not Ellipsis:
             return f"a list of {len(args)} ({', '.join(describe(a) for a in args)})"
         return f"a list ({describe(args[0])} each)" if args else "a list"
@@ -95,7 +96,7 @@ def _key_and_owner(text: str) -> Tuple[str, Optional[str]]:
 def _given(text: str, ours: Optional[BaseException]) -> str:
     if ours is not None:
         return str(ours).rsplit(", got ", 1)[-1]
-    found = _VALUE.findall(text)
+    found = [v for v in _VALUE.findall(text) if not v.startswith("NestedArg(")]  # not the wrapper
     return repr(found[-1].strip()) if found else "?"
 
 
@@ -106,8 +107,8 @@ def _typehint(parser, key: str, owner: Optional[str]):
         section, _, rest = key.partition(".")
         module, _, name = owner.rpartition(".")
         try:
-            hint = importlib.import_module(module).__dict__[name]
-        except (ImportError, KeyError):
+            hint = getattr(importlib.import_module(module), name)  # a package may export it lazily
+        except (ImportError, AttributeError):
             return None
         for part in rest.split(".") if rest else []:
             hints = _hints(hint)

@@ -71,10 +71,13 @@ def model_options(model) -> dict:
 def check_model(model) -> None:
     """The class imports and its cross-option rules hold (each option's own range is its type's,
     checked while parsing); ConfigError naming ``model.<option>``. Builds nothing."""
-    cls = model_class(model)
-    rules = getattr(cls, "check_options", None)
+    _check_rules(model_class(model), model_options(model))
+
+
+def _check_rules(cls: type, options: dict) -> None:
+    rules = getattr(cls, "check_options", None)  # a model's cross-option rules
     if rules is not None:
-        rules(**model_options(model))
+        rules(**options)
 
 
 def build_model(model, num_classes: int, input_shape: Sequence[int], **options: Any):
@@ -83,9 +86,7 @@ def build_model(model, num_classes: int, input_shape: Sequence[int], **options: 
     ConfigError under ``model``."""
     cls = model_class(model)
     options = {**model_options(model), **options}
-    rules = getattr(cls, "check_options", None)
-    if rules is not None:
-        rules(**options)
+    _check_rules(cls, options)
     try:
         return cls(num_classes=num_classes, input_shape=tuple(input_shape), **options)
     except ConfigError:
