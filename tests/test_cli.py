@@ -174,14 +174,23 @@ def test_help_lists_the_choices(capsys):
 
 
 def test_choice_types_match_the_registries(capsys):
-    """config.py spells the dataset names out (no torch at import); they must follow the
-    registry. Fabric's choices come from Lightning: its strategies and precisions reach --help."""
+    """config.py spells the choices out (no torch or Lightning at parse time); they must follow
+    the code."""
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+    from lightning.fabric.plugins.precision import precision as fabric_precision
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from typing import get_args
 
     from fl_lightning import config
     from fl_lightning.data.datasets import DATASETS
 
-    assert set(get_args(config.DatasetName)) == set(DATASETS)
+    assert set(config.DATASET_NAMES) == set(DATASETS)
+    assert set(config.ACCELERATORS) == set(ACCELERATOR_REGISTRY.available_accelerators()) | {"auto", "gpu"}
+    assert set(config.STRATEGIES) == set(STRATEGY_REGISTRY.available_strategies()) | {"auto"}
+    fabric_strings = set(get_args(fabric_precision._PRECISION_INPUT_STR)) | set(
+        get_args(fabric_precision._PRECISION_INPUT_STR_ALIAS))
+    assert set(get_args(config.Precision)) == fabric_strings
+    assert set(get_args(config.PrecisionInt)) == set(get_args(fabric_precision._PRECISION_INPUT_INT))
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())

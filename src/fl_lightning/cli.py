@@ -154,10 +154,7 @@ COMMANDS = {"fit": fit, "evaluate": evaluate, "partition": partition, "models": 
 def build_parser() -> ArgumentParser:
     global Algorithm
     from fl_lightning.algorithms import Algorithm  # noqa: F811 (torch and Lightning: only when parsing)
-    from fl_lightning.config import use_lightning_choices
     from fl_lightning.elastic.models.base import ElasticModel
-
-    use_lightning_choices()
 
     parser = ArgumentParser(prog="python -m fl_lightning", description=__doc__.splitlines()[0],
                             exit_on_error=False)

@@ -10,40 +10,42 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Optional, Tuple, Union
+from typing import Any, Dict, Literal, Optional, Tuple, Union, get_args
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import (FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                                        number_type)
 
-# Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. The
-# dataset names are spelled out here (importing the registry would import torch); a test checks
-# them against it. The partition methods are the partitioners' own list (data/partition.py).
+# Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. They
+# are spelled out here: importing the dataset registry would import torch, and Lightning's
+# registries would add about 3 s to every ``--help`` and every refused config; tests check them
+# against the dataset registry and the installed Lightning Fabric. The partitioners read
+# ``PartitionMethod`` (data/partition.py).
 DatasetName = Literal["digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10", "tinyimagenet",
                       "domainnet", "shakespeare", "mnist_subset"]
 PartitionMethod = Literal["iid", "dirichlet", "natural", "gamma_dirichlet"]
 ServerSource = Literal["train", "valid"]
 LrSchedule = Literal["constant", "exponential", "cosine"]
 TestSchedule = Literal["every", "final"]
-# Fabric's choices are Lightning's own registries. Importing Lightning with this module would
-# cost seconds on every import, so until ``use_lightning_choices`` binds them (the CLI does when
-# it builds its parser, which imports Lightning anyway) these accept any string.
-Accelerator = str
-Strategy = str
-Precision = Union[str, int]
+# lightning.fabric.connector: the accelerator registry plus "auto" and "gpu".
+Accelerator = Literal["auto", "cpu", "cuda", "gpu", "mps", "tpu"]
+# lightning.fabric.strategies.STRATEGY_REGISTRY plus "auto".
+Strategy = Literal["auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true",
+                   "dp", "fsdp", "fsdp_cpu_offload", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_1_offload",
+                   "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
+                   "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme", "xla", "xla_fsdp", "single_xla",
+                   "single_tpu"]
+# lightning.fabric.plugins.precision.precision: _PRECISION_INPUT_STR and its aliases, and
+# (_PRECISION_INPUT_INT) the integers that a YAML file's 64, 32 and 16 are read as.
+Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
+                    "transformer-engine-float16", "64", "32", "16", "bf16"]
+PrecisionInt = Literal[64, 32, 16]
 
-
-def use_lightning_choices() -> None:
-    """Bind ``Accelerator``, ``Strategy`` and ``Precision`` to what the installed Lightning Fabric
-    accepts: its accelerator registry plus auto and gpu, its strategy registry plus auto, and its
-    precision inputs (the strings, their aliases, and the integers a YAML 64, 32 or 16 is read as)."""
-    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    globals().update(Accelerator=Literal[tuple(sorted({"auto", "gpu", *ACCELERATOR_REGISTRY.available_accelerators()}))],
-                     Strategy=Literal[("auto", *STRATEGY_REGISTRY.available_strategies())],
-                     Precision=_PRECISION_INPUT)
+DATASET_NAMES = get_args(DatasetName)
+SCHEDULES = get_args(LrSchedule)
+ACCELERATORS = get_args(Accelerator)
+STRATEGIES = get_args(Strategy)
+PRECISIONS = get_args(Precision) + get_args(PrecisionInt)
 
 
 @dataclass
@@ -157,7 +159,7 @@ class FabricConfig:
     strategy: Strategy = "auto"
     """Fabric strategy; auto picks ddp when devices > 1. Client models are never wrapped, so
     ddp (or auto) is the one that matters; fsdp needs CUDA, deepspeed and xla their packages."""
-    precision: Precision = "32-true"
+    precision: Union[Precision, PrecisionInt] = "32-true"
     """Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true (and
     transformer-engine with its package); bf16-mixed suits GPUs."""
     threads_per_rank: Union[PositiveInt, Literal["auto"], None] = "auto"
