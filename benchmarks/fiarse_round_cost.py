@@ -31,6 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _timing import median
+from fl_lightning.data import Synthetic
 
 SIZES = (1 / 64, 1 / 16, 1 / 4, 1.0)
 TARGET = 1.15  # the masked model executes the dense one: only masking and round machinery may add
@@ -45,8 +46,8 @@ def make_spec(args, out_dir: str):
     fractions = [SIZES[i % len(SIZES)] for i in range(args.clients)]
     return RunSpec(name="bench_fiarse", out_dir=out_dir, seed=0,
                    algorithm=FIARSE(fractions=fractions, eval_fractions=[1.0], recalibrate_bn=False),
-                   data=DataConfig(name="synthetic", options={"num_train": 4000, "num_test": 100,
-                                                               "image_size": args.image_size, "channels": 3}),
+                   data=DataConfig(dataset=Synthetic(num_train=4000, num_test=100,
+                                                     image_size=args.image_size, channels=3)),
                    partition=PartitionConfig(method="iid", num_clients=args.clients),
                    model={"class_path": args.model},
                    train=LocalTrainConfig(steps=args.steps, batch_size=args.batch_size, lr=0.05, momentum=0.9),

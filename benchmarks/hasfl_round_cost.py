@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fl_lightning.data import Synthetic
 
 
 def make_spec(num_clients: int, out_dir: str, rounds: int = 6):
@@ -34,8 +35,8 @@ def make_spec(num_clients: int, out_dir: str, rounds: int = 6):
 
     return RunSpec(name=f"bench{num_clients}", out_dir=out_dir, seed=0,
                    algorithm=HASFL(t_warm=1, t_adapt=1, log_layers=False),
-                   data=DataConfig(name="synthetic", options={"num_train": 20000, "num_test": 200, "image_size": 16,
-                                                               "channels": 3}),
+                   data=DataConfig(dataset=Synthetic(num_train=20000, num_test=200, image_size=16,
+                                                     channels=3)),
                    partition=PartitionConfig(method="iid", num_clients=num_clients),
                    model={"class_path": "fl_lightning.elastic.models.CNN"},
                    train=LocalTrainConfig(steps=5, batch_size=16, lr=0.05),

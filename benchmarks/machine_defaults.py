@@ -51,8 +51,9 @@ EQUAL_WORK = ["--model.width", "0.25", "--partition.method", "iid", "--partition
 # Run past the measured rounds without evaluating: no final evaluation, no checkpoint until the end.
 NO_EVAL = ["--federation.rounds", "1000", "--eval.every", "1000", "--checkpoint_every", "1000"]
 OFFLINE = ["configs/quickstart.yaml", "configs/fedavg_digits.yaml", RESNET]
-FEAST_PAPER = ["configs/feast_cifar100.yaml", "--data.name", "synthetic", "--data.randaugment", "null",
-               "--data.options", "{num_classes: 100, image_size: 32, channels: 3, num_train: 6000, num_test: 200}",
+FEAST_PAPER = ["configs/feast_cifar100.yaml", "--data.randaugment", "null",
+               "--data.dataset", "{class_path: fl_lightning.data.Synthetic, init_args: {num_classes: 100, image_size: 32, "
+               "channels: 3, num_train: 6000, num_test: 200}}",
                "--data.val_size", "200", "--data.calib_size", "100", "--partition.min_size", "1", "--train.steps", "2"]
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Synthetic
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.runtime.client_data import ClientData
 from fl_lightning.federation.builder import RunSpec, build_global_model
@@ -38,8 +39,8 @@ CLIENTS, EXAMPLES_PER_CLIENT, EPOCHS, BATCH = 10, 48, 5, 16
 # The registry's width-elastic CNN; --channels picks its size. The smaller it is, the worse a
 # second thread helps each convolution, and the more client-level parallelism gains.
 MODEL = {"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": [16, 32, 64]}}
-DATA = DataConfig(name="synthetic", options={"num_classes": 10, "image_size": 32, "channels": 3,
-                                             "num_train": CLIENTS * EXAMPLES_PER_CLIENT, "num_test": 200})
+DATA = DataConfig(dataset=Synthetic(num_classes=10, image_size=32, channels=3,
+                                    num_train=CLIENTS * EXAMPLES_PER_CLIENT, num_test=200))
 PARTITION = PartitionConfig(method="iid", num_clients=CLIENTS)
 TRAIN = LocalTrainConfig(epochs=EPOCHS, batch_size=BATCH, lr=0.05, momentum=0.9)
 
@@ -83,7 +84,7 @@ def bare_round_seconds(spec: RunSpec, rounds: int) -> list[float]:
 
 def cli_round_seconds(out_dir: str, name: str, devices: int, threads: int, rounds: int) -> list[float]:
     args = [sys.executable, "-m", "fl_lightning", "fit", "--name", name, "--out_dir", out_dir,
-            "--data.name", "synthetic", "--data.options", json.dumps(DATA.options),
+            "--data.dataset", json.dumps({"class_path": "fl_lightning.data.Synthetic", "init_args": DATA.dataset.options()}),
             "--partition.method", "iid", "--partition.num_clients", str(CLIENTS),
             "--model", json.dumps(MODEL), "--train.epochs", str(EPOCHS), "--train.batch_size", str(BATCH),
             "--train.momentum", "0.9", "--federation.rounds", str(rounds),

@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _timing import median
+from fl_lightning.data import Synthetic
 from fl_lightning.elastic.models import ScaleFLResNet18
 
 
@@ -40,8 +41,8 @@ def make_spec(out_dir: str, image_size: int, width: float, rounds: int, steps: i
 
     return RunSpec(name="bench_scalefl", out_dir=out_dir, seed=0,
                    algorithm=ScaleFL(kd_start=0.0, recalibrate=False),  # distillation on in every timed round
-                   data=DataConfig(name="synthetic", options={"num_train": 4000, "num_test": 100,
-                                                               "image_size": image_size, "channels": 3}),
+                   data=DataConfig(dataset=Synthetic(num_train=4000, num_test=100,
+                                                     image_size=image_size, channels=3)),
                    partition=PartitionConfig(method="iid", num_clients=20,
                                              budgets=BudgetConfig(b_min=b_min, b_max=b_max, b_cap=b_max)),
                    model={"class_path": "fl_lightning.elastic.models.ScaleFLResNet18", "init_args": {"width": width}},

@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fl_lightning.data import Synthetic
 
 MODELS = {
     "resnet": ("fl_lightning.elastic.models.ResNet18", {"width": 0.25}, "layer2.1"),
@@ -38,7 +39,7 @@ def make_spec(method: str, model: str, out_dir: str, prompt_gradient: str = "all
     algorithm = (SplitFed(cut=cut) if method == "splitfed"
                  else FedSGA(split_strategy="static", prompt_gradient=prompt_gradient))
     return RunSpec(name=f"bench_{method}", out_dir=out_dir, seed=0, algorithm=algorithm,
-                   data=DataConfig(name="synthetic", options={"num_train": 4000, "num_test": 200, "image_size": 32}),
+                   data=DataConfig(dataset=Synthetic(num_train=4000, num_test=200, image_size=32)),
                    partition=PartitionConfig(method="iid", num_clients=10),
                    model={"class_path": class_path, "init_args": init_args},
                    train=LocalTrainConfig(steps=4, batch_size=32, lr=0.05, momentum=0.9),

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from fl_lightning.data import Digits
 
 # Tests run on CPU with few threads so the suite behaves the same on 2-core CI machines.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -27,7 +28,7 @@ def spec_factory(tmp_path):
 
     def make(name="t", algorithm=None, **overrides):
         sections = dict(
-            data=DataConfig(name="digits", val_size=100),
+            data=DataConfig(dataset=Digits(), val_size=100),
             partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5),
             model={"class_path": "fl_lightning.elastic.models.CNN"},
             train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05),

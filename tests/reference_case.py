@@ -18,6 +18,7 @@ from lightning.fabric import Fabric
 
 from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Digits
 from fl_lightning.federation.builder import RunSpec
 from fl_lightning.federation.loop import Federation
 from fl_lightning.federation.run_dir import RunDir
@@ -38,7 +39,7 @@ def make_spec(out_dir, algorithm, *, train: LocalTrainConfig = TRAIN, num_client
     channels, one round of ``clients_per_round`` clients, one CPU rank."""
     return RunSpec(
         name="ref", out_dir=str(out_dir), seed=0, algorithm=algorithm,
-        data=data or DataConfig(name="digits", val_size=100),
+        data=data or DataConfig(dataset=Digits(), val_size=100),
         partition=PartitionConfig(method=partition, num_clients=num_clients, alpha=0.5),
         model=model or {"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": [4, 8]}},
         train=train,

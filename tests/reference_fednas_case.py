@@ -22,6 +22,7 @@ import torch
 
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FabricConfig, FederationConfig,
                                  LocalTrainConfig, PartitionConfig)
+from fl_lightning.data import Synthetic
 from fl_lightning.federation.builder import RunSpec
 
 from reference_case import BatchRecorder, federation, shard_key
@@ -32,8 +33,8 @@ ROUNDS, CLIENTS = 2, 3
 MAXNET_STEPS = 4
 """Anneal length of both sides' MaxNet coefficient: c(0) = 0.9, c(1) = 0.125 + 0.775 (1 + cos(pi/4)) / 2."""
 TRAIN = LocalTrainConfig(epochs=1, batch_size=8, lr=0.05, momentum=0.0, weight_decay=5e-4, grad_clip=3.0)
-DATA = DataConfig(name="synthetic", options={"num_classes": NUM_CLASSES, "image_size": 8, "num_train": 80,
-                                             "num_test": 16}, val_size=4, calib_size=4)
+DATA = DataConfig(dataset=Synthetic(num_classes=NUM_CLASSES, image_size=8, num_train=80,
+                                    num_test=16), val_size=4, calib_size=4)
 BUDGETS = BudgetConfig(b_min=1e9, b_max=2e9, b_cap=2e9)  # every client affords every architecture
 
 # SuperFedNAS's ResNet-10-26 supernet (``OFAResNets32x32_10_26``) with two stages of base widths

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import yaml
 import torch
+import torch._dynamo  # noqa: F401  (Lightning imports it; it must see torch's own functions, not no_gpu's)
 from PIL import Image
 from torch import nn
 
 from fl_lightning.cli import main, shared_parser
-from fl_lightning.data.datasets import load_dataset
+from fl_lightning.data import CIFAR10, CINIC10, EMNIST, DomainNet, Shakespeare, TinyImageNet
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.run_dir import RESUME_SAFE_KEYS, check_resume_compatible
@@ -34,7 +35,7 @@ CONFIG_FILES = {
     "empty.yaml": "",
     "comments.yaml": "# only a comment\n",
     "list.yaml": "- data\n- model\n",
-    "bad.yaml": "data: {name: digits\n",
+    "bad.yaml": "data: {val_size: 10\n",
     "null_section.yaml": "data:\nseed: 1\n",
     "unknown_key.yaml": "federation:\n  roundz: 3\n",
     "budgets7.yaml": "partition:\n  budgets: 7\n",
@@ -177,8 +178,10 @@ FIT_CASES = [
     (["--checkpoint_every", str(2**40)], "checkpoint_every"),
     (["--partition.alpha", "1e400"], "partition.alpha"),
     (["--partition.budgets.b_max", "inf"], "partition.budgets.b_max"),
-    (["--data.options", "{{num_train: .inf}}"], "data.options.num_train"),
-    (["--data.options", "{{num_train: 99999999999999999999}}"], "data.options.num_train"),
+    (["--data.dataset", "{{class_path: fl_lightning.data.Synthetic, init_args: {{num_train: .inf}}}}"],
+     "data.dataset.num_train"),
+    (["--data.dataset", "{{class_path: fl_lightning.data.Synthetic, init_args: {{num_train: 99999999999999999999}}}}"],
+     "data.dataset.num_train"),
     (["--model.width", "1e400"], "model.width"),
     (["--model.channels", "[8, 99999999999999999999]"], "model.channels"),
     (["--algorithm", "FedProx", "--algorithm.mu", "inf"], "algorithm.mu"),
@@ -199,7 +202,10 @@ FIT_CASES = [
     (["--train", "5"], "train"),
     (["--train.lr", "-0.1"], "train.lr"),
     (["--train.epochs", "1.5"], "train.epochs"),
-    (["--data.options", "5"], "data.options"),
+    (["--data.dataset", "5"], "data.dataset"),
+    (["--data.dataset", "fl_lightning.data.Synthetic", "--data.dataset.noise", "-1"], "data.dataset.noise"),
+    (["--data.dataset", "fl_lightning.data.Synthetic", "--data.dataset.colour", "red"], "data.dataset.colour"),
+    (["--data.options", "{{num_classes: 5}}"], "data.options"),
     (["--data.download", "maybe"], "data.download"),
     (["--data.randaugment", "[a]"], "data.randaugment"),
     (["--data.val_size", "-1"], "data.val_size"),
@@ -209,6 +215,7 @@ FIT_CASES = [
     (["--partition.budgets.b_max", "1"], "partition.budgets.b_max"),
     (["--partition.budgets.zipf_s", "-1"], "partition.budgets.zipf_s"),
     # choices
+    (["--data.dataset", "fl_lightning.data.MNIST"], "data.dataset"),
     (["--data.name", "mnist"], "data.name"),
     (["--partition.method", "shards"], "partition.method"),
     (["--train.lr_schedule", "linear"], "train.lr_schedule"),
@@ -465,7 +472,7 @@ REFUSED = [
     (["--seed", "1"], "seed"),
     (["--model.width_scale", "0.5"], "model.width_scale"),
     (["--model", CNN], "model.class_path"),
-    (["--data.name", "digits"], "data.name"),
+    (["--data.dataset", "fl_lightning.data.Digits"], "data.dataset.class_path"),
     (["--data.val_size", "200"], "data.val_size"),
     (["--partition.alpha_eff", "0.3"], "partition.alpha_eff"),
     (["--partition.budgets.b_cap", "5e6"], "partition.budgets.b_cap"),
@@ -539,14 +546,14 @@ def test_bad_image_in_folder_layout(tmp_path, damage):
         bad.write_bytes(bad.read_bytes()[:40])  # header intact, pixels cut off
     if damage == "truncated":  # found on decoding: up front with in_memory, else at first access
         with pytest.raises(ConfigError) as err:
-            load_dataset("cinic10", root=str(tmp_path), in_memory=True)
+            CINIC10(in_memory=True).load(str(tmp_path), False, True)
         assert_names_file(err, bad)
-        lazy = load_dataset("cinic10", root=str(tmp_path))
+        lazy = CINIC10().load(str(tmp_path), False, True)
         with pytest.raises(ConfigError) as err:
             [lazy.train[i] for i in range(len(lazy.train))]
     else:
         with pytest.raises(ConfigError) as err:
-            load_dataset("cinic10", root=str(tmp_path))
+            CINIC10().load(str(tmp_path), False, True)
     assert_names_file(err, bad)
 
 
@@ -557,11 +564,11 @@ def test_tinyimagenet_listed_image_missing(tmp_path):
     _image(base / "train" / "n01" / "images" / "n01_0.JPEG", 64)
     (base / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn01\t0\t0\t63\t63\n")
     with pytest.raises(ConfigError) as err:
-        load_dataset("tinyimagenet", root=str(tmp_path))
+        TinyImageNet().load(str(tmp_path), False, True)
     assert_names_file(err, base / "val" / "images" / "val_0.JPEG")
     (base / "val" / "val_annotations.txt").write_text("val_0.JPEG n01 0 0 63 63\n")  # spaces, not tabs
     with pytest.raises(ConfigError) as err:
-        load_dataset("tinyimagenet", root=str(tmp_path))
+        TinyImageNet().load(str(tmp_path), False, True)
     assert_names_file(err, base / "val" / "val_annotations.txt")
 
 
@@ -571,7 +578,7 @@ def test_domainnet_split_file_with_bad_line(tmp_path):
     (base / "clipart_train.txt").write_text("clipart/cat/a.jpg 0\nclipart/cat/b.jpg cat\n")
     (base / "clipart_test.txt").write_text("clipart/cat/a.jpg 0\n")
     with pytest.raises(ConfigError) as err:
-        load_dataset("domainnet", root=str(tmp_path), image_size=16)
+        DomainNet(image_size=16).load(str(tmp_path), False, True)
     assert_names_file(err, base / "clipart_train.txt")
     assert "line 2" in str(err.value)
 
@@ -602,14 +609,14 @@ def test_truncated_cifar_pickle(tmp_path, no_md5):
     bad = _cifar10(tmp_path) / "data_batch_3"
     bad.write_bytes(bad.read_bytes()[:500])
     with pytest.raises(ConfigError) as err:
-        load_dataset("cifar10", root=str(tmp_path))
+        CIFAR10().load(str(tmp_path), False, True)
     assert_names_file(err, bad)
 
 
 def test_cifar_file_that_is_not_the_release(tmp_path):
     base = _cifar10(tmp_path)
     with pytest.raises(ConfigError) as err:
-        load_dataset("cifar10", root=str(tmp_path))
+        CIFAR10().load(str(tmp_path), False, True)
     assert_names_file(err, base / "data_batch_1")
     assert "md5" in str(err.value)
 
@@ -625,7 +632,7 @@ def test_truncated_emnist_idx_file(tmp_path):
     bad = raw / "emnist-byclass-test-images-idx3-ubyte"
     bad.write_bytes(bad.read_bytes()[:-100])
     with pytest.raises(ConfigError) as err:
-        load_dataset("emnist", root=str(tmp_path))
+        EMNIST().load(str(tmp_path), False, True)
     assert_names_file(err, bad)
     assert "truncated" in str(err.value)
 
@@ -639,7 +646,7 @@ def test_malformed_leaf_json(tmp_path, content):
     bad = folder / "train" / "all_data_0.json"
     bad.write_text(content)
     with pytest.raises(ConfigError) as err:
-        load_dataset("shakespeare", root=str(tmp_path))
+        Shakespeare().load(str(tmp_path), False, True)
     assert_names_file(err, bad)
 
 
@@ -648,7 +655,7 @@ def test_fit_on_corrupt_dataset_stops_before_writing(tmp_path, capsys):
     bad = _cinic(tmp_path / "data") / "test" / "cat" / "0.png"
     bad.write_bytes(b"\x00" * 64)
     out = tmp_path / "runs"
-    line = fails_cleanly(["fit", "--out_dir", str(out), "--data.name", "cinic10", "--data.root", str(tmp_path / "data"),
+    line = fails_cleanly(["fit", "--out_dir", str(out), "--data.dataset", "fl_lightning.data.CINIC10", "--data.root", str(tmp_path / "data"),
                           "--partition.num_clients", "2", "--partition.min_size", "0",
                           "--federation.clients_per_round", "1", "--federation.rounds", "1",
                           "--fabric.accelerator", "cpu"], capsys, "data.root", tmp_path)
@@ -664,7 +671,7 @@ def test_leaf_json_reader_accepts_good_files(tmp_path):
         folder.mkdir(parents=True)
         blob = {"users": ["A"], "user_data": {"A": {"x": xs, "y": ys}}}
         (folder / "d.json").write_text(json.dumps(blob))
-    assert len(load_dataset("shakespeare", root=str(tmp_path)).train) == len(xs)
+    assert len(Shakespeare().load(str(tmp_path), False, True).train) == len(xs)
 
 
 def test_image_damaged_past_its_header_found_in_training_leaves_no_run_folder(tmp_path, capsys):
@@ -673,7 +680,7 @@ def test_image_damaged_past_its_header_found_in_training_leaves_no_run_folder(tm
     bad = _cinic(tmp_path) / "train" / "dog" / "1.png"
     bad.write_bytes(bad.read_bytes()[:40])
     out = tmp_path / "runs"
-    code = main(["fit", "--data.name", "cinic10", "--data.root", str(tmp_path), "--data.augment", "false",
+    code = main(["fit", "--data.dataset", "fl_lightning.data.CINIC10", "--data.root", str(tmp_path), "--data.augment", "false",
                  "--partition.method", "iid", "--partition.num_clients", "2", "--partition.min_size", "1",
                  "--federation.clients_per_round", "2", "--federation.rounds", "1", "--train.batch_size", "4",
                  "--fabric.accelerator", "cpu", "--out_dir", str(out), "--name", "lazy"])

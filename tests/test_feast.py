@@ -8,6 +8,7 @@ import torch
 from fl_lightning.algorithms import Feast
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Synthetic
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.envelope import route_envelope
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
@@ -19,7 +20,7 @@ from fl_lightning.runtime.seeding import sample_clients
 from hand_counts import basic_pair_params, hooked_macs, make_divisible
 
 MODEL = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
-DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
+DATA = DataConfig(dataset=Synthetic(num_classes=4, image_size=16, num_train=400, num_test=80),
                   val_size=40, calib_size=32)
 
 
@@ -225,7 +226,7 @@ def test_evaluate_and_extract_commands_on_a_finished_run(spec_factory, tmp_path,
     from fl_lightning.elastic.models import build_model
 
     spec = feast_spec(spec_factory, tmp_path, "done")
-    spec = replace(spec, data=replace(DATA, options={**DATA.options, "noise": 0.5}),
+    spec = replace(spec, data=replace(DATA, dataset=Synthetic(**{**DATA.dataset.options(), "noise": 0.5})),
                    train=replace(spec.train, epochs=2), federation=FederationConfig(rounds=4, clients_per_round=3),
                    eval=EvalConfig(every=4, test="final"))
     spec.config_yaml = _config_yaml(spec)
@@ -262,8 +263,11 @@ def _config_yaml(spec) -> str:
 
     algorithm = spec.algorithm
     init_args = {"cache": algorithm.cache_path, "routing": algorithm.routing, "mix_schedule": algorithm.mix_schedule}
+    source = spec.data.source()
+    data = {**asdict(spec.data), "dataset": {"class_path": f"fl_lightning.data.{type(source).__name__}",
+                                              "init_args": source.options()}}
     return yaml.safe_dump({
-        "name": spec.name, "out_dir": spec.out_dir, "seed": spec.seed, "data": asdict(spec.data),
+        "name": spec.name, "out_dir": spec.out_dir, "seed": spec.seed, "data": data,
         "partition": asdict(spec.partition), "model": spec.model, "train": asdict(spec.train),
         "federation": asdict(spec.federation), "eval": asdict(spec.eval), "fabric": asdict(spec.fabric),
         "algorithm": {"class_path": "fl_lightning.algorithms.Feast", "init_args": init_args}})

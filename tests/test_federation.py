@@ -188,7 +188,7 @@ def test_two_processes_match_one_process(tmp_path, algorithm, momentum, several)
     across ranks (round 2 reuses clients)."""
     from fl_lightning.federation.machine import physical_cores
 
-    common = ["fit", "--data.name", "digits", "--data.val_size", "100", "--partition.num_clients", "6",
+    common = ["fit", "--data.dataset", "fl_lightning.data.Digits", "--data.val_size", "100", "--partition.num_clients", "6",
               "--federation.rounds", "3", "--federation.clients_per_round", "5", "--train.batch_size", "16",
               "--train.momentum", momentum, "--algorithm", algorithm, "--eval.every", "3",
               "--fabric.accelerator", "cpu", "--out_dir", str(tmp_path)]

@@ -14,6 +14,7 @@ from fl_lightning.algorithms.fednas import (ARCH_STREAM, DeepFedNAS, PathSearch,
                                             uniform_architecture)
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Synthetic
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.maxnet import maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.regions import Full, LeadingSlice
@@ -26,7 +27,7 @@ from option_checks import option_refusal
 
 # the narrowed supernet and data of tests/test_feast.py
 MODEL = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
-DATA = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
+DATA = DataConfig(dataset=Synthetic(num_classes=4, image_size=16, num_train=400, num_test=80),
                   val_size=40, calib_size=32)
 BUDGETS = BudgetConfig(b_min=1e5, b_max=3e6, b_cap=2e6)
 # unconstrained DeepFedNAS's path over the complete supernet, searched cheaply (the narrowed

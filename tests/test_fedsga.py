@@ -258,6 +258,7 @@ RANKS = """
 import sys
 from fl_lightning.algorithms import FedSGA, SplitFed
 from fl_lightning.config import *
+from fl_lightning.data import Digits
 from fl_lightning.federation.builder import RunSpec
 from fl_lightning.federation.loop import run_fit
 
@@ -265,7 +266,7 @@ devices, method, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 algorithm = (FedSGA(calibration_every=2, probe_size=8, prompt_width=1) if method == "fedsga"
              else SplitFed(cut="layer2.1", version="v2"))
 run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=algorithm,
-                data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
+                data=DataConfig(dataset=Digits(), val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
                 model={"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}},
                 train=LocalTrainConfig(batch_size=16, lr=0.05, momentum=0.9),
                 federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),

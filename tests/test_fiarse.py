@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.fiarse import FIARSE, geometric_grid, masked_region_map, serve
+from fl_lightning.data import Digits
 from fl_lightning.elastic.magnitude_masks import MaskFamily, group_keys, layer_macs, maskable_keys
 from fl_lightning.errors import ConfigError
 from option_checks import refusal
@@ -112,7 +113,7 @@ def test_tcb_sgd_step_moves_only_kept_weights_and_the_mask_follows_the_weights()
 def _digits_spec(spec_factory, algorithm, **overrides):
     from fl_lightning.config import BudgetConfig, DataConfig, FederationConfig, PartitionConfig
 
-    sections = dict(data=DataConfig(name="digits", val_size=100, calib_size=60),
+    sections = dict(data=DataConfig(dataset=Digits(), val_size=100, calib_size=60),
                     partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
                                               budgets=BudgetConfig(b_min=1e5, b_max=7e5)),
                     federation=FederationConfig(rounds=2, clients_per_round=3))
@@ -232,7 +233,7 @@ def test_options_are_checked_before_any_work(spec_factory):
 
         from fl_lightning.federation.builder import build_context
 
-        build_context(_digits_spec(spec_factory, FIARSE(), data=DataConfig(name="digits", val_size=100)),
+        build_context(_digits_spec(spec_factory, FIARSE(), data=DataConfig(dataset=Digits(), val_size=100)),
                       Fabric(accelerator="cpu", devices=1))
     with pytest.raises(ConfigError, match="algorithm.fractions"):
         _context(spec_factory, FIARSE(fractions=[0.5, 1.0]))

@@ -124,7 +124,8 @@ def test_fedbabu_finetunes_at_a_hundredth_of_the_training_rate_without_weight_de
                         federation=FederationConfig(rounds=1, clients_per_round=3))
     fed = federation(spec)
     alg = fed.algorithm
-    alg.personalized("test", 64)
+    for client in range(fed.ctx.num_clients):
+        alg.finetuned(client)
     assert len(built) == fed.ctx.num_clients
     assert all(b == pytest.approx((TRAIN.lr / 100, TRAIN.momentum, 0.0), abs=0, rel=1e-12) for b in built)
     assert FedBABU(finetune_lr=0.02).finetune_optimizer(TRAIN) == (0.02, TRAIN.momentum, 0.0)
@@ -522,7 +523,7 @@ def test_evaluate_rescores_a_personalized_method_with_its_client_state(tmp_path,
 
     config = tmp_path / "fedgh.yaml"
     config.write_text(
-        "name: gh\nseed: 0\ndata: {name: digits, val_size: 100}\n"
+        "name: gh\nseed: 0\ndata: {dataset: {class_path: fl_lightning.data.Digits}, val_size: 100}\n"
         "partition: {method: dirichlet, num_clients: 6, alpha: 0.5}\nmodel: {class_path: fl_lightning.elastic.models.CNN}\n"
         "algorithm: {class_path: fl_lightning.algorithms.FedGH}\n"
         "train: {epochs: 1, batch_size: 16, lr: 0.05}\nfederation: {rounds: 4, clients_per_round: 6}\n"

@@ -17,6 +17,7 @@ from fl_lightning.algorithms.heterofl_tiers import HETEROFL_TIERS, TierAssignmen
 from fl_lightning.algorithms.submodel import TIER_PROBS, TIERS
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Digits
 from fl_lightning.elastic.bn import statistics_keys
 from fl_lightning.elastic.layers.scaler import Scaler, attach_scaler
 from fl_lightning.elastic.macs import count_macs
@@ -29,7 +30,7 @@ from fl_lightning.elastic.models import ResNet18
 from option_checks import option_refusal
 
 NARROW = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
-DATA = DataConfig(name="digits", val_size=100, calib_size=64)
+DATA = DataConfig(dataset=Digits(), val_size=100, calib_size=64)
 
 
 def lines(run, name):

@@ -12,6 +12,7 @@ import torch
 
 from fl_lightning.cli import main
 from fl_lightning.config import DataConfig, FabricConfig
+from fl_lightning.data import Digits, Synthetic
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.machine import (GB, Footprint, Machine, dataset_facts, parameter_count, physical_cores,
                                              place, resolve_threads)
@@ -46,7 +47,7 @@ def test_default_refuses_when_one_rank_does_not_fit():
         place(FabricConfig(accelerator="cpu"), 10, False, SMALL, machine(8, SMALL.per_rank // 2))
     # no rank count helps: the error names what is too big (here 10 MB of data against 6.4 MB of
     # per-parameter state)
-    assert err.value.key == "data.name" and "one rank needs" in str(err.value) and "\n" not in str(err.value)
+    assert err.value.key == "data.dataset" and "one rank needs" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_explicit_devices_win():
@@ -96,14 +97,14 @@ def test_default_on_a_gpu_node_is_every_visible_gpu(accelerator):
 
 def test_footprint_counts_the_model_without_building_it():
     model = {"class_path": "fl_lightning.elastic.models.CNN"}
-    classes, shape, data_bytes = dataset_facts(DataConfig(name="digits"))
+    classes, shape, data_bytes = dataset_facts(DataConfig(dataset=Digits()))
     assert (classes, shape) == (10, (1, 8, 8)) and data_bytes == 1_797 * 64 * 4
     from fl_lightning.elastic.models import build_model
 
     real = build_model(CNN, classes, shape)
     assert parameter_count(model, classes, shape) == sum(t.numel() for t in real.state_dict().values())
-    synthetic = DataConfig(name="synthetic", options={"image_size": 16, "channels": 3, "num_train": 100,
-                                                      "num_test": 20, "num_classes": 7})
+    synthetic = DataConfig(dataset=Synthetic(image_size=16, channels=3, num_train=100,
+                                             num_test=20, num_classes=7))
     assert dataset_facts(synthetic) == (7, (3, 16, 16), 120 * 3 * 16 * 16 * 4)
 
 

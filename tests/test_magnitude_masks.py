@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from fl_lightning.data import Digits
 from fl_lightning.elastic import magnitude_masks as mm
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.magnitude_masks import MaskFamily, kept_count, shrink_bound, threshold_mask
@@ -130,7 +131,7 @@ def test_a_round_shares_one_region_map_per_kept_fraction(spec_factory):
     from fl_lightning.runtime.plan import ClientTask, RoundPlan
 
     alg = FIARSE(fractions=[0.25, 0.5, 0.25, 1.0], recalibrate_bn=False)
-    spec = spec_factory(name="fiarse_share", algorithm=alg, data=DataConfig(name="digits", val_size=100),
+    spec = spec_factory(name="fiarse_share", algorithm=alg, data=DataConfig(dataset=Digits(), val_size=100),
                         partition=PartitionConfig(method="iid", num_clients=4),
                         federation=FederationConfig(rounds=1, clients_per_round=4))
     build_context(spec, Fabric(accelerator="cpu", devices=1), mode="fit")

@@ -88,7 +88,7 @@ def test_a_diverging_client_is_left_out_and_logged(spec_factory):
 
 def test_a_round_where_every_client_diverges_stops_the_run(tmp_path, capsys):
     out = tmp_path / "runs"
-    code = main(["fit", "--data.name", "digits", "--data.val_size", "100", "--partition.num_clients", "4",
+    code = main(["fit", "--data.dataset", "fl_lightning.data.Digits", "--data.val_size", "100", "--partition.num_clients", "4",
                  "--federation.rounds", "3", "--federation.clients_per_round", "2", "--train.lr", "1e30",
                  "--fabric.accelerator", "cpu", "--out_dir", str(out), "--name", "nan"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
@@ -118,6 +118,7 @@ SCRIPT = """
 import sys
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.config import *
+from fl_lightning.data import Digits
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.federation.builder import RunSpec
 from fl_lightning.federation.loop import run_fit
@@ -127,7 +128,7 @@ from fl_lightning.federation.loop import run_fit
 devices, sequential, name = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
 Cyclic.sequential_clients = sequential
 run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=Cyclic(),
-                data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
+                data=DataConfig(dataset=Digits(), val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
                 model={{"class_path": "fl_lightning.elastic.models.CNN"}}, train=LocalTrainConfig(batch_size=16, lr=0.05),
                 federation=FederationConfig(rounds=2, clients_per_round=4), eval=EvalConfig(every=2),
                 fabric=FabricConfig(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")))

@@ -28,7 +28,7 @@ SRC = Path(fl_lightning.__file__).parents[1]  # the code under test, also in the
 
 def tiny_fit(out: Path, name: str, *extra: str, rounds: int = 2) -> list:
     """A fit on digits that takes about a second a round on one CPU thread."""
-    return ["fit", "--out_dir", str(out), "--name", name, "--data.name", "digits", "--data.val_size", "100",
+    return ["fit", "--out_dir", str(out), "--name", name, "--data.dataset", "fl_lightning.data.Digits", "--data.val_size", "100",
             "--partition.method", "iid", "--partition.num_clients", "4", "--partition.min_size", "1",
             "--federation.clients_per_round", "2", "--federation.rounds", str(rounds), "--train.batch_size", "32",
             "--eval.every", "1", "--fabric.accelerator", "cpu", *extra]

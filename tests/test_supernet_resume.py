@@ -13,6 +13,7 @@ from fl_lightning.algorithms.mergesfl import MergeSFL
 from fl_lightning.algorithms.scalefl import ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
+from fl_lightning.data import Digits, Synthetic
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.runtime.checkpoint import load_checkpoint
@@ -20,9 +21,9 @@ from fl_lightning.federation.loop import run_fit
 
 ROUNDS, STOP = 3, 2
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, grad_clip=10.0)
-DIGITS = DataConfig(name="digits", val_size=100, calib_size=64)
+DIGITS = DataConfig(dataset=Digits(), val_size=100, calib_size=64)
 OFA = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
-SYNTHETIC = DataConfig(name="synthetic", options={"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
+SYNTHETIC = DataConfig(dataset=Synthetic(num_classes=4, image_size=16, num_train=400, num_test=80),
                        val_size=40, calib_size=32)
 
 

@@ -105,7 +105,8 @@ def test_anchors_scale_to_a_small_cache_and_pick_the_largest_point_within():
 
 BASE = {
     "seed": 0,
-    "data": {"name": "synthetic", "options": {"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80},
+    "data": {"dataset": {"class_path": "fl_lightning.data.Synthetic",
+                         "init_args": {"num_classes": 4, "image_size": 16, "num_train": 400, "num_test": 80}},
              "val_size": 40, "calib_size": 32},
     "partition": {"method": "gamma_dirichlet", "num_clients": 6, "alpha_eff": 1.0, "gamma": 1.0, "min_size": 5,
                   "budgets": {"zipf_s": 1.2, "b_min": 1e5, "b_max": 3e6, "b_cap": 2e6}},

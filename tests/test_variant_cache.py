@@ -353,7 +353,7 @@ def test_shipped_quickstart_cache_equals_a_fresh_search():
     root = pathlib.Path(__file__).parents[1]
     config = yaml.safe_load((root / "configs" / "quickstart.yaml").read_text())
     args = config["algorithm"]["init_args"]
-    data = config["data"]["options"]
+    data = config["data"]["dataset"]["init_args"]
     shape = (data["channels"], data["image_size"], data["image_size"])
     with torch.device("meta"):
         model = build_model(config["model"], data["num_classes"], shape)

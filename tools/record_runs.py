@@ -23,30 +23,31 @@ from pathlib import Path
 
 import yaml
 
-from fl_lightning.data.datasets import check_dataset
 from fl_lightning.errors import ConfigError
+from fl_lightning.saved_configs import dataset_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def data_section(config: Path):
-    """The config's ``data`` mapping, or None (an overlay that names no data)."""
+    """The config's ``data`` mapping, or None (an overlay that names no dataset). Configs of
+    either form (a named dataset, or a ``dataset`` class_path section) are read."""
     try:
         loaded = yaml.safe_load(config.read_text())
     except yaml.YAMLError:
         return None
     data = loaded.get("data") if isinstance(loaded, dict) else None
-    return data if isinstance(data, dict) and "name" in data else None
+    return data if isinstance(data, dict) and ("name" in data or "dataset" in data) else None
 
 
 def missing_data(data: dict, root: Path):
     """Why the dataset of a config's ``data`` section cannot load here without a download
     (None: it can)."""
-    folder = Path(data.get("root", "data"))
     try:
-        check_dataset(data["name"], str(folder if folder.is_absolute() else root / folder), False,
-                      **(data.get("options") or {}))
-    except ConfigError as error:
+        dataset, folder = dataset_of({"data": data})
+        folder = Path(folder)
+        dataset.check(str(folder if folder.is_absolute() else root / folder), False)
+    except (ConfigError, TypeError) as error:
         return str(error)
     return None
 

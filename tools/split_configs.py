@@ -42,6 +42,9 @@ METHODS = {
     "multisfl": ("MultiSFL", {}),
 }
 SPLIT_METHODS = {"SplitFed", "MergeSFL", "MUSplitFed", "MultiSFL"}
+# One table compares every method on the same global test split (docs/fl_baselines.md,
+# Per-client evaluation), so the personalized methods' client models are scored on it too.
+PERSONALIZED = {"FedBABU", "FedGH", "FedAS"}
 # Table 4's ablation and Fig. 4's split strategies
 VARIANTS = {
     "fedsga_no_adapt": ("FedSGA", {"adaptation_channel": False}),
@@ -64,10 +67,10 @@ BACKBONES = {
 }
 STEMS = {"cifar10": "cifar", "cifar100": "cifar", "tinyimagenet": "tiny", "domainnet": "imagenet"}
 PAPER_DATA = {
-    "cifar10": ({"name": "cifar10", "download": True}, 0.1, 100),
-    "cifar100": ({"name": "cifar100", "download": True}, 0.01, 300),
-    "tinyimagenet": ({"name": "tinyimagenet"}, 0.01, 300),
-    "domainnet": ({"name": "domainnet", "options": {"image_size": 224}}, 0.01, 300),
+    "cifar10": ({"dataset": {"class_path": "fl_lightning.data.CIFAR10"}, "download": True}, 0.1, 100),
+    "cifar100": ({"dataset": {"class_path": "fl_lightning.data.CIFAR100"}, "download": True}, 0.01, 300),
+    "tinyimagenet": ({"dataset": {"class_path": "fl_lightning.data.TinyImageNet"}}, 0.01, 300),
+    "domainnet": ({"dataset": {"class_path": "fl_lightning.data.DomainNet", "init_args": {"image_size": 224}}}, 0.01, 300),
 }
 
 OFFLINE_BACKBONES = {
@@ -112,23 +115,30 @@ def partition(method: str, model: dict, dataset: str) -> dict:
     return out
 
 
+def evaluation(method: str, every: int) -> dict:
+    out = {"every": every}
+    if METHODS.get(method, (None,))[0] in PERSONALIZED:
+        out["client_test"] = "global"
+    return out
+
+
 def paper_config(dataset: str, backbone: str, method: str) -> dict:
     data, lr, rounds = PAPER_DATA[dataset]
     model = BACKBONES[backbone](STEMS[dataset])
     return {"name": f"{backbone}_{method}_{dataset}", "seed": 0, "data": copy.deepcopy(data),
             "partition": partition(method, model, dataset), "model": model, "algorithm": algorithm(method, backbone),
             "train": {"epochs": 5, "batch_size": 64, "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
-            "federation": {"rounds": rounds, "clients_per_round": 20}, "eval": {"every": 10},
+            "federation": {"rounds": rounds, "clients_per_round": 20}, "eval": evaluation(method, 10),
             "fabric": {"accelerator": "auto"}}
 
 
 def offline_config(backbone: str, method: str) -> dict:
     return {"name": f"{backbone}_{method}_mnist_subset", "seed": 0,
-            "data": {"name": "mnist_subset", "val_size": 500},
+            "data": {"dataset": {"class_path": "fl_lightning.data.MNISTSubset"}, "val_size": 500},
             "partition": partition(method, OFFLINE_BACKBONES[backbone], "mnist_subset"),
             "model": copy.deepcopy(OFFLINE_BACKBONES[backbone]), "algorithm": algorithm(method, backbone),
             "train": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
-            "federation": {"rounds": 20, "clients_per_round": 20}, "eval": {"every": 5},
+            "federation": {"rounds": 20, "clients_per_round": 20}, "eval": evaluation(method, 5),
             "fabric": {"accelerator": "cpu"}}
 
 

@@ -35,14 +35,14 @@ def pm(values, scale=100.0, digits=1) -> str:
 def whole_model_cost(config: dict) -> tuple[int, int]:
     """Parameters and forward MACs (fvcore, one example) of a run's whole model: what an FL
     client trains, where a split method logs its front's."""
-    from fl_lightning.data.datasets import load_dataset
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
-    from fl_lightning.saved_configs import upgrade_tree
+    from fl_lightning.saved_configs import dataset_of, upgrade_tree
 
-    config = upgrade_tree(config) or config  # a run saved with a named model
-    data, model = config["data"], config["model"]
-    bundle = load_dataset(data["name"], data.get("root", "data"), False, False, **(data.get("options") or {}))
+    config = upgrade_tree(config) or config  # a run saved with a named model or dataset
+    model = config["model"]
+    source, root = dataset_of(config)
+    bundle = source.load(root, False, False)
     net = build_model(model, bundle.num_classes, bundle.input_shape)
     return sum(p.numel() for p in net.parameters()), count_macs(net, bundle.input_shape)
 

@@ -47,9 +47,17 @@ IMAGE_TRAIN = {"epochs": 5, "batch_size": 32, "lr": 0.01, "momentum": 0.9, "weig
                "grad_clip": 10.0, "lr_schedule": "exponential", "lr_decay": 0.995}
 
 
+def section(package: str, cls: str, init_args: dict) -> dict:
+    out = {"class_path": f"{package}.{cls}"}
+    return {**out, "init_args": init_args} if init_args else out
+
+
 def model(cls: str, **init_args) -> dict:
-    section = {"class_path": f"fl_lightning.elastic.models.{cls}"}
-    return {**section, "init_args": init_args} if init_args else section
+    return section("fl_lightning.elastic.models", cls, init_args)
+
+
+def dataset(cls: str, **init_args) -> dict:
+    return section("fl_lightning.data", cls, init_args)
 
 
 def base(name, data, partition, model, train, rounds, eval_every, accelerator="auto"):
@@ -59,28 +67,28 @@ def base(name, data, partition, model, train, rounds, eval_every, accelerator="a
 
 
 SETTINGS = {
-    ("paper", "cifar10"): base("cifar10", {"name": "cifar10", "download": True, "val_size": 2000},
+    ("paper", "cifar10"): base("cifar10", {"dataset": dataset("CIFAR10"), "download": True, "val_size": 2000},
                                {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
                                model("CNN", channels=[64, 128, 256]), IMAGE_TRAIN, 200, 5),
-    ("paper", "emnist"): base("emnist", {"name": "emnist", "download": True, "val_size": 5000},
+    ("paper", "emnist"): base("emnist", {"dataset": dataset("EMNIST"), "download": True, "val_size": 5000},
                               {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
                               model("CNN", channels=[64, 128, 256]), {**IMAGE_TRAIN, "epochs": 1}, 200, 5),
-    ("paper", "shakespeare"): base("shakespeare", {"name": "shakespeare",
-                                                   "options": {"source": "plays", "max_roles": 20, "vocabulary": "printable"},
+    ("paper", "shakespeare"): base("shakespeare", {"dataset": dataset("Shakespeare", source="plays", max_roles=20,
+                                                                      vocabulary="printable"),
                                                    "val_size": 2000},
                                    {"method": "natural", "num_clients": 20}, model("CharLSTM"),
                                    {**IMAGE_TRAIN, "epochs": 1, "batch_size": 64, "lr": 0.1, "grad_clip": 5.0}, 200, 10),
-    ("offline", "mnist_subset"): base("mnist_subset", {"name": "mnist_subset", "val_size": 500},
+    ("offline", "mnist_subset"): base("mnist_subset", {"dataset": dataset("MNISTSubset"), "val_size": 500},
                                       {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
                                       model("CNN", channels=[16, 32, 64]),
                                       {**IMAGE_TRAIN, "epochs": 1, "lr": 0.05}, 20, 5, "cpu"),
-    ("offline", "digits"): base("digits", {"name": "digits", "val_size": 150},
+    ("offline", "digits"): base("digits", {"dataset": dataset("Digits"), "val_size": 150},
                                 {"method": "dirichlet", "num_clients": 20, "alpha": 0.3},
                                 model("CNN"), {**IMAGE_TRAIN, "epochs": 2, "batch_size": 16, "lr": 0.05}, 30, 5, "cpu"),
     # CPU-sized Shakespeare: deviations from the paper in the module docstring
-    ("offline", "shakespeare"): base("shakespeare", {"name": "shakespeare", "root": "data",
-                                                     "options": {"source": "plays", "max_roles": 20,
-                                                                 "vocabulary": "printable", "test_stride": 20},
+    ("offline", "shakespeare"): base("shakespeare", {"dataset": dataset("Shakespeare", source="plays", max_roles=20,
+                                                                        vocabulary="printable", test_stride=20),
+                                                     "root": "data",
                                                      "val_size": 1000},
                                      {"method": "natural", "num_clients": 20},
                                      model("CharLSTM", hidden_size=128),

@@ -157,14 +157,15 @@ def offline_width(source_path: str) -> dict:
     (fvcore) are nearest in log to the largest variant of the FEAST config's cache (its shipped
     file, or else the one its search builds)."""
     from fl_lightning.algorithms.feast import CacheSearch
-    from fl_lightning.data.datasets import load_dataset
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.search.cache import VariantCache, build_cache
 
     source = load_yaml(source_path)
-    data = source["data"]
-    bundle = load_dataset(data["name"], root=data.get("root", "data"), augment=False, **data.get("options", {}))
+    from fl_lightning.saved_configs import dataset_of
+
+    dataset, root = dataset_of(source)
+    bundle = dataset.load(root, False, False)
     shape, classes = tuple(bundle.input_shape), bundle.num_classes
     supernet = build_model(source["model"], num_classes=classes, input_shape=shape)
     args = source["algorithm"]["init_args"]

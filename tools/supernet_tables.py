@@ -46,7 +46,7 @@ from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients,
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
 TIERED = ("HeteroFL", "ScaleFL")
 TRANSFERS = ("SFN, unconstrained", "DFN, unconstrained", "SFN, constrained", "DFN, constrained")
-SETTING = (("dataset", "data.name"), ("N", "partition.num_clients"), ("b_min", "partition.budgets.b_min"),
+SETTING = (("dataset", None), ("N", "partition.num_clients"), ("b_min", "partition.budgets.b_min"),
            ("b_max", "partition.budgets.b_max"), ("s", "partition.budgets.zipf_s"), ("alpha", None),
            ("gamma", "partition.gamma"))
 """What makes a population: runs that agree on all of these serve the same kind of clients."""
@@ -65,7 +65,8 @@ def setting_of(run: ServingRun, drop=()) -> tuple:
     for name, key in SETTING:
         if name in drop:
             continue
-        out.append((name, alpha_of(run) if name == "alpha" else run.get(key)))
+        value = {"alpha": alpha_of, "dataset": lambda r: r.dataset}.get(name, lambda r: r.get(key))(run)
+        out.append((name, value))
     return tuple(out)
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
 import stat
 import sys
 import warnings
@@ -40,6 +41,8 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 DEFAULT_ALGORITHM = {"class_path": "fl_lightning.algorithms.FedAvg"}
 DEFAULT_MODEL = {"class_path": "fl_lightning.elastic.models.CNN"}
+# Class sections a command may leave unnamed, and the class they then get (``_parse``).
+DEFAULT_CLASSES = {"model": DEFAULT_MODEL["class_path"], "data.dataset": "fl_lightning.data.Digits"}
 Seed = number_type(int, ge=0, lt=2**63)  # numpy's and torch's generators take any of these
 
 
@@ -165,7 +168,6 @@ def build_parser() -> ArgumentParser:
         sub.add_argument("--config", action="config", help="YAML config file")
         for options in ([fit] if name == "partition" else []) + [function]:  # partition reads a fit config
             _add_function(sub, options, ElasticModel)
-        _list_registered_options(sub)
         subcommands.add_subcommand(name, sub, help=function.__doc__.splitlines()[0])
         parser.subcommand_parsers[name] = sub
     return parser
@@ -201,18 +203,6 @@ def _parameter_help(function, name: str) -> str:
     from docstring_parser import parse
 
     return next(p.description for p in parse(function.__doc__).params if p.arg_name == name).replace("\n", " ")
-
-
-def _list_registered_options(sub: ArgumentParser) -> None:
-    """Append every dataset's options to the help of ``--data.options`` (read from the source, so
-    ``--help`` stays fast)."""
-    from fl_lightning.option_catalog import dataset_options, describe
-
-    catalogs = {"data.options": ("options per dataset", dataset_options)}
-    for action in sub._actions:
-        if action.dest in catalogs:
-            title, catalog = catalogs[action.dest]
-            action.help = f"{action.help} {title.capitalize()}: {describe(catalog())}."
 
 
 @functools.lru_cache(maxsize=1)
@@ -258,31 +248,42 @@ def parse_command(argv: List[str]):
 
 
 def _parse(parser: ArgumentParser, argv: List[str]):
-    """Parse ``argv``; a command given no model class (none at all, or model options before any
-    class) is parsed again with ``DEFAULT_MODEL`` named where it is first needed
-    (``_with_default_model``). As a parser default, its options would carry over to a class_path
-    that accepts them, such as CNN's channels to a config's ResNet18."""
+    """Parse ``argv``; a command that names no class for the model or the dataset (none at all,
+    or only options of it) is parsed again with the default class (``DEFAULT_CLASSES``) named
+    where it is first needed (``_with_default_classes``). As a parser default, a class's options
+    would carry over to a class_path that accepts them, such as CNN's channels to a config's
+    ResNet18."""
     try:
         try:
             cfg = parser.parse_args(argv)
-            classless = "model" in cfg[cfg.command] and cfg[cfg.command].model is None
+            command = cfg[cfg.command]
+            classless = [key for key in DEFAULT_CLASSES if key in command and command[key] is None]
         except Exception as error:
-            text = str(error)
-            classless = text.lstrip().startswith('Parser key "model"') and "NestedArg(" in text \
-                and "class_path" not in text
+            classless = [key for key in DEFAULT_CLASSES if _only_options_given(str(error), key)]
             if not classless:
                 raise
-        return parser.parse_args(_with_default_model(argv)) if classless else cfg
+        return parser.parse_args(_with_default_classes(argv, classless)) if classless else cfg
     except Exception as error:  # jsonargparse reports bad keys and values as ArgumentError
         if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
             raise ConfigError(*one_line(error, parser)) from None
         raise
 
 
-def _with_default_model(argv: List[str]) -> List[str]:
-    """``argv`` naming ``DEFAULT_MODEL`` before its first model option, or at its end."""
-    first = next((i for i, a in enumerate(argv) if a.startswith("--model.")), len(argv))
-    return [*argv[:first], "--model", DEFAULT_MODEL["class_path"], *argv[first:]]
+def _only_options_given(text: str, key: str) -> bool:
+    """Whether a parse error says that options of section ``key`` came without its class."""
+    if not (text.lstrip().startswith(f'Parser key "{key}"') and "NestedArg(" in text):
+        return False
+    tried = re.findall(r"Problem with given class_path '([^']+)'", text)
+    return all(path.endswith(".DatasetSource") for path in tried)  # the base class: nothing named
+
+
+def _with_default_classes(argv: List[str], keys: List[str]) -> List[str]:
+    """``argv`` naming the default class of each section in ``keys`` before its first option,
+    or at its end."""
+    for key in keys:
+        first = next((i for i, a in enumerate(argv) if a.startswith(f"--{key}.")), len(argv))
+        argv = [*argv[:first], f"--{key}", DEFAULT_CLASSES[key], *argv[first:]]
+    return argv
 
 
 def load_fit_config(path, key: str = "run"):

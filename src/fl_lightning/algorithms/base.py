@@ -19,6 +19,11 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
   contributions to the round's accumulators (a shared server half).
 - ``finish_round``: apply the aggregate once the accumulators are summed over ranks.
 
+Evaluation is a phase of the loop (``runtime.evaluation.EvaluationPhase``): ``evaluate(split)``
+scores on the server what the method serves (the global model; HeteroFL's tiers, FEAST's
+variants), and a method whose clients keep models of their own returns them from
+``client_models(split)``, which the phase scores on each client's test shard.
+
 Everything an algorithm keeps across rounds is returned by ``state_dict`` and checkpointed.
 
 Algorithm modules import client modules (Lightning) and models inside the methods that use
@@ -160,6 +165,11 @@ class Algorithm:
         data = self.ctx.data
         dataset, indices = data.split(split)
         return evaluate(self.ctx.fabric, self.ctx.model, dataset, indices, data.bundle.num_classes, batch_size)
+
+    def client_models(self, split: str):
+        """The clients' own models to score on ``split`` (a ``ClientModels``), or None: the
+        method serves only what ``evaluate`` scores (the default)."""
+        return None
 
     def report(self, summary: dict) -> str:
         """Text printed at the end of a run (tables of the final evaluation); empty by default."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,12 +13,13 @@ from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
-                                               head_keys, mean_client_scores, without_single_rows)
+                                               head_keys, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveInt
 from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.client_data import ClientData, eval_batches
 from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.evaluation import ClientModels
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed
@@ -209,19 +210,16 @@ class FedAS(FedAvg):
         self.store.sync(self.ctx.fabric, plan.cohort, owned)
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, split, batch_size):
-        overall = super().evaluate(split, batch_size)
-        clients = sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None)
-        if not clients:
-            return {**overall, **{f"global_{k}": v for k, v in overall.items()}}
-        dataset, indices = self.ctx.data.split(split)
-
+    def client_models(self, split):
+        """Each client that has trained serves its stored local model."""
         def personal(client: int):
             self._load(self.store.kept(client, TRAINED), self.global_state.keys())
             return self.worker
 
-        scores = mean_client_scores(self.ctx.fabric, clients, personal, dataset, indices, batch_size)
-        return {**scores, "clients": float(len(clients)), **{f"global_{k}": v for k, v in overall.items()}}
+        return ClientModels(self.trained_clients(), personal)
+
+    def trained_clients(self) -> List[int]:
+        return sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):

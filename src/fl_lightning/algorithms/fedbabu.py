@@ -4,14 +4,15 @@ random initialization, and is fine-tuned (with the body) on each client for pers
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, Literal, Optional, Tuple
+from typing import Literal, Optional, Tuple
 
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.head_body import head_keys, mean_client_scores
+from fl_lightning.algorithms.head_body import head_keys
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat
 from fl_lightning.runtime.channel import UP
+from fl_lightning.runtime.evaluation import ClientModels
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -31,8 +32,8 @@ class FedBABU(FedAvg):
     Personalization (the paper's evaluation): each client fine-tunes the global model on its own
     shard for ``finetune_epochs`` epochs, the whole network by default as in the paper (SGD at a
     hundredth of the training rate with its momentum and no weight decay, as the authors), and the
-    mean accuracy of the fine-tuned models on the server's split is reported as ``ft_acc`` (and
-    ``ft_loss``). It runs only where it is cheap enough: on the test split once the last round
+    mean accuracy of the fine-tuned models on their clients' test shards (``eval.client_test``) is
+    reported as ``ft_acc`` (and ``ft_loss``). It runs only where it is cheap enough: on the test split once the last round
     is done (the final and best-checkpoint figures) and in ``fl_lightning evaluate``.
     Details: docs/fl_baselines.md.
     """
@@ -72,7 +73,6 @@ class FedBABU(FedAvg):
         self.body_keys = [k for k in self.global_state if k not in self.head_keys]
         self._freeze_head()
         self.rounds_done = 0
-        self._finetuned: Dict[tuple, Dict[str, float]] = {}
 
     def _freeze_head(self) -> None:
         for p in self.worker.parameters():
@@ -93,46 +93,34 @@ class FedBABU(FedAvg):
         self.rounds_done = plan.round_idx + 1
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, split, batch_size):
-        metrics = super().evaluate(split, batch_size)
+    def client_models(self, split):
+        """Every client's fine-tuned copy of the global model, as ``ft_*`` figures; only on the
+        test split once the last round is done (and in ``fl_lightning evaluate``), where it is
+        cheap enough. The figures of one global model are computed once (its fingerprint)."""
         ctx = self.ctx
         final = ctx.mode == "evaluate" or self.rounds_done >= ctx.rounds
-        if self.finetune_epochs > 0 and split == "test" and final:
-            metrics.update(self.personalized(split, batch_size))
-        return metrics
+        if self.finetune_epochs == 0 or split != "test" or not final:
+            return None
+        fingerprint = tuple(float(v.double().sum()) for v in self.global_state.values() if v.is_floating_point())
+        return ClientModels(range(ctx.num_clients), self.finetuned, prefix="ft_", fingerprint=fingerprint)
 
-    def personalized(self, split: str, batch_size: int) -> Dict[str, float]:
-        """Mean ``ft_acc``/``ft_loss`` over all clients of the fine-tuned global model (cached for
-        the same global tensors, so the last model is fine-tuned once however often it is scored)."""
+    def finetuned(self, client: int):
+        """The worker holding the global model fine-tuned on ``client``'s shard."""
         from fl_lightning.modules.supervised import SupervisedClient
 
         ctx = self.ctx
-        fingerprint = (split, tuple(float(v.double().sum()) for v in self.global_state.values()
-                                    if v.is_floating_point()))
-        if fingerprint in self._finetuned:
-            return self._finetuned[fingerprint]
-        t = ctx.train
-        cfg = replace(t, epochs=self.finetune_epochs, steps=None)
-        lr, momentum, weight_decay = self.finetune_optimizer(t)
-        dataset, indices = ctx.data.split(split)
-
-        def finetuned(client: int):
-            self.worker.load_state_dict(self.global_state)
-            for p in self.worker.parameters():
-                p.requires_grad_(self.finetune_part == "full")
-            for p in self.head_params:
-                p.requires_grad_(True)
+        cfg = replace(ctx.train, epochs=self.finetune_epochs, steps=None)
+        lr, momentum, weight_decay = self.finetune_optimizer(ctx.train)
+        self.worker.load_state_dict(self.global_state)
+        for p in self.worker.parameters():
+            p.requires_grad_(self.finetune_part == "full")
+        for p in self.head_params:
+            p.requires_grad_(True)
+        try:
             torch.manual_seed(derive_seed(ctx.seed, FINETUNE_STREAM, client, 1))
             module = SupervisedClient(self.worker, lr, momentum, weight_decay)
             train_locally(ctx.fabric, module, ctx.shards[client], cfg,
                           torch.Generator().manual_seed(derive_seed(ctx.seed, FINETUNE_STREAM, client)))
-            return self.worker
-
-        try:
-            scores = mean_client_scores(ctx.fabric, list(range(ctx.num_clients)), finetuned, dataset, indices,
-                                        batch_size)
         finally:
             self._freeze_head()
-        out = {"ft_acc": scores["acc"], "ft_loss": scores["loss"]}
-        self._finetuned = {fingerprint: out}
-        return out
+        return self.worker

@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.head_body import class_prototypes, find_classifier, head_keys, mean_client_scores
+from fl_lightning.algorithms.head_body import class_prototypes, find_classifier, head_keys
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import DOWN, Channel
 from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.evaluation import ClientModels
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.plan import ClientTask
 from fl_lightning.runtime.result import ClientResult
@@ -171,18 +172,14 @@ class FedGH(FedAvg):
                             param.sub_(grad, alpha=lr)
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, split, batch_size):
-        clients = sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None)
-        if not clients:
-            return super().evaluate(split, batch_size)
-        dataset, indices = self.ctx.data.split(split)
-
+    def client_models(self, split):
+        """Each client that has trained serves its own body under the global header."""
         def personal(client: int):
             self.route(ClientTask(client), None)
             return self.worker
 
-        scores = mean_client_scores(self.ctx.fabric, clients, personal, dataset, indices, batch_size)
-        return {**scores, "clients": float(len(clients))}
+        return ClientModels(sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None),
+                            personal)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):

@@ -1,4 +1,4 @@
-"""The body/head split and per-client scoring shared by FedBABU, FedGH and FedAS.
+"""The body/head split shared by FedBABU, FedGH and FedAS.
 
 - :func:`find_classifier`: the model's final classifier (the "head" of FedBABU, the "header" of
   FedGH, the personalized part of FedAS), found generically: the last ``nn.Linear`` among the
@@ -9,25 +9,19 @@
 - :func:`class_prototypes`: per-class mean representations of a client's shard.
 - :func:`batch_statistics`: the model as local training runs it (batch norm on batch
   statistics) without touching its running statistics, for the methods' own passes.
-- :func:`score` and :func:`mean_client_scores`: accuracy and loss of per-client models on a
-  server split, each rank scoring a share of the clients (no torchmetrics collectives, since
-  ranks score different models), then one all-reduce.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, Iterator, List, Tuple
+from typing import Iterable, Iterator, List, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.elastic.bn import batch_statistics  # noqa: F401  (the head/body methods' BN mode)
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.client_data import eval_batches
-from fl_lightning.runtime.collectives import all_reduce_sum
-from fl_lightning.runtime.seeding import shard_for_rank
 
 
 def find_classifier(model: nn.Module) -> Tuple[str, nn.Linear]:
@@ -133,42 +127,3 @@ def class_prototypes(model: nn.Module, classifier: nn.Module, dataset, indices: 
         return torch.zeros(num_classes, dim, device=device), counts.float()
     means = sums / counts.clamp(min=1).unsqueeze(1)
     return means.float(), counts.float()
-
-
-@torch.no_grad()
-def score(fabric, model: nn.Module, dataset, indices: torch.Tensor, batch_size: int) -> Tuple[float, float, int]:
-    """``(correct, summed cross-entropy, examples)`` of ``model`` on ``indices`` of ``dataset``,
-    on this rank alone."""
-    was_training = model.training
-    model.eval()
-    correct, loss, n = 0.0, 0.0, 0
-    with fabric.strategy.precision.forward_context():
-        for x, y in eval_batches(dataset, indices, batch_size, fabric.device):
-            logits = model(x).float()
-            correct += float((logits.argmax(1) == y).sum())
-            loss += float(F.cross_entropy(logits, y, reduction="sum"))
-            n += len(y)
-    model.train(was_training)
-    return correct, loss, n
-
-
-def mean_client_scores(fabric, clients: List[int], load: Callable[[int], nn.Module], dataset,
-                       indices: torch.Tensor, batch_size: int) -> Dict[str, float]:
-    """Mean over ``clients`` of each client model's accuracy and mean loss on the split.
-
-    ``load(client)`` returns the module holding that client's model. Each rank scores a
-    contiguous share of the clients; the sums cross ranks in one all-reduce (float64), so
-    the figures do not depend on the rank count.
-    """
-    if indices is None:
-        indices = torch.arange(len(dataset))
-    mine = shard_for_rank(list(clients), fabric.global_rank, fabric.world_size)
-    acc_sum, loss_sum = 0.0, 0.0
-    for client in mine:
-        correct, loss, n = score(fabric, load(client), dataset, indices, batch_size)
-        acc_sum += correct / max(n, 1)
-        loss_sum += loss / max(n, 1)
-    sums = all_reduce_sum(fabric, {"acc": torch.tensor(acc_sum, dtype=torch.float64, device=fabric.device),
-                                   "loss": torch.tensor(loss_sum, dtype=torch.float64, device=fabric.device)})
-    count = max(len(clients), 1)
-    return {"acc": float(sums["acc"]) / count, "loss": float(sums["loss"]) / count}

@@ -61,11 +61,11 @@ def load_run(run_dir) -> Dict:
 
 def run_tv(run: Dict) -> np.ndarray:
     """Label TV of every client of a saved run (reloads its dataset and partition)."""
-    from fl_lightning.data.datasets import load_dataset
     from fl_lightning.runtime.checkpoint import load_checkpoint
+    from fl_lightning.saved_configs import dataset_of
 
-    data = run["config"]["data"]
-    bundle = load_dataset(data["name"], data.get("root", "data"), False, False, **(data.get("options") or {}))
+    source, root = dataset_of(run["config"])
+    bundle = source.load(root, False, False)
     part = load_checkpoint(run["dir"] / "partition.pt")
     clients = [part[f"client/{i}"] for i in range(len([k for k in part if k.startswith("client/")]))]
     return label_tv(clients, bundle.train_targets, bundle.num_classes)

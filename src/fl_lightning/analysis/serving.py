@@ -32,6 +32,7 @@ import numpy as np
 import yaml
 
 from fl_lightning.feast_protocol import KAPPA_FB
+from fl_lightning.saved_configs import dataset_of, upgrade_tree
 
 
 class RunFormatError(ValueError):
@@ -92,7 +93,8 @@ class ServingRun:
 
     @property
     def dataset(self) -> str:
-        return str(self.get("data.name", "?"))
+        """The dataset's short name (``synthetic``, ``cifar100``, ...)."""
+        return dataset_of(self.config)[0].name
 
     @property
     def seed(self) -> int:
@@ -207,6 +209,7 @@ def read_files(path: Path) -> RunFiles:
         if not (path / name).is_file():
             raise RunFormatError(f"{path}: no {name} (not a finished run)")
     config = yaml.safe_load((path / "config.yaml").read_text())
+    config = upgrade_tree(config) or config  # a run saved with a named model or dataset
     summary = json.loads((path / "summary.json").read_text())
     best, final = summary.get("best") or {}, summary.get("final") or {}
     block = best if "test_acc" in best else final

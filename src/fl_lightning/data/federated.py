@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -12,9 +12,8 @@ from torchvision.transforms import v2
 from fl_lightning.config import DataConfig, PartitionConfig
 from fl_lightning.data.base import DatasetBundle
 from fl_lightning.data.budgets import zipf_budgets
-from fl_lightning.data.datasets import load_dataset
-from fl_lightning.data.partition import alpha_data_for, make_partition
-from fl_lightning.data.splits import carve_server_splits, groups_to_pool, to_dataset_indices
+from fl_lightning.data.partition import alpha_data_for, make_partition, natural_partition
+from fl_lightning.data.splits import carve_server_splits, groups_to_pool, label_matched_shards, to_dataset_indices
 from fl_lightning.errors import ConfigError
 
 
@@ -34,6 +33,10 @@ class FederatedData:
     budgets: Optional[torch.Tensor]
     server: Optional[Dataset] = None
     """Dataset that ``val`` and ``calib`` index (default: the training pool, unaugmented)."""
+    client_groups: Optional[torch.Tensor] = None
+    """With a natural partition: the group (e.g. Shakespeare role) each client is."""
+    seed: int = 0
+    _client_shards: dict = field(default_factory=dict, repr=False)
 
     def split(self, name: str) -> Tuple[Dataset, Optional[torch.Tensor]]:
         """(dataset, indices) of a server-side split: 'test', 'val' or 'calib'."""
@@ -41,6 +44,30 @@ class FederatedData:
             return self.bundle.test, None
         server = self.server if self.server is not None else self.bundle.train_eval
         return server, {"val": self.val, "calib": self.calib}[name]
+
+    def client_shards(self, name: str) -> Tuple[Dataset, List[torch.Tensor]]:
+        """(dataset, per-client indices) of a split shared among the clients, each client's share
+        its own test data: with a natural partition whose dataset has natural test groups
+        (Shakespeare's roles), the client's group; otherwise a share whose label mix is the
+        client's training mix (:func:`label_matched_shards`). A pure function of the data, the
+        partition and the seed; computed once per split."""
+        if name not in self._client_shards:
+            dataset, indices = self.split(name)
+            test_groups = self.bundle.extras.get("test_groups")
+            if name == "test" and self.client_groups is not None and test_groups is not None:
+                shards = [torch.as_tensor(test_groups[int(g)], dtype=torch.long) for g in self.client_groups]
+            else:
+                targets = torch.as_tensor(dataset.targets, dtype=torch.long)
+                if targets.dim() != 1:
+                    raise ConfigError("eval.client_test", "own needs one class label per example or a natural "
+                                                          "partition of a dataset with test groups; use global")
+                if indices is None:
+                    indices = torch.arange(len(targets))
+                train_targets = self.bundle.train_targets
+                local = label_matched_shards(targets[indices], [train_targets[c] for c in self.clients], self.seed)
+                shards = [indices[positions] for positions in local]
+            self._client_shards[name] = (dataset, shards)
+        return self._client_shards[name]
 
     def calibration_set(self, transform: str = "train") -> Tuple[Dataset, torch.Tensor]:
         """(dataset, indices) of the BN-calibration split seen through the ``train`` transform
@@ -86,7 +113,7 @@ def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
     if data.server_source == "valid":
         valid = bundle.extras.get("valid")
         if valid is None:
-            raise ConfigError("data.server_source", f"{data.name} has no separate validation split")
+            raise ConfigError("data.server_source", f"{bundle.name} has no separate validation split")
         valid_targets = torch.as_tensor(valid.targets, dtype=torch.long)
         if data.val_size + data.calib_size > len(valid_targets):
             raise ConfigError("data.val_size", f"val_size + calib_size must be <= {len(valid_targets)} validation examples")
@@ -102,8 +129,7 @@ def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
 def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int,
                          bundle: Optional[DatasetBundle] = None) -> FederatedData:
     if bundle is None:
-        bundle = load_dataset(data.name, root=data.root, download=data.download,
-                              augment=data.augment, **data.options)
+        bundle = data.source().load(data.root, data.download, data.augment)
     if data.randaugment:
         bundle.train = with_randaugment(bundle.train, *data.randaugment)
     targets = bundle.train_targets
@@ -112,7 +138,7 @@ def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int
     groups = None
     if partition.method == "natural":
         if bundle.groups is None:
-            raise ConfigError("partition.method", f"natural needs a dataset with natural groups; {data.name} has none")
+            raise ConfigError("partition.method", f"natural needs a dataset with natural groups; {bundle.name} has none")
         groups = groups_to_pool(bundle.groups, pool)
     alpha = partition.alpha
     if partition.alpha_eff is not None:
@@ -121,4 +147,7 @@ def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int
                             alpha=alpha, gamma=partition.gamma, budgets=budgets,
                             groups=groups, min_size=partition.min_size, b_cap=partition.budgets.b_cap)
     clients = to_dataset_indices(shards, pool)
-    return FederatedData(bundle, clients, val, calib, budgets, server)
+    client_groups = None
+    if partition.method == "natural":  # which group each client is (the same draw as the partition's)
+        client_groups = natural_partition(groups, partition.num_clients, seed, partition.min_size).group_ids
+    return FederatedData(bundle, clients, val, calib, budgets, server, client_groups, seed)

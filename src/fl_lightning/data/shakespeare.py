@@ -28,7 +28,6 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..option_types import is_number
 from ..errors import ConfigError
 from .base import ArrayDataset, DatasetBundle
 
@@ -300,7 +299,7 @@ def _corrupt(path: str, problem: str, hint: str) -> ConfigError:
 
 def _encode_leaf(xs: Sequence[str], ys: Sequence[str], vocabulary: str, seq_length: int, where: str):
     if any(len(s) != seq_length for s in xs):
-        raise ConfigError("data.options.seq_length",
+        raise ConfigError("data.dataset.seq_length",
                           f"LEAF JSON in {where} holds windows that are not {seq_length} characters long")
     if len(ys) != len(xs) or any(len(s) != 1 for s in ys):
         raise ConfigError("data.root", f"LEAF JSON in {where}: 'y' must hold one character per 'x' window")
@@ -346,11 +345,6 @@ def _concat(parts: list, seq_length: int):
     return x, y, groups
 
 
-def _check_int(key: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"data.options.{key}", f"must be an integer >= {minimum}, got {value!r}")
-
-
 def resolve_source(root: str, source: str = "auto", plays_dir: Optional[str] = None):
     """``("leaf", dir)`` or ``("plays", dir)``: where the Shakespeare data is read from."""
     leaf_dir = os.path.join(root, "shakespeare", "data")
@@ -365,25 +359,15 @@ def check_shakespeare(root: str = "data", download: bool = False, *, source: str
                       min_samples_per_role: int = 64, max_roles: Optional[int] = None,
                       test_fraction: float = 0.2, vocabulary: str = "leaf",
                       seq_length: int = SEQ_LENGTH, test_stride: int = 1) -> None:
-    """Validate the options and that the chosen source is on disk, without parsing it."""
-    if source not in SOURCES:
-        raise ConfigError("data.options.source", f"must be one of {', '.join(SOURCES)}, got {source!r}")
-    if vocabulary not in VOCABULARIES:
-        raise ConfigError("data.options.vocabulary", f"must be one of {', '.join(VOCABULARIES)}, got {vocabulary!r}")
-    if not is_number(test_fraction) or not 0.0 < test_fraction < 1.0:
-        raise ConfigError("data.options.test_fraction", f"must be a number in (0, 1), got {test_fraction!r}")
-    _check_int("min_samples_per_role", min_samples_per_role, 0)
-    if max_roles is not None:
-        _check_int("max_roles", max_roles, 1)
-    _check_int("seq_length", seq_length, 1)
-    _check_int("test_stride", test_stride, 1)
+    """That the chosen source is on disk and agrees with the options, without parsing it (each
+    option's own range is its type's in ``fl_lightning.data.Shakespeare``)."""
     kind, where = resolve_source(root, source, plays_dir)
     if kind == "leaf":
         if not _leaf_files(where, "train"):
             raise ConfigError("data.root", f"no LEAF Shakespeare JSON under '{where}': expected "
                               f"{where}/train/*.json and {where}/test/*.json (LEAF's preprocess.sh output)")
         if int(seq_length) != SEQ_LENGTH:
-            raise ConfigError("data.options.seq_length",
+            raise ConfigError("data.dataset.seq_length",
                               f"LEAF JSON windows are {SEQ_LENGTH} characters; use source: plays for other lengths")
         return
     if not os.path.isdir(where) or not play_files(where):
@@ -393,10 +377,10 @@ def check_shakespeare(root: str = "data", download: bool = False, *, source: str
                           "it cannot be downloaded automatically")
     if plays is not None:
         if isinstance(plays, str):
-            raise ConfigError("data.options.plays", "must be a list of play names, not a string")
+            raise ConfigError("data.dataset.plays", "must be a list of play names, not a string")
         missing = sorted(set(plays) - set(play_files(where)))
         if missing:
-            raise ConfigError("data.options.plays", f"unknown plays {missing}; found: {', '.join(play_files(where))}")
+            raise ConfigError("data.dataset.plays", f"unknown plays {missing}; found: {', '.join(play_files(where))}")
 
 
 def load_shakespeare(root: str = "data", download: bool = False, augment: bool = True, *,
@@ -431,7 +415,7 @@ def load_shakespeare(root: str = "data", download: bool = False, augment: bool =
         roles = _roles_from_plays(where, plays, vocab, seq_length, float(test_fraction), int(min_samples_per_role))
     roles = _largest(roles, max_roles)
     if not roles:
-        raise ConfigError("data.options.min_samples_per_role",
+        raise ConfigError("data.dataset.min_samples_per_role",
                           f"no role in '{where}' has {min_samples_per_role} or more windows and text enough for "
                           f"both a training and a test part (test windows start {seq_length - 1} "
                           "after the last training one)")

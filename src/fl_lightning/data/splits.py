@@ -106,4 +106,30 @@ def groups_to_pool(groups: Sequence[Sequence[int]], pool_idx: torch.Tensor) -> L
     return result
 
 
-__all__ = ["carve_server_splits", "groups_to_pool", "to_dataset_indices"]
+def label_matched_shards(split_targets, client_targets: Sequence[torch.Tensor], seed: int) -> List[torch.Tensor]:
+    """Share a split's examples among clients so that each client's share has its training mix.
+
+    The examples of class k (a seeded random order) go to the clients in proportion to how many
+    examples of class k each holds for training (largest remainder, so every example of a class
+    some client holds is given out); a class no client holds is given to none. This is how
+    personalized methods are scored on "the client's own test data" (FedBABU, FedGH, FedAS).
+    Returns positions in ``split_targets``, one sorted tensor per client (possibly empty).
+    """
+    y = np.asarray(torch.as_tensor(split_targets).cpu()).reshape(-1)
+    num_classes = int(max([y.max(initial=-1)] + [int(t.max()) for t in client_targets if len(t)])) + 1
+    held = np.stack([np.bincount(np.asarray(t.cpu()).reshape(-1), minlength=num_classes) for t in client_targets])
+    rng = seeded_rng(seed, "client_eval_shards")
+    shares: List[List[np.ndarray]] = [[] for _ in client_targets]
+    for k in range(num_classes):
+        examples = np.flatnonzero(y == k)
+        if len(examples) == 0 or held[:, k].sum() == 0:
+            continue
+        examples = examples[rng.permutation(len(examples))]
+        counts = _largest_remainder(len(examples), held[:, k], rng)
+        for client, part in enumerate(np.split(examples, np.cumsum(counts)[:-1])):
+            shares[client].append(part)
+    return [torch.from_numpy(np.sort(np.concatenate(s)).astype(np.int64)) if s else torch.zeros(0, dtype=torch.long)
+            for s in shares]
+
+
+__all__ = ["carve_server_splits", "groups_to_pool", "label_matched_shards", "to_dataset_indices"]

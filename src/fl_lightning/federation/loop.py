@@ -32,6 +32,7 @@ from fl_lightning.federation.provenance import METHOD, check_method, load_algori
 from fl_lightning.federation.run_dir import JsonLines, RunDir
 from fl_lightning.federation.run_lock import LOCK
 from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
+from fl_lightning.runtime.evaluation import EvaluationPhase
 from fl_lightning.runtime.plan import RoundPlan
 from fl_lightning.runtime.seeding import balanced_share
 
@@ -111,6 +112,7 @@ class Federation:
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         self.last_eval: tuple = (-1, {})  # (round, metrics) of the latest evaluate_round
         self.method = method_record(self.algorithm, spec.config_yaml)
+        self.evaluation = EvaluationPhase(fabric, self.algorithm, self.fed, spec.eval.batch_size, spec.eval.client_test)
         if spec.resume_from:
             state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume",
                                     required=("model", "algorithm", "round", "best"))
@@ -212,7 +214,7 @@ class Federation:
 
     # -- evaluation -----------------------------------------------------------------------------
     def _split_metrics(self, split: str) -> dict:
-        metrics = self.algorithm.evaluate(split, self.spec.eval.batch_size)
+        metrics = self.evaluation(split)
         return {f"{split}_{k}": v for k, v in metrics.items()}
 
     def evaluate_round(self, round_idx: int) -> dict:

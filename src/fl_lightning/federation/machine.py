@@ -47,21 +47,6 @@ RANK_BASE_BYTES = 2**30
 BYTES_PER_PARAMETER = 64
 GB = 2**30
 
-# (classes, one example's shape, examples held in memory, bytes per value) of each dataset, for
-# the estimate only; options that change them are read in ``dataset_facts``.
-DATASETS = {
-    "digits": (10, (1, 8, 8), 1_797, 4),
-    "mnist_subset": (10, (1, 28, 28), 5_000, 4),
-    "cifar10": (10, (3, 32, 32), 60_000, 1),
-    "cifar100": (100, (3, 32, 32), 60_000, 1),
-    "emnist": (62, (1, 28, 28), 814_255, 1),
-    "cinic10": (10, (3, 32, 32), 270_000, 1),
-    "tinyimagenet": (200, (3, 64, 64), 120_000, 1),
-    "domainnet": (345, (3, 64, 64), 586_575, 1),
-    "shakespeare": (80, (80,), 4_000_000, 8),
-}
-
-
 @dataclass(frozen=True)
 class Machine:
     cores: int
@@ -121,24 +106,9 @@ def available_memory() -> Optional[int]:
 
 
 def dataset_facts(data: DataConfig) -> Tuple[int, tuple, int]:
-    """(classes, input shape, bytes of the examples a rank holds) of ``data``, estimated."""
-    options = data.options
-    if data.name == "synthetic":
-        size, channels = int(options.get("image_size", 32)), int(options.get("channels", 3))
-        count = int(options.get("num_train", 5000)) + int(options.get("num_test", 1000))
-        return int(options.get("num_classes", 10)), (channels, size, size), count * channels * size * size * 4
-    classes, shape, count, value_bytes = DATASETS.get(data.name, (10, (3, 32, 32), 50_000, 1))
-    if data.name == "emnist" and options.get("as_float"):
-        value_bytes = 4
-    if data.name in ("cinic10", "tinyimagenet", "domainnet") and not options.get("in_memory"):
-        return classes, shape, count * 256  # file paths and targets; images are read on access
-    if data.name == "domainnet":
-        size = int(options.get("image_size", 64))
-        shape = (3, size, size)
-    per_example = value_bytes
-    for dim in shape:
-        per_example *= dim
-    return classes, shape, count * per_example
+    """(classes, input shape, bytes of the examples a rank holds) of ``data``, estimated (each
+    dataset class states its own: ``DatasetSource.footprint``)."""
+    return data.source().footprint()
 
 
 def parameter_count(model, classes: int, input_shape: tuple) -> int:
@@ -232,7 +202,7 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
                 devices = max(1, fits)
                 why += f", lowered to {devices} by memory"
         if not gpu and fits is not None and fits < 1:  # no rank count helps: the model or data is too big
-            key = "model" if BYTES_PER_PARAMETER * footprint.parameters >= footprint.data_bytes else "data.name"
+            key = "model" if BYTES_PER_PARAMETER * footprint.parameters >= footprint.data_bytes else "data.dataset"
             raise ConfigError(key, f"one rank needs {need}, but {have}")
     # Several CPU ranks on one node are forked from this process once it has imported and
     # checked everything: re-running the command per rank (Fabric's ddp launcher) would repeat

@@ -1,8 +1,17 @@
-"""Accuracy and loss of a model on a dataset, shared across ranks by torchmetrics, and the
-per-level evaluation of methods that serve several models."""
+"""Evaluation, a phase of the round loop (and of ``fl_lightning evaluate``).
+
+- :func:`evaluate`: accuracy and loss of one model on a dataset, shared across ranks by
+  torchmetrics (the server-side scoring of a global model).
+- :func:`evaluate_levels`: the per-level evaluation of methods that serve several models.
+- :class:`ClientModels` and :func:`score_client_models`: client-side scoring, for methods whose
+  clients keep models of their own (personalized methods): each client's model on that client's
+  test shard, or on the whole split.
+- :class:`EvaluationPhase`: one split's figures, server-side and client-side together.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
@@ -10,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.runtime.client_data import eval_batches
+from fl_lightning.runtime.collectives import all_reduce_sum
 from fl_lightning.runtime.seeding import shard_for_rank
 
 
@@ -56,3 +66,95 @@ def evaluate_levels(score: Callable[[int], dict], levels: Iterable[int], served:
     out = {"acc": population, mean_key: sum(m["acc"] for m in per_level.values()) / len(per_level)}
     out.update({f"{name(k)}_acc": m["acc"] for k, m in per_level.items()})
     return out
+
+
+@dataclass
+class ClientModels:
+    """The models clients serve themselves, as a method hands them to the evaluation phase.
+
+    ``load(client)`` returns the module holding that client's model (it may reuse one module).
+    ``prefix`` names the figures: "" makes them the method's ``acc``/``loss`` (the global model's
+    move to ``global_acc``/``global_loss``); another prefix adds them beside the global model's.
+    ``fingerprint``: figures already computed for the same split and fingerprint are reused
+    (for models costly to make, such as FedBABU's fine-tuned ones); None: always scored.
+    """
+
+    clients: Sequence[int]
+    load: Callable[[int], nn.Module]
+    prefix: str = ""
+    fingerprint: Optional[tuple] = None
+
+
+@torch.no_grad()
+def _sums(fabric, model: nn.Module, dataset, indices: torch.Tensor, batch_size: int) -> tuple:
+    """``(correct, summed cross-entropy, examples)`` of ``model`` on ``indices``, on this rank alone."""
+    was_training = model.training
+    model.eval()
+    correct, loss, n = 0.0, 0.0, 0
+    with fabric.strategy.precision.forward_context():
+        for x, y in eval_batches(dataset, indices, batch_size, fabric.device):
+            logits = model(x).float()
+            correct += float((logits.argmax(1) == y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            n += len(y)
+    model.train(was_training)
+    return correct, loss, n
+
+
+def score_client_models(fabric, models: ClientModels, dataset, shards: Callable[[int], torch.Tensor],
+                        batch_size: int) -> Dict[str, float]:
+    """Mean over clients of each client model's accuracy and mean loss on ``shards(client)``.
+
+    Each rank scores a contiguous share of the clients (no torchmetrics collectives: ranks score
+    different models); the sums cross ranks in one float64 all-reduce, so the figures do not
+    depend on the rank count. A client with an empty shard is left out of the mean; ``clients``
+    counts those scored.
+    """
+    acc_sum, loss_sum, scored = 0.0, 0.0, 0
+    for client in shard_for_rank(list(models.clients), fabric.global_rank, fabric.world_size):
+        indices = shards(client)
+        if len(indices) == 0:
+            continue
+        correct, loss, n = _sums(fabric, models.load(client), dataset, indices, batch_size)
+        acc_sum, loss_sum, scored = acc_sum + correct / n, loss_sum + loss / n, scored + 1
+    as_tensor = lambda v: torch.tensor(float(v), dtype=torch.float64, device=fabric.device)  # noqa: E731
+    sums = all_reduce_sum(fabric, {"acc": as_tensor(acc_sum), "loss": as_tensor(loss_sum), "n": as_tensor(scored)})
+    count = int(sums["n"])
+    if count == 0:
+        return {}
+    return {"acc": float(sums["acc"]) / count, "loss": float(sums["loss"]) / count, "clients": float(count)}
+
+
+class EvaluationPhase:
+    """One split's figures: the method's server-side evaluation (``algorithm.evaluate``) and, for
+    a method that returns :class:`ClientModels` for the split, the clients' own models scored on
+    their test shards (``client_test="own"``) or on the whole split (``"global"``)."""
+
+    def __init__(self, fabric, algorithm, data, batch_size: int, client_test: str = "own"):
+        self.fabric, self.algorithm, self.data = fabric, algorithm, data
+        self.batch_size, self.client_test = batch_size, client_test
+        self._reused: Dict[tuple, Dict[str, float]] = {}
+
+    def __call__(self, split: str) -> Dict[str, float]:
+        metrics = self.algorithm.evaluate(split, self.batch_size)
+        models: Optional[ClientModels] = self.algorithm.client_models(split)
+        if models is None:
+            return metrics
+        if not models.prefix:
+            metrics = {**metrics, **{f"global_{k}": v for k, v in metrics.items()}}
+        key = None if models.fingerprint is None else (split, self.client_test, models.fingerprint)
+        if key is None or key not in self._reused:
+            scores = self._score(split, models)
+            if key is not None:
+                self._reused = {key: scores}  # only the latest: the same model is rescored, not older ones
+        else:
+            scores = self._reused[key]
+        return {**metrics, **{f"{models.prefix}{k}": v for k, v in scores.items()}}
+
+    def _score(self, split: str, models: ClientModels) -> Dict[str, float]:
+        if self.client_test == "own":
+            dataset, shards = self.data.client_shards(split)
+            return score_client_models(self.fabric, models, dataset, lambda c: shards[c], self.batch_size)
+        dataset, indices = self.data.split(split)
+        whole = torch.arange(len(dataset)) if indices is None else indices
+        return score_client_models(self.fabric, models, dataset, lambda c: whole, self.batch_size)
