@@ -278,9 +278,7 @@ def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):
 
 def test_help_lists_every_model_and_dataset_option(capsys):
     """Model and dataset options come from the class signatures: ``--model.help CLASS`` and
-    ``--data.dataset.help CLASS`` list every one (a dataset's are its loader's keyword options,
-    so the two signatures must agree), and ``--help`` names every class."""
-    import importlib
+    ``--data.dataset.help CLASS`` list every one, and ``--help`` names every class."""
     import inspect
 
     import fl_lightning.data as data
@@ -299,15 +297,8 @@ def test_help_lists_every_model_and_dataset_option(capsys):
         assert "--model.num_classes" not in shown and "--model.max_widths" not in shown
     assert {f"{data.__name__}.{cls.__name__}" for cls in SOURCES} == {
         f"{data.__name__}.{n}" for n in data.__all__ if n != "DatasetSource"}
-    for cls in SOURCES:
-        module, _, function = cls.loader.partition(":")
-        loader = getattr(importlib.import_module(module), function)
-        keyword = {p.name: p.default for p in inspect.signature(loader).parameters.values()
-                   if p.kind is inspect.Parameter.KEYWORD_ONLY}
-        options = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"}
-        assert options == keyword, cls.__name__
-        checker = cls.checker.partition(":")
-        assert callable(getattr(importlib.import_module(checker[0]), checker[2])), cls.__name__
+    for cls in SOURCES:  # the options are the loader's: tests/test_datasets.py checks the two signatures agree
+        options = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         with pytest.raises(SystemExit):
             main(["fit", "--data.dataset.help", f"{data.__name__}.{cls.__name__}"])
         shown = capsys.readouterr().out

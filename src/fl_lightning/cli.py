@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, List, Optional
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
-from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
-                                 PartitionConfig)
+from fl_lightning.config import (DEFAULT_DATASET, DataConfig, EvalConfig, FabricConfig, FederationConfig,
+                                 LocalTrainConfig, PartitionConfig)
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
 from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction, number_type
@@ -42,7 +42,8 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 DEFAULT_ALGORITHM = {"class_path": "fl_lightning.algorithms.FedAvg"}
 DEFAULT_MODEL = {"class_path": "fl_lightning.elastic.models.CNN"}
 # Class sections a command may leave unnamed, and the class they then get (``_parse``).
-DEFAULT_CLASSES = {"model": DEFAULT_MODEL["class_path"], "data.dataset": "fl_lightning.data.Digits"}
+DEFAULT_CLASSES = {"model": DEFAULT_MODEL["class_path"],
+                   "data.dataset": f"fl_lightning.data.{DEFAULT_DATASET.__name__}"}
 Seed = number_type(int, ge=0, lt=2**63)  # numpy's and torch's generators take any of these
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple, Union, get_args
 
 from fl_lightning.data.sources import DatasetSource, Digits
+
+DEFAULT_DATASET = Digits
+"""The dataset of a config that names none."""
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import (FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                                        number_type)
@@ -73,7 +76,7 @@ class DataConfig:
 
     def source(self) -> DatasetSource:
         """The dataset (digits when none is named)."""
-        return self.dataset if self.dataset is not None else Digits()
+        return self.dataset if self.dataset is not None else DEFAULT_DATASET()
 
 
 @dataclass

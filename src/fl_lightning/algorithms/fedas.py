@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -216,10 +216,7 @@ class FedAS(FedAvg):
             self._load(self.store.kept(client, TRAINED), self.global_state.keys())
             return self.worker
 
-        return ClientModels(self.trained_clients(), personal)
-
-    def trained_clients(self) -> List[int]:
-        return sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None)
+        return ClientModels(self.store.holding(TRAINED), personal)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):

@@ -178,8 +178,7 @@ class FedGH(FedAvg):
             self.route(ClientTask(client), None)
             return self.worker
 
-        return ClientModels(sorted(c for c in self.store.states if self.store.kept(c, TRAINED) is not None),
-                            personal)
+        return ClientModels(self.store.holding(TRAINED), personal)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):

@@ -1,8 +1,8 @@
 """The dataset loaders.
 
 Each loader is a plain function ``(root, download=False, augment=True, *, <options>)`` returning
-a :class:`DatasetBundle`, with a cheap check ``(root, download, *, <options>)`` that reads no
-data, so that a missing directory or a bad option fails before any work. Configs choose them
+a :class:`DatasetBundle`; one that reads files has a cheap check ``(root, download, *, <options>)``
+that reads no data, so that a missing directory or a bad option fails before any work. Configs choose them
 through the dataset classes of :mod:`fl_lightning.data.sources`, whose typed options are the
 loaders' keyword options. ``docs/datasets.md`` lists the on-disk layouts.
 
@@ -104,10 +104,6 @@ def read_text_file(path: str) -> str:
 # ----------------------------------------------------------------------------------------
 
 
-def _check_digits(root, download, *, test_fraction=0.2):
-    """Nothing to check: scikit-learn's file ships with it."""
-
-
 def per_class_tail_split(targets: torch.Tensor, test_fraction: float):
     """Train/test indices: the last ``test_fraction`` of each class (in file order) is test."""
     train, test = [], []
@@ -192,10 +188,6 @@ def load_mnist_subset(root: str = "data", download: bool = False, augment: bool 
     test = ArrayDataset(images[test_idx], targets[test_idx])
     return _bundle("mnist_subset", train, train, test, 10, (1, 28, 28),
                    extras={"mean": float(mean), "std": float(std)})
-
-
-def _check_synthetic(root, download, **options):
-    """Nothing to check: the images are generated."""
 
 
 _SYNTHETIC_BACKGROUNDS = 32

@@ -50,7 +50,8 @@ class DatasetSource:
 
     name: ClassVar[str]
     loader: ClassVar[str]
-    checker: ClassVar[str]
+    checker: ClassVar[Optional[str]] = None
+    """``module:function`` checking the files; None: nothing on disk to check."""
     facts: ClassVar[Facts]
 
     def __init__(self) -> None:
@@ -63,7 +64,8 @@ class DatasetSource:
     def check(self, root: str, download: bool) -> None:
         """ConfigError (naming ``data.root``, ``data.dataset.<option>``, ...) if loading cannot
         work: the files the loader needs are missing, or options disagree with them."""
-        _function(self.checker)(str(root), bool(download), **self.options())
+        if self.checker is not None:
+            _function(self.checker)(str(root), bool(download), **self.options())
 
     def load(self, root: str, download: bool, augment: bool):
         """The :class:`~fl_lightning.data.base.DatasetBundle` (checked first)."""
@@ -111,7 +113,7 @@ class Digits(TailSplitDataset):
     """scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes), offline."""
 
     name, facts = "digits", Facts(10, (1, 8, 8), 1_797, 4)
-    loader, checker = f"{DATASETS_MODULE}:load_digits", f"{DATASETS_MODULE}:_check_digits"
+    loader = f"{DATASETS_MODULE}:load_digits"
 
 
 class MNISTSubset(TailSplitDataset):
@@ -125,7 +127,7 @@ class Synthetic(DatasetSource):
     """Procedurally generated class-conditional images, offline and deterministic in ``seed``."""
 
     name = "synthetic"
-    loader, checker = f"{DATASETS_MODULE}:load_synthetic", f"{DATASETS_MODULE}:_check_synthetic"
+    loader = f"{DATASETS_MODULE}:load_synthetic"
 
     def __init__(self, num_classes: number_type(int, ge=2) = 10, image_size: number_type(int, ge=4) = 32,
                  channels: PositiveInt = 3, num_train: PositiveInt = 5000, num_test: PositiveInt = 1000,

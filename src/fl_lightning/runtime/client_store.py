@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Mapping, Optional
+from typing import Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
@@ -51,6 +51,10 @@ class ClientStateStore:
         model), else None."""
         state = self.states.get(client)
         return state if state is not None and float(state[flag]) > 0 else None
+
+    def holding(self, flag: str) -> List[int]:
+        """The clients whose ``flag`` entry is set, in order."""
+        return sorted(c for c in self.states if self.kept(c, flag) is not None)
 
     # -- checkpoint: every entry as PREFIX + "<client>/<key>" ------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
