@@ -74,3 +74,54 @@ def test_the_blobs_dataset_trains_and_sizes_itself(spec_factory):
                         federation=FederationConfig(rounds=4, clients_per_round=3))
     summary = run_fit(spec)
     assert summary["final"]["test_acc"] > 0.6
+
+
+def test_two_cut_split_method_reduces_to_splitfed_v2_and_cuts_by_parity(spec_factory):
+    """The page's split method: with no smoothing and both cuts at block0 it is SplitFed V2 at
+    block0 bit for bit; with two cuts each client's front is the one its parity names (its
+    parameter count from the model split by hand), and the server's loss is label-smoothed
+    cross-entropy (float64 by hand: (1 - e) CE + e * mean over classes of -log p)."""
+    import torch.nn.functional as F
+
+    from lightning.fabric import Fabric
+
+    from fl_lightning.algorithms import SplitFed
+    from fl_lightning.federation.loop import Federation
+    from fl_lightning.federation.run_dir import RunDir
+
+    ns = doc_namespace()
+    reduced = spec_factory(name="reduced", algorithm=ns["TwoCutSplitFed"](shallow="block0", deep="block0", smoothing=0.0),
+                           federation=FederationConfig(rounds=2, clients_per_round=4))
+    v2 = spec_factory(name="v2", algorithm=SplitFed(cut="block0", version="v2"),
+                      federation=FederationConfig(rounds=2, clients_per_round=4))
+    run_fit(reduced)
+    run_fit(v2)
+    a, b = last_model(reduced), last_model(v2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    spec = spec_factory(name="two", algorithm=ns["TwoCutSplitFed"](smoothing=0.2),
+                        federation=FederationConfig(rounds=4, clients_per_round=6))
+    summary = run_fit(spec)
+    model = build_global_model(spec, build_federated_data(spec.data, spec.partition, 0))
+    front_params = {cut: sum(p.numel() for p in model.split(cut)[0].parameters()) for cut in ("block0", "block1")}
+    assert front_params["block0"] < front_params["block1"]
+    rows = [json.loads(l) for l in (Path(spec.out_dir) / "two" / "clients.jsonl").read_text().splitlines()]
+    assert len(rows) == 24
+    for row in rows:
+        assert row["client_params"] == front_params["block1" if row["client"] % 2 else "block0"]
+    assert summary["final"]["test_acc"] > 0.5  # it learns (chance: 0.1)
+
+    one = spec_factory(name="loss", algorithm=ns["TwoCutSplitFed"](smoothing=0.2))
+    fed = Federation(Fabric(accelerator="cpu", devices=1), one, RunDir(one.out_dir, one.name))
+    algorithm = fed.algorithm
+    plan = algorithm.plan(0)
+    client = algorithm.new_client(plan.tasks[0], plan)
+    _, back = algorithm.server_worker.split(plan.tasks[0].cut)
+    x, y = next(fed.ctx.shards[plan.tasks[0].client].steps(1, torch.Generator().manual_seed(0)))
+    front, _ = algorithm.client_worker.split(plan.tasks[0].cut)
+    sent = client.forward(front)(x).detach()
+    with torch.no_grad():
+        log_p = F.log_softmax(back(sent).double(), dim=1)
+        expected = (0.8 * -log_p.gather(1, y[:, None]).squeeze(1) + 0.2 * -log_p.mean(1)).mean()
+        loss = client.server_loss(back, sent, y)
+    assert abs(float(loss) - float(expected)) <= 1e-5 * max(1.0, float(expected))

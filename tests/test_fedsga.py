@@ -123,10 +123,8 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     state = algorithm.store.get(task.client)
     with torch.no_grad():
         state["prompt"].normal_(0, 0.1)
-    algorithm._prompt = state["prompt"].clone().requires_grad_(True)
-    algorithm._class_counts = torch.zeros_like(algorithm._proto_counts)
     algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
-    pair = algorithm.make_pair(task, plan)
+    pair = algorithm.make_pair(algorithm.new_client(task, plan))
     x, y = next(ctx.shards[task.client].steps(1, torch.Generator().manual_seed(0)))
     z = pair.client_forward(x)
     sent = z.detach().requires_grad_()
@@ -149,31 +147,31 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
 
     prompt0 = state["prompt"].clone()
 
-    def fresh_pair():  # both halves, the harmonizer and the prompt as the round starts
+    def fresh_pair():  # both halves, the harmonizer and the prompt (from the store) as the round starts
         algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
-        algorithm._prompt = prompt0.clone().requires_grad_(True)
-        algorithm._grad_norms, algorithm._grad_steps = torch.zeros(algorithm.num_prompts, dtype=torch.float64), 0
-        return algorithm.make_pair(task, plan)
+        client = algorithm.new_client(task, plan)
+        return client, algorithm.make_pair(client)
 
-    pair = fresh_pair()
+    client, pair = fresh_pair()
     fit = SplitFit(len(y))
-    split_step(pair, algorithm._server_rule)(ctx.fabric, 0, x, y, fit, ctx.train)
+    split_step(pair, client.server_rule)(ctx.fabric, 0, x, y, fit, ctx.train)
     front = pair.client_module
-    prompt_grad = algorithm._prompt.grad.detach().clone()
+    assert torch.equal(state["prompt"], prompt0)  # the store's prompt is untouched until the commit
+    prompt_grad = client.prompt.grad.detach().clone()
     front_grad = {n: p.grad.detach().clone() for n, p in front.named_parameters()}
     assert fit.cut_bytes_down == sent.numel() * 4
     # with the prompt kept from the alignment term, that term's gradient crosses too
     assert fit.channel.total("down", "align") == (sent.numel() * 4 if prompt_gradient == "task" else 0)
 
     # the same gradients by autograd through the composed network, from the same weights
-    fresh = fresh_pair()
+    client, fresh = fresh_pair()
     z = fresh.client_forward(x)
-    total = algorithm.server_objective(task, plan)(back, z, y)
-    align = algorithm._align_term
+    total = client.server_loss(back, z, y)
+    align = client.align_term
     expected_prompt, = torch.autograd.grad(total - align if prompt_gradient == "task" else total,
-                                           algorithm._prompt, retain_graph=True)
+                                           client.prompt, retain_graph=True)
     other_prompt, = torch.autograd.grad(total if prompt_gradient == "task" else total - align,
-                                        algorithm._prompt, retain_graph=True)
+                                        client.prompt, retain_graph=True)
     align_only = torch.autograd.grad(align, list(front.parameters()), retain_graph=True, allow_unused=True)
     grads = torch.autograd.grad(total, list(front.parameters()))
     assert torch.allclose(prompt_grad, expected_prompt, rtol=1e-4, atol=1e-6)
@@ -194,7 +192,7 @@ def test_copied_harmonizers_average_by_hand(spec_factory):
     commit = algorithm.commit
 
     def recording(acc, task, result, plan):
-        seen.append((float(result.num_samples), algorithm._class_counts.clone(),
+        seen.append((float(result.num_samples), result.payload.class_counts.clone(),
                      {k: v.detach().double().clone() for k, v in algorithm.harmonizer_worker.state_dict().items()}))
         commit(acc, task, result, plan)
     algorithm.commit = recording

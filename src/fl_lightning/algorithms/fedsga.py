@@ -20,12 +20,12 @@ Every formula and the choices the paper leaves open: docs/fedsga.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import nn
 
+from fl_lightning.algorithms.fedsga_client import FedSGAClient
 from fl_lightning.algorithms.split_common import default_candidates
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
@@ -40,20 +40,6 @@ ServerModel = Literal["shared", "copy"]
 PromptGradient = Literal["task", "all"]
 # seed streams: probe batches, random splits, harmonizer and estimator initialization
 PROBE_STREAM, SPLIT_STREAM, INIT_STREAM = 22, 23, 24
-
-
-@dataclass
-class NextClientState:
-    """What a FedSGA client fit hands the server for its per-client store, applied when the
-    result is committed (a non-finite result leaves the store as it was)."""
-
-    store: Dict[str, torch.Tensor]
-    """The client's new store entry: prompt, descriptor, its flag and the probe features."""
-    old_descriptor: torch.Tensor
-    """The descriptor the round's plan used, paired with this round's calibration label."""
-    had_descriptor: bool
-    sufficient: Optional[float]
-    """The calibration label of this round (None outside calibration rounds)."""
 
 
 class FedSGA(SplitFed):
@@ -267,7 +253,7 @@ class FedSGA(SplitFed):
         return split_index(r, len(self.cuts), self.rho, deepest), r
 
     # -- a client's round -----------------------------------------------------------------------
-    def _probe(self, client: int):
+    def probe(self, client: int):
         """The client's fixed probe batch (evaluation transform), on the device."""
         if client not in self._probes:
             from fl_lightning.runtime.client_data import eval_batches
@@ -279,7 +265,8 @@ class FedSGA(SplitFed):
                                                      self.ctx.fabric.device))
         return self._probes[client]
 
-    def _prompted(self, front, prompt):
+    def prompted(self, front, prompt):
+        """``front`` with ``prompt`` applied to its input (as it is without the adaptation channel)."""
         return self.prompts.apply(front, prompt) if self.adaptation_channel else front
 
     @torch.no_grad()
@@ -297,48 +284,42 @@ class FedSGA(SplitFed):
         from fl_lightning.elastic.bn import batch_statistics
 
         model = self.ctx.model
-        x, y = self._probe(client)
+        x, y = self.probe(client)
         losses = []
         channel.up("calibration", y)
         with batch_statistics(model):
             for depth in (0, self.ref_index):
                 front, _ = model.split(self.cuts[depth])
                 with self.ctx.fabric.autocast():
-                    interface = self._prompted(front, prompt)(x)
+                    interface = self.prompted(front, prompt)(x)
                 losses.append(self.harmonizer.probe_loss(interface, y, depth))
                 channel.up("calibration", interface)
         return losses[0], losses[1]
 
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
+        """The client's round with its prompt from the store (``algorithms/fedsga_client.py``)."""
+        return FedSGAClient(self, task, plan, self.store.get(task.client))
+
     def fit_client(self, task: ClientTask, plan: RoundPlan):
+        """Calibration probes on the received model (calibration rounds), the split round, then
+        the descriptors; the client's next store entry waits in the result's payload."""
         from fl_lightning.modules.sufficiency import sufficiency_label
 
-        state = self.store.get(task.client)
-        self._prompt_before = state["prompt"].detach().clone()
-        self._prompt = state["prompt"].detach().clone().requires_grad_(self.adaptation_channel)
-        self._grad_norms = torch.zeros(self.num_prompts, dtype=torch.float64)
-        self._grad_steps = 0
-        self._align_grad = None
-        self._class_counts = torch.zeros_like(self._proto_counts)
+        client = self.new_client(task, plan)
         if self.version == "v1" or task is plan.tasks[0]:  # shared: one harmonizer carried through the round
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
         self._trained_here = True
         calibration, calibration_link = {}, Channel()
         if task.options.get("calibrate"):
-            loss_p1, loss_ref = self._probe_losses(task.client, self._prompt.detach(), calibration_link)
+            loss_p1, loss_ref = self._probe_losses(task.client, client.prompt.detach(), calibration_link)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
                            "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta))}
-        result = super().fit_client(task, plan)
+        result = self.fit_split_client(client)
         result.channel.merge(calibration_link)
         result.metrics.update(calibration)
-        figures, result.payload = self._after_fit(task, calibration, result.channel)
+        figures, result.payload = client.report(calibration, result.channel)
         result.metrics.update(figures)
         return result
-
-    def client_forward(self, front, task):
-        return self._prompted(front, self._prompt)
-
-    def client_trainables(self, task):
-        return [self._prompt] if self.adaptation_channel else []
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         if not self.use_harmonizer:
@@ -350,128 +331,21 @@ class FedSGA(SplitFed):
             return {}
         return {f"harmonizer.{k}": v for k, v in self.harmonizer_worker.named_parameters()}
 
-    def after_client_backward(self, task):
-        if not self.adaptation_channel:
-            return None
-
-        def record():
-            if self._prompt.grad is not None:
-                self._grad_norms += self.prompts.token_norms(self._prompt.grad.detach()).double().cpu()
-                self._grad_steps += 1
-        return record
-
-    def _blocks_alignment_from_prompt(self) -> bool:
+    @property
+    def blocks_alignment_from_prompt(self) -> bool:
+        """``prompt_gradient: task`` with a prompt and an alignment term that reaches the model."""
         return self.adaptation_channel and self.use_harmonizer and self.prompt_gradient == "task"
-
-    def client_backward(self, task):
-        """With ``prompt_gradient: task`` the server sends the alignment term's gradient at the cut
-        beside the total, and the prompt's gradient leaves that part out."""
-        if not self._blocks_alignment_from_prompt():
-            return None
-
-        def backward(fabric, z, grad):
-            align = self._align_grad
-            if align is None:
-                fabric.backward(z, grad)
-                return
-            prompt_align, = torch.autograd.grad(z, self._prompt, align, retain_graph=True)
-            fabric.backward(z, grad)
-            self._prompt.grad -= prompt_align
-            self._align_grad = None
-        return backward
-
-    def train_pass(self, task, plan, pair):
-        """The standard split step with FedSGA's server rule (``modules/split.py``)."""
-        from fl_lightning.modules.split import split_step, train_split
-        from fl_lightning.runtime.seeding import client_generator
-
-        ctx = self.ctx
-        return train_split(ctx.fabric, split_step(pair, self._server_rule), ctx.shards[task.client], ctx.train,
-                           client_generator(ctx.seed, plan.round_idx, task.client))
-
-    def _server_rule(self, fabric, pair, sent, y, cfg, index, fit):
-        """One server step; with the prompt kept from the alignment term, that term's gradient at
-        the cut is sent down too, beside the total (``client_backward`` uses it)."""
-        with fabric.autocast():
-            loss = pair.server_loss(sent, y)
-        if self._blocks_alignment_from_prompt() and self._align_term is not None:
-            self._align_grad, = torch.autograd.grad(self._align_term, sent, retain_graph=True)
-            fit.channel.down("align", self._align_grad)
-        self._align_term = None
-        fabric.backward(loss)
-        pair.clip_server(fabric, cfg)
-        pair.server_optimizer.step()
-        return loss.detach(), sent.grad
-
-    def server_objective(self, task, plan):
-        import torch.nn.functional as F
-
-        depth = task.options["index"]
-        harmonizer = self.harmonizer_worker
-        self._align_term = None
-
-        def loss(back, sent, y):
-            logits = back(sent)
-            # without harmonization the projector learns on detached interfaces: the estimator's probe
-            features = harmonizer.project(sent if self.use_harmonizer else sent.detach(), depth)
-            if self.harmonized:
-                logits = logits + harmonizer.head(features).to(logits.dtype)
-            counts = harmonizer.update_prototypes(features.detach(), y)
-            self._class_counts += counts.to(self._class_counts.dtype)
-            align = self.lambda_align * harmonizer.alignment_loss(features, y)
-            self._align_term = align if self.use_harmonizer else None
-            return F.cross_entropy(logits, y) + align
-        return loss
-
-    @torch.no_grad()
-    def _after_fit(self, task: ClientTask, calibration: dict, channel: Channel) -> Tuple[Dict[str, float], "NextClientState"]:
-        """Descriptors on the probe batch with the trained front and prompt (batch norm on the
-        probe batch's statistics, as the interface is computed in training; the client uploads
-        the shallow interface and the labels); the client's new store entry waits in
-        the result's payload (:class:`NextClientState`) until the result is committed."""
-        from fl_lightning.elastic.bn import batch_statistics
-        from fl_lightning.modules.harmonizer import pool_interface
-        from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
-
-        x, y = self._probe(task.client)
-        state = self.store.get(task.client)
-        with batch_statistics(self.client_worker):
-            front, _ = self.client_worker.split(self.cuts[0])
-            with self.ctx.fabric.autocast():
-                shallow = self._prompted(front, self._prompt.detach())(x)
-        channel.up("probe", shallow, y)
-        pooled = pool_interface(shallow).float()
-        alignment = float(self.harmonizer_worker.true_class_probability(shallow, y, 0))
-        previous = state["probe_features"] if state["has_descriptor"].item() else None
-        stability = temporal_stability(pooled, previous)
-        if self.adaptation_channel and self._grad_steps:
-            variation = prompt_variation(self.prompts.tokens(self._prompt_before), self.prompts.tokens(self._prompt.detach()),
-                                         self._grad_norms / self._grad_steps, self.tau_m)
-        else:
-            variation = 0.0
-        descriptor = torch.tensor([alignment, stability, variation], device=state["descriptor"].device)
-        payload = NextClientState(
-            store={"prompt": self._prompt.detach().clone(), "descriptor": descriptor,
-                   "has_descriptor": torch.ones_like(state["has_descriptor"]),
-                   "probe_features": pooled.to(state["probe_features"])},
-            old_descriptor=state["descriptor"].clone(), had_descriptor=bool(state["has_descriptor"].item()),
-            sufficient=calibration.get("sufficient"))
-        figures = {"cut": task.options["index"], "alignment": alignment, "stability": stability,
-                   "prompt_variation": variation, "prompt_norm": float(self._prompt.detach().norm())}
-        if "r" in task.options:
-            figures["r"] = task.options["r"]
-        return figures, payload
 
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)
-        pending: NextClientState = result.payload
+        pending = result.payload
         weight = float(result.num_samples)
         if self.version == "v1":  # server copies: the projector and prototypes are averaged
             for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
                 self._harm_sums[name] += weight * value.detach().double()
             self._harm_weight += weight
-            self._proto_sums += self._class_counts[:, None] * self.harmonizer_worker.prototypes.double()
-            self._proto_counts += self._class_counts
+            self._proto_sums += pending.class_counts[:, None] * self.harmonizer_worker.prototypes.double()
+            self._proto_counts += pending.class_counts
         if pending.sufficient is not None and pending.had_descriptor:
             self._cal_pairs[task.client, :3] = pending.old_descriptor.double()
             self._cal_pairs[task.client, 3] = pending.sufficient

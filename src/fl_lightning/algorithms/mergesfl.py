@@ -199,7 +199,8 @@ class MergeSFL(SplitFed):
         steps = self.iterations(plan)
         for i, (slot, task) in enumerate(zip(self.slots, tasks)):
             shared = pairs[0].server_optimizer if pairs else None
-            pairs.append(self.make_pair(task, plan, client_worker=slot, load_server=i == 0, server_optimizer=shared))
+            client = self.new_client(task, plan)
+            pairs.append(self.make_pair(client, client_worker=slot, load_server=i == 0, server_optimizer=shared))
             shard = ctx.shards[task.client]
             data = ClientData(shard.dataset, shard.indices, task.options["batch_size"], shard.device,
                               shard.num_workers)

@@ -206,7 +206,8 @@ class MultiSFL(SplitFed):
         state = self.branches[branch]
         front_keys = self.halves.front(cut)
         front_regions = key_regions(state, front_keys)
-        pair = self.make_pair(task, plan, state=state)
+        client = self.new_client(task, plan)
+        pair = self.make_pair(client, state=state)
         self.helper_worker.train()
         helper_front, _ = self.helper_worker.split(cut)
         shard = ctx.shards[task.client]
@@ -224,7 +225,7 @@ class MultiSFL(SplitFed):
             load_routed_state(self.helper_worker, self.client_worker.state_dict(), front_regions)
             assistant_link.count(DOWN, "model", assistants * front_bytes)
 
-        replay = Replay(self.client_forward(helper_front, task), refresh_helper, helper_data,
+        replay = Replay(client.forward(helper_front), refresh_helper, helper_data,
                         torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),
                         shard.batches_per_epoch(), assistant_link)
         fit = train_split(ctx.fabric, split_step(pair, replay), shard, ctx.train,

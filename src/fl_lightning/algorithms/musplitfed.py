@@ -48,13 +48,13 @@ class MUSplitFed(SplitFed):
         self.estimator = estimator
         self.zo_smoothing = zo_smoothing
 
-    def train_pass(self, task, plan, pair):
+    def train_pass(self, client, pair):
         """``tau`` server steps per client batch (``modules/split_variants.py``): first order as a
         server rule, zeroth order as a step of its own."""
         from fl_lightning.modules.split import split_step, train_split
         from fl_lightning.modules.split_variants import unbalanced, zeroth_order_step
 
-        ctx = self.ctx
+        ctx, task, plan = self.ctx, client.task, client.plan
         if self.estimator == "zo":
             generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ZO_STREAM, plan.round_idx, task.client))
             step = zeroth_order_step(pair, self.tau, self.feedback_at, self.zo_smoothing, generator)

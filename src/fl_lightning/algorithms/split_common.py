@@ -1,14 +1,56 @@
-"""Pieces the split-FL methods (SplitFed, FedSGA, MergeSFL, MU-SplitFed, MultiSFL) share: the
-regions of one half's keys, the per-client figures of docs/fedsga.md ("The cut"), and the
-default cut candidates."""
+"""Pieces the split-FL methods (SplitFed, FedSGA, MergeSFL, MU-SplitFed, MultiSFL) share: a
+client's split round (:class:`SplitClient`), the regions of one half's keys, the per-client
+figures of docs/fedsga.md ("The cut"), and the default cut candidates."""
 
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from fl_lightning.elastic.routing import RegionMap, full_region_map
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+
+
+class SplitClient:
+    """One client's split round, made per task by the method (``SplitFed.new_client``): what
+    its front computes, what it trains besides the front, how its backward runs, and the
+    server's loss and step on its batches. Everything the round learns about the client stays
+    on this object, never on the method.
+
+    This one is plain split learning: the front as it is, cross-entropy at the server, one
+    server step per batch. FedSGA's client adds its prompt and the alignment term.
+    """
+
+    def __init__(self, task: ClientTask, plan: RoundPlan):
+        self.task, self.plan = task, plan
+
+    def forward(self, front: nn.Module):
+        """The client half's forward on a batch."""
+        return front
+
+    def trainables(self) -> List[torch.Tensor]:
+        """Client-side tensors trained besides the front."""
+        return []
+
+    def backward(self, fabric, z: torch.Tensor, grad: torch.Tensor) -> None:
+        """The client's backward from the gradient at the cut."""
+        fabric.backward(z, grad)
+
+    def after_backward(self) -> None:
+        """Called after the client's backward and clipping, before its step."""
+
+    def server_loss(self, back: nn.Module, sent: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The server half's loss on one received batch."""
+        return F.cross_entropy(back(sent), y)
+
+    def server_rule(self, fabric, pair, sent, y, cfg, index, fit) -> tuple:
+        """How the server half learns from one received batch (``modules/split.py``'s ServerRule)."""
+        from fl_lightning.modules.split import one_step
+
+        return one_step(fabric, pair, sent, y, cfg, index, fit)
 
 
 def key_regions(state: Mapping[str, torch.Tensor], keys: Sequence[str], prefix: str = "") -> RegionMap:

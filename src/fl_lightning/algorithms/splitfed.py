@@ -9,8 +9,9 @@ activations the client sends and returns the gradient at the cut (``modules/spli
   order on rank 0), its optimizer persisting across clients and rounds; only the fronts are
   averaged.
 
-Subclasses choose a cut per client (``cut_for``) and add server-side loss terms
-(``server_objective``): FedSGA does both. docs/fedsga.md describes what is counted.
+Each client's round is a :class:`SplitClient` made per task (``new_client``): its forward,
+backward and the server's loss and step on its batches. Subclasses choose a cut per client
+(``cut_for``) and their own client (FedSGA: a prompt and the alignment term). docs/fedsga.md describes what is counted.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
-from fl_lightning.algorithms.split_common import key_regions, split_metrics
+from fl_lightning.algorithms.split_common import SplitClient, key_regions, split_metrics
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import PositiveFloat
@@ -128,21 +129,9 @@ class SplitFed(FedAvg):
     def cut_for(self, client: int, round_idx: int) -> str:
         return self.cut
 
-    def server_objective(self, task: ClientTask, plan: RoundPlan):
-        """``loss(back_output_fn, zs, y)``: the server half's loss on one batch (cross-entropy)."""
-        import torch.nn.functional as F
-
-        def loss(back, sent, y):
-            return F.cross_entropy(back(sent), y)
-        return loss
-
-    def client_forward(self, front: nn.Module, task: ClientTask):
-        """The client half's forward on a batch (FedSGA prepends the client's prompt)."""
-        return front
-
-    def client_trainables(self, task: ClientTask) -> List[torch.Tensor]:
-        """Client-side tensors trained besides the front (FedSGA: the prompt)."""
-        return []
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> SplitClient:
+        """The client's split round (``split_common.SplitClient``): FedSGA's carries a prompt."""
+        return SplitClient(task, plan)
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         """Server-side tensors trained with the back, by name (FedSGA: the harmonizer)."""
@@ -153,21 +142,22 @@ class SplitFed(FedAvg):
         parameter group of their own (FedSGA without harmonization: the estimator's probe)."""
         return {}
 
-    def client_backward(self, task: ClientTask):
-        """The client's backward from the gradient at the cut (None: ``fabric.backward``)."""
-        return None
-
     def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        pair = self.make_pair(task, plan)
-        fit = self.train_pass(task, plan, pair)
+        return self.fit_split_client(self.new_client(task, plan))
+
+    def fit_split_client(self, client: SplitClient) -> ClientResult:
+        """Build the client's pair, train it over the client's shard, and return the result."""
+        pair = self.make_pair(client)
+        fit = self.train_pass(client, pair)
         if self.version == "v2":
             self._stash_momentum(pair.server_optimizer)
-        return self.client_result(task, fit)
+        return self.client_result(client.task, fit)
 
-    def make_pair(self, task: ClientTask, plan: RoundPlan, client_worker: Optional[nn.Module] = None,
+    def make_pair(self, client: SplitClient, client_worker: Optional[nn.Module] = None,
                   load_server: Optional[bool] = None, server_optimizer=None,
                   state: Optional[Dict[str, torch.Tensor]] = None):
-        """The client round's two halves with their optimizers (``modules/split.py``).
+        """The client round's two halves with their optimizers (``modules/split.py``), driven by
+        ``client``'s forward, backward and server loss.
 
         The client half is ``client_worker`` (default: the rank's worker) holding the global
         front; the server half is a copy of the global back for this client (V1), or the one
@@ -176,7 +166,8 @@ class SplitFed(FedAvg):
         instead of the global model's (MultiSFL's branches)."""
         from fl_lightning.modules.split import make_pair
 
-        ctx, cut = self.ctx, task.cut
+        ctx, task, plan = self.ctx, client.task, client.plan
+        cut = task.cut
         source = state if state is not None else self.global_state
         worker = client_worker if client_worker is not None else self.client_worker
         load_routed_state(worker, source, key_regions(source, self.halves.front(cut)))
@@ -189,7 +180,6 @@ class SplitFed(FedAvg):
         self.server_worker.train()
         front, _ = worker.split(cut)
         _, back = self.server_worker.split(cut)
-        objective = self.server_objective(task, plan)
         extra, probes = self.server_trainables(), self.server_probes()
         server_params = list(back.parameters()) + list(extra.values())
         names = {id(p): name for name, p in self.server_worker.named_parameters()}
@@ -199,23 +189,23 @@ class SplitFed(FedAvg):
         if self.version == "v2":
             momentum = {id(p): self._server_momentum[names[id(p)]] for p in server_params + list(probes.values())
                         if names.get(id(p)) in self._server_momentum}
-        return make_pair(ctx.fabric, ctx.train, client_forward=self.client_forward(front, task),
-                         server_loss=lambda zs, y: objective(back, zs, y), client_module=front,
-                         server_module=back, client_params=list(front.parameters()) + self.client_trainables(task),
+        return make_pair(ctx.fabric, ctx.train, client_forward=client.forward(front),
+                         server_loss=lambda zs, y: client.server_loss(back, zs, y), client_module=front,
+                         server_module=back, client_params=list(front.parameters()) + client.trainables(),
                          server_params=server_params, lr=plan.lr,
                          server_lr=self.server_lr if self.server_lr is not None else plan.lr,
-                         server_momentum=momentum, after_client_backward=self.after_client_backward(task),
+                         server_momentum=momentum, after_client_backward=client.after_backward,
                          server_optimizer=server_optimizer, probe_params=list(probes.values()),
-                         client_backward=self.client_backward(task))
+                         client_backward=client.backward)
 
-    def train_pass(self, task: ClientTask, plan: RoundPlan, pair):
-        """One client's split training over its shard with the standard step (``modules/split.py``);
-        MU-SplitFed changes the step, MultiSFL the server rule."""
+    def train_pass(self, client: SplitClient, pair):
+        """One client's split training over its shard with the standard step and the client's
+        server rule (``modules/split.py``); MU-SplitFed changes the step, MultiSFL the rule."""
         from fl_lightning.modules.split import split_step, train_split
 
-        ctx = self.ctx
-        return train_split(ctx.fabric, split_step(pair), ctx.shards[task.client], ctx.train,
-                           client_generator(ctx.seed, plan.round_idx, task.client))
+        ctx, task = self.ctx, client.task
+        return train_split(ctx.fabric, split_step(pair, client.server_rule), ctx.shards[task.client], ctx.train,
+                           client_generator(ctx.seed, client.plan.round_idx, task.client))
 
     def client_result(self, task: ClientTask, fit, module: Optional[nn.Module] = None,
                       state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:
@@ -240,9 +230,6 @@ class SplitFed(FedAvg):
         fit.channel.send_state(UP, "model", state, front_keys)
         return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(module, regions),
                             module=module, metrics=metrics, channel=fit.channel)
-
-    def after_client_backward(self, task: ClientTask):
-        return None
 
     def _stash_momentum(self, optimizer: torch.optim.Optimizer) -> None:
         from fl_lightning.modules.split import momentum_buffers
