@@ -420,10 +420,9 @@ def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
         if key not in params:  # running statistics and counters: never mutated by default
             assert all(torch.equal(local[key], value) for local in copies), key
     assert "features.block0.bn.running_var" in current
-    drawn = dict(alg._signs)
-    alg.plan(1)  # the same draw again: signs depend on (seed, round) only
-    assert drawn.keys() == alg._signs.keys()
-    assert all(torch.equal(drawn[c], alg._signs[c]) for c in drawn)
+    again = alg.plan(1)  # the same draw again: signs depend on (seed, round) only
+    assert [t.client for t in again.tasks] == [t.client for t in plan.tasks]
+    assert all(torch.equal(a.options["signs"], b.options["signs"]) for a, b in zip(again.tasks, plan.tasks))
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])

@@ -11,8 +11,9 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
   global tensors into a local model (``route``), wraps it in a LightningModule
   (``client_module``) and runs local training; what crosses between server and client goes
   through the client's ``Channel`` (``send_model`` / ``return_model`` say what: by default the
-  routed slices both ways). A method that drives training itself (several optimizers, a server
-  half stepped per batch) overrides ``fit_client`` and sends through its own channel.
+  routed slices both ways); ``client_figures`` adds the method's own per-client figures. A
+  method that drives training itself (several optimizers, a server half stepped per batch)
+  overrides ``fit_client`` and sends through its own channel.
 - ``commit(acc, task, result)``: a finite result's per-client bookkeeping and its merge into
   the round's accumulators. A client whose loss or update is not finite is never committed.
 - ``close_cohort(acc, plan, owned)``: after this rank's clients are committed, server-side
@@ -110,8 +111,15 @@ class Algorithm:
         fit = train_locally(self.ctx.fabric, module, self.ctx.shards[task.client], self.ctx.train,
                             client_generator(self.ctx.seed, plan.round_idx, task.client))
         self.return_model(channel, routed, task)
-        return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel)
+        result = ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
+                              metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel)
+        result.metrics.update(self.client_figures(task, result, plan))
+        return result
+
+    def client_figures(self, task: ClientTask, result: ClientResult, plan: RoundPlan) -> Dict[str, float]:
+        """The method's own per-client figures of a trained client (its width, level, costs),
+        logged beside the fit's; none by default."""
+        return {}
 
     def send_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
         """What the server sends a client to train: the routed slices."""

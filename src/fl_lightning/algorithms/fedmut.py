@@ -82,8 +82,7 @@ class FedMut(FedAvg):
         self.mutated_keys = [k for k, v in self.global_state.items()
                              if v.is_floating_point() and (self.mutate_buffers or k in params)]
         self.previous = {k: v.detach().clone() for k, v in self.global_state.items() if v.is_floating_point()}
-        self._signs: Dict[int, torch.Tensor] = {}
-        self._delta: Dict[str, torch.Tensor] = {}
+        self._delta: Dict[str, torch.Tensor] = {}  # the round's w_g - w_prev, shared by its clients
 
     def negative_weight(self, round_idx: int) -> float:
         """The weight opposite to +1 for the models sent in ``round_idx`` (-1 without acceleration)."""
@@ -97,7 +96,8 @@ class FedMut(FedAvg):
         plan = super().plan(round_idx)
         generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MUTATION_STREAM, round_idx))
         signs = balanced_signs(generator, len(plan.tasks), len(self.mutated_keys), self.negative_weight(round_idx))
-        self._signs = {task.client: signs[i] for i, task in enumerate(plan.tasks)}
+        for i, task in enumerate(plan.tasks):
+            task.options["signs"] = signs[i]  # each mutated tensor's +1, 0 or negative weight
         with torch.no_grad():
             self._delta = {k: self.global_state[k] - self.previous[k] for k in self.mutated_keys}
         return plan
@@ -105,7 +105,7 @@ class FedMut(FedAvg):
     def route(self, task, plan):
         """The client's mutated copy ``w_g + alpha v_i (.) (w_g - w_prev)``."""
         load_routed_state(self.worker, self.global_state, self.worker_regions)
-        signs = self._signs[task.client].tolist()
+        signs = task.options["signs"].tolist()
         local = self.worker.state_dict()
         with torch.no_grad():
             for key, sign in zip(self.mutated_keys, signs):

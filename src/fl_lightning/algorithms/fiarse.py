@@ -290,18 +290,14 @@ class FIARSE(FedAvg):
     def return_model(self, channel, routed, task) -> None:
         channel.send_state(UP, "model", routed.module.state_dict())
 
-    def fit_client(self, task, plan):
-        """The default fit, with FIARSE's costs; ``bytes_kept`` is what the kept positions alone
-        would take to send."""
-        result = super().fit_client(task, plan)
+    def client_figures(self, task, result, plan):
+        """FIARSE's costs; ``bytes_kept`` is what the kept positions alone would take to send."""
         routed: MaskedRouted = result.update
         kept = sum(routed.kept.values())
-        result.metrics.update({
-            "bytes_kept": routed.payload_bytes(),
-            "fraction": routed.fraction, "kept_fraction": kept / self.maskable_numel,
-            "logical_macs": float(self.macs.logical(routed.kept, self.macs_convention)),
-            "executed_macs": float(self.dense_macs)})
-        return result
+        return {"bytes_kept": routed.payload_bytes(),
+                "fraction": routed.fraction, "kept_fraction": kept / self.maskable_numel,
+                "logical_macs": float(self.macs.logical(routed.kept, self.macs_convention)),
+                "executed_macs": float(self.dense_macs)}
 
     def commit(self, acc, task, result, plan) -> None:
         """Add the client's model on its support, weighted by examples (or 1)."""

@@ -187,14 +187,12 @@ class ScaleFL(FedAvg):
                              weights=self.exit_weights, reduction=self.kl_reduction,
                              detach_teacher=self.detach_teacher, mixer=mixer)
 
-    def fit_client(self, task, plan):
-        result = super().fit_client(task, plan)
+    def client_figures(self, task, result, plan):
         k = task.options["level"] - 1
         cost = self.costs[k]
-        result.metrics.update({"level": task.options["level"], "fallback": int(task.options["fallback"]),
-                               "macs": self.level_macs[k], "train_macs": cost["train_macs"], "params": cost["params"],
-                               "kd_active": int(self.kd_active(plan.round_idx))})
-        return result
+        return {"level": task.options["level"], "fallback": int(task.options["fallback"]),
+                "macs": self.level_macs[k], "train_macs": cost["train_macs"], "params": cost["params"],
+                "kd_active": int(self.kd_active(plan.round_idx))}
 
     # -- evaluation -----------------------------------------------------------------------------
     def level_model(self, k: int) -> torch.nn.Module:

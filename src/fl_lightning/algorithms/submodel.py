@@ -152,12 +152,9 @@ class SubmodelAlgorithm(FedAvg):
     def work(self, task) -> float:
         return super().work(task) * self.cost(task.spec)[1]
 
-    def fit_client(self, task, plan):
-        result = super().fit_client(task, plan)
+    def client_figures(self, task, result, plan):
         params, macs = self.cost(task.spec)
-        result.metrics.update({"p": task.options["p"], "p_max": float(self.caps[task.client]),
-                               "params": params, "macs": macs})
-        return result
+        return {"p": task.options["p"], "p_max": float(self.caps[task.client]), "params": params, "macs": macs}
 
     # -- the server step --------------------------------------------------------------------
     def finish_round(self, new_state, sums, plan, owned) -> None:
@@ -326,12 +323,12 @@ class HeteroFL(SubmodelAlgorithm):
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                         macs=self.cost(task.spec)[1], mixer=mixer)
 
-    def fit_client(self, task, plan):
-        result = super().fit_client(task, plan)
+    def client_figures(self, task, result, plan):
+        figures = super().client_figures(task, result, plan)
         if self.assignment is not None:
             k = int(self.assignment.assigned[task.client])
-            result.metrics.update({"level": k + 1, "fallback": int(self.assignment.fallback[task.client])})
-        return result
+            figures.update({"level": k + 1, "fallback": int(self.assignment.fallback[task.client])})
+        return figures
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
@@ -470,11 +467,11 @@ class FjORD(SubmodelAlgorithm):
         return OrderedDropoutDistillClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                            task.spec, low, self.distill_weight)
 
-    def fit_client(self, task, plan):
-        result = super().fit_client(task, plan)
+    def client_figures(self, task, result, plan):
+        figures = super().client_figures(task, result, plan)
         if self.sample == "step" and result.module is not None and result.module.drawn:
-            result.metrics["p_steps"] = float(np.mean(result.module.drawn))
-        return result
+            figures["p_steps"] = float(np.mean(result.module.drawn))
+        return figures
 
 
 class RandomBudget(SubmodelAlgorithm):
