@@ -14,17 +14,26 @@ from fl_lightning.elastic.models import CNN
 TOL = 1e-5
 
 
+def same_values(ours: torch.Tensor, stored: torch.Tensor) -> bool:
+    """Equal, up to the last bits of float32 where the tensors are float: the stored case was
+    made on another CPU, whose initializers and image transforms round differently (a few ulps);
+    the golden comparisons' TOL is far above that, and another case would be far off."""
+    if not ours.is_floating_point():
+        return torch.equal(ours, stored)
+    return ours.shape == stored.shape and torch.allclose(ours.double(), stored.double(), rtol=1e-6, atol=1e-7)
+
+
 def assert_same_case(case, initial, cohort, batches):
     """Our run starts from the stored model and trains on the stored batches (else the golden
     values would be about another case)."""
     assert list(cohort) == list(case["cohort"])
     for key, value in case["initial"].items():
-        assert torch.equal(initial[key], value), key
+        assert same_values(initial[key], value), key
     for client in case["cohort"]:
         ours, stored = batches[client], case["batches"][client]
         assert len(ours) >= len(stored)
         for (x, y), (xs, ys) in zip(ours, stored):
-            assert torch.equal(x, xs) and torch.equal(y, ys)
+            assert same_values(x, xs) and torch.equal(y, ys)
 
 
 def float_keys(state, skip=()):
@@ -107,7 +116,7 @@ def test_fedas_round_matches_reference(tmp_path, source):
     assert_same_case(case, initial, cohort, batches)
     for client in cohort:  # the alignment batches too
         for (x, y), (xs, ys) in zip(batches[(client, 16)], case["align_batches"][client]):
-            assert torch.equal(x, xs[:len(x)]) and torch.equal(y, ys[:len(y)])
+            assert same_values(x, xs[:len(x)]) and torch.equal(y, ys[:len(y)])
     alg = fed.algorithm
     fisher = {row["client"]: row["fisher_trace"] for row in fed.client_rows}
     for client in cohort:
@@ -126,7 +135,6 @@ def test_fedmut_round_and_mutations_match_the_authors_code(tmp_path):
     from different generators, so per tensor each of our two clients must hold one of the
     authors' two mutated values (``w_g + 4 g`` or ``w_g - 4 g``), and not the same one."""
     from fl_lightning.algorithms.fedmut import FedMut
-    from fl_lightning.runtime.plan import ClientTask
 
     golden = load("fedmut", "authors.pt")
     case = golden["case"]
@@ -140,7 +148,7 @@ def test_fedmut_round_and_mutations_match_the_authors_code(tmp_path):
     assert len(plan.tasks) == 2
     sent = []
     for task in plan.tasks:
-        sent.append({k: v.clone() for k, v in alg.route(ClientTask(task.client), plan).module.state_dict().items()})
+        sent.append({k: v.clone() for k, v in alg.route(task, plan).module.state_dict().items()})
     plus, minus = golden["mutated"]
     for key in keys:
         picks = []
