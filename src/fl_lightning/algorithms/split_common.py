@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.elastic.routing import RegionMap, full_region_map
+from fl_lightning.modules.split import one_step
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 
 
@@ -48,8 +49,6 @@ class SplitClient:
 
     def server_rule(self, fabric, pair, sent, y, cfg, index, fit) -> tuple:
         """How the server half learns from one received batch (``modules/split.py``'s ServerRule)."""
-        from fl_lightning.modules.split import one_step
-
         return one_step(fabric, pair, sent, y, cfg, index, fit)
 
 
