@@ -35,10 +35,8 @@ class FixedCohort(FedAvg):
         module.lr = plan.lr * task.options["lr_factor"]
         return module
 
-    def fit_client(self, task, plan):
-        result = super().fit_client(task, plan)
-        result.metrics["weight_norm"] = float(sum(p.detach().pow(2).sum() for p in result.update.module.parameters()))
-        return result
+    def client_figures(self, task, result, plan):
+        return {"weight_norm": float(sum(p.detach().pow(2).sum() for p in result.update.module.parameters()))}
 
 
 def rows(spec, name):

@@ -5,15 +5,17 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
 - ``plan(round_idx) -> RoundPlan``: the cohort and what each client trains (default: a
   uniform sample of ``clients_per_round`` clients training the whole model).
 - ``fit_cohort(plan, owned)``: this rank's share of the plan, yielding ``(task, result)``; by
-  default one client after another through ``fit_client``. A method that trains its cohort
-  jointly (MergeSFL's lock-stepped clients) overrides it.
-- ``fit_client(task, plan) -> ClientResult``: one client's round. The default routes the
-  global tensors into a local model (``route``), wraps it in a LightningModule
-  (``client_module``) and runs local training; what crosses between server and client goes
-  through the client's ``Channel`` (``send_model`` / ``return_model`` say what: by default the
-  routed slices both ways); ``client_figures`` adds the method's own per-client figures. A
-  method that drives training itself (several optimizers, a server half stepped per batch)
-  overrides ``fit_client`` and sends through its own channel.
+  default one client after another, each through the object ``new_client(task, plan)`` makes
+  (``algorithms/client.py``). A method that trains its cohort jointly (MergeSFL's lock-stepped
+  clients) overrides it.
+- ``new_client(task, plan)``: one client's round as an object; its ``fit()`` returns the
+  ``ClientResult``. The default (``LocalClient``) routes the global tensors into a local model
+  (``route``), wraps it in a LightningModule (``client_module``) and runs local training; what
+  crosses between server and client goes through the client's ``Channel`` (``send_model`` /
+  ``return_model`` say what: by default the routed slices both ways); ``client_figures`` adds
+  the method's own per-client figures. A method whose client does more (FedAS's alignment,
+  FedGH's prototypes, the split methods' server half in the loop) returns its own client
+  object, which keeps what the round learns about that client.
 - ``commit(acc, task, result)``: a finite result's per-client bookkeeping and its merge into
   the round's accumulators. A client whose loss or update is not finite is never committed.
 - ``close_cohort(acc, plan, owned)``: after this rank's clients are committed, server-side
@@ -37,17 +39,17 @@ from typing import Dict, Iterator, List, Tuple
 
 import torch
 
+from fl_lightning.algorithms.client import Client, LocalClient
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
 from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.evaluation import evaluate
-from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.schedule import round_lr
-from fl_lightning.runtime.seeding import client_generator, sample_clients, seed_client
+from fl_lightning.runtime.seeding import sample_clients, seed_client
 
 
 class Algorithm:
@@ -99,22 +101,13 @@ class Algorithm:
         (seed, round, client)."""
         for task in owned:
             seed_client(self.ctx.seed, plan.round_idx, task.client)
-            yield task, self.fit_client(task, plan)
+            yield task, self.new_client(task, plan).fit()
 
-    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        """Route, send the routed model down the client's channel, train locally, and send the
-        trained model back up."""
-        channel = Channel()
-        routed = self.route(task, plan)
-        self.send_model(channel, routed, task)
-        module = self.client_module(routed, task, plan)
-        fit = train_locally(self.ctx.fabric, module, self.ctx.shards[task.client], self.ctx.train,
-                            client_generator(self.ctx.seed, plan.round_idx, task.client))
-        self.return_model(channel, routed, task)
-        result = ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                              metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel)
-        result.metrics.update(self.client_figures(task, result, plan))
-        return result
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> Client:
+        """The object that runs the client's round (``algorithms/client.py``): by default local
+        training of what ``route`` gives, through ``send_model`` / ``client_module`` /
+        ``return_model`` / ``client_figures``."""
+        return LocalClient(self, task, plan)
 
     def client_figures(self, task: ClientTask, result: ClientResult, plan: RoundPlan) -> Dict[str, float]:
         """The method's own per-client figures of a trained client (its width, level, costs),

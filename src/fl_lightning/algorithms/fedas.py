@@ -12,17 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
                                                head_keys, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveInt
-from fl_lightning.runtime.channel import DOWN, UP, Channel
+from fl_lightning.runtime.channel import DOWN
 from fl_lightning.runtime.client_data import ClientData, eval_batches
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.evaluation import ClientModels
-from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import client_generator, derive_seed
+from fl_lightning.runtime.seeding import derive_seed
 
 ALIGN_STREAM = 33  # seed stream of the alignment pass's batch order
 TRAINED = "fedas/trained"  # per-client flag in the store: 1 once the client holds a trained model
@@ -70,6 +70,42 @@ def alignment_loss(features: torch.Tensor, labels: torch.Tensor, prototypes: tor
             f = features[labels == c]
             loss = loss + F.mse_loss(f, prototypes[c].to(f.dtype).expand_as(f))
     return loss
+
+
+class FedASClient(LocalClient):
+    """A FedAS client's round: parameter alignment of the received body towards the prototypes
+    of its previous local model, local training with its own head, then the trace of its
+    Fisher information (the aggregation weight); the whole trained model goes up."""
+
+    def receive(self) -> Routed:
+        method, ctx, task = self.method, self.ctx, self.task
+        stored = method.store.kept(task.client, TRAINED)
+        previous = stored if stored is not None else method.init_state
+        self.align_loss = 0.0
+        if method.align_epochs > 0 and (stored is not None or method.align_unseen):
+            shard = ctx.shards[task.client]
+            method._load(previous, method.global_state.keys())
+            prototypes, counts = class_prototypes(method.worker, method.classifier, shard.dataset, shard.indices,
+                                                  ctx.num_classes, method.align_batch_size, ctx.fabric.device,
+                                                  batch_stats=True)
+            load_routed_state(method.worker, method.global_state, method.worker_regions)
+            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ALIGN_STREAM, self.plan.round_idx,
+                                                                  task.client))
+            self.align_loss = method.align(shard, prototypes, counts > 0, generator)
+        else:
+            load_routed_state(method.worker, method.global_state, method.worker_regions)
+        method._load(previous, method.head_keys)  # the personalized head
+        routed = Routed(method.worker, method.worker_regions)
+        method.send_model(self.channel, routed, task)
+        return routed
+
+    def after_training(self, routed, module, fit) -> FisherResult:
+        shard, ctx = self.ctx.shards[self.task.client], self.ctx
+        fisher = fisher_trace(routed.module, shard.dataset, shard.indices, ctx.train.batch_size, ctx.fabric.device)
+        self.method.return_model(self.channel, routed, self.task)
+        return FisherResult(self.task.client, fit.num_samples, fit.loss, update=routed, module=module, fisher=fisher,
+                            metrics={"steps": fit.steps, "seconds": fit.seconds, "fisher_trace": fisher,
+                                     "align_loss": self.align_loss}, channel=self.channel)
 
 
 class FedAS(FedAvg):
@@ -137,35 +173,13 @@ class FedAS(FedAvg):
                 local[key].copy_(state[key])
 
     # -- a round --------------------------------------------------------------------------------
-    def fit_client(self, task, plan):
-        ctx = self.ctx
-        shard = ctx.shards[task.client]
-        stored = self.store.kept(task.client, TRAINED)
-        previous = stored if stored is not None else self.init_state
-        align_loss = 0.0
-        if self.align_epochs > 0 and (stored is not None or self.align_unseen):
-            self._load(previous, self.global_state.keys())
-            prototypes, counts = class_prototypes(self.worker, self.classifier, shard.dataset, shard.indices,
-                                                  ctx.num_classes, self.align_batch_size, ctx.fabric.device,
-                                                  batch_stats=True)
-            load_routed_state(self.worker, self.global_state, self.worker_regions)
-            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ALIGN_STREAM, plan.round_idx, task.client))
-            align_loss = self.align(shard, prototypes, counts > 0, generator)
-        else:
-            load_routed_state(self.worker, self.global_state, self.worker_regions)
-        self._load(previous, self.head_keys)  # the personalized head
-        routed = Routed(self.worker, self.worker_regions)
-        module = self.client_module(routed, task, plan)
-        generator = client_generator(ctx.seed, plan.round_idx, task.client)
-        fit = train_locally(ctx.fabric, module, shard, ctx.train, generator)
-        fisher = fisher_trace(self.worker, shard.dataset, shard.indices, ctx.train.batch_size, ctx.fabric.device)
-        channel = Channel()  # the global body comes down; the whole trained model goes up
-        state = self.worker.state_dict()
+    def new_client(self, task, plan):
+        return FedASClient(self, task, plan)
+
+    def send_model(self, channel, routed, task) -> None:
+        """The global body comes down (the head is the client's own)."""
+        state = routed.module.state_dict()
         channel.send_state(DOWN, "model", state, [k for k in state if k not in self.head_keys])
-        channel.send_routed(UP, routed)
-        return FisherResult(task.client, fit.num_samples, fit.loss, update=routed, module=module, fisher=fisher,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds, "fisher_trace": fisher,
-                                     "align_loss": align_loss}, channel=channel)
 
     def align(self, shard: ClientData, prototypes: torch.Tensor, present: torch.Tensor,
               generator: torch.Generator) -> float:

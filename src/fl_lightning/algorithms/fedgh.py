@@ -10,17 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.head_body import class_prototypes, find_classifier, head_keys
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import PositiveFloat, PositiveInt
-from fl_lightning.runtime.channel import DOWN, Channel
+from fl_lightning.runtime.channel import DOWN
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.evaluation import ClientModels
-from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.plan import ClientTask
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import client_generator
 
 TRAINED = "fedgh/trained"  # per-client flag in the store: 1 once the client holds a trained body
 
@@ -33,6 +32,25 @@ class Prototypes:
     """``[C, D]``; rows of classes the client does not hold are zero and are not sent."""
     present: torch.Tensor
     """``[C]`` float mask of the classes the client holds."""
+
+
+class FedGHClient(LocalClient):
+    """A FedGH client's round: its own body under the global header, trained locally; what goes
+    up is each present class's prototype and label, never the model."""
+
+    def after_training(self, routed, module, fit) -> ClientResult:
+        ctx, shard = self.ctx, self.ctx.shards[self.task.client]
+        # batch statistics: the representations the header sees in local training; with running
+        # statistics from a few local steps, evaluation-mode ones were up to 100x larger and the
+        # server's header steps diverged
+        protos, counts = class_prototypes(routed.module, self.method.worker_classifier, shard.dataset, shard.indices,
+                                          ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
+                                          batch_stats=True)
+        present = counts > 0
+        self.channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
+        return ClientResult(self.task.client, fit.num_samples, fit.loss, update=routed, module=module,
+                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=self.channel,
+                            payload=Prototypes(protos, present.float()))
 
 
 class FedGH(FedAvg):
@@ -102,26 +120,12 @@ class FedGH(FedAvg):
                     local[key].copy_(body[key])
         return Routed(self.worker, self.worker_regions)
 
-    def fit_client(self, task, plan):
-        ctx = self.ctx
-        routed = self.route(task, plan)
-        module = self.client_module(routed, task, plan)
-        shard = ctx.shards[task.client]
-        generator = client_generator(ctx.seed, plan.round_idx, task.client)
-        fit = train_locally(ctx.fabric, module, shard, ctx.train, generator)
-        # batch statistics: the representations the header sees in local training; with running
-        # statistics from a few local steps, evaluation-mode ones were up to 100x larger and the
-        # server's header steps diverged
-        protos, counts = class_prototypes(self.worker, self.worker_classifier, shard.dataset, shard.indices,
-                                          ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
-                                          batch_stats=True)
-        present = counts > 0
-        channel = Channel()  # the global header comes down; each present class's prototype and label go up
+    def new_client(self, task, plan):
+        return FedGHClient(self, task, plan)
+
+    def send_model(self, channel, routed, task) -> None:
+        """The global header comes down (the body is the client's own)."""
         channel.send_state(DOWN, "model", self.global_state, self.head_keys)
-        channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
-        return ClientResult(task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=channel,
-                            payload=Prototypes(protos, present.float()))
 
     def commit(self, acc, task, result, plan):
         local = result.update.module.state_dict()

@@ -329,12 +329,10 @@ class _FedNASTransfer(Feast):
     def work(self, task: ClientTask) -> float:
         return Algorithm.work(self, task) * task.options["macs"]
 
-    def fit_client(self, task: ClientTask, plan: RoundPlan):
-        result = Algorithm.fit_client(self, task, plan)
+    def client_figures(self, task: ClientTask, result, plan: RoundPlan) -> Dict[str, float]:
         o = task.options
-        result.metrics.update({"role": o["role"], "arch": str(task.spec), "arch_macs": o["macs"],
-                               "maxnet_weight": o["maxnet_weight"], "arch_fallback": int(o["fell_back"])})
-        return result
+        return {"role": o["role"], "arch": str(task.spec), "arch_macs": o["macs"],
+                "maxnet_weight": o["maxnet_weight"], "arch_fallback": int(o["fell_back"])}
 
     def commit(self, acc, task: ClientTask, result, plan: RoundPlan) -> None:
         """MaxNet weighting: the client's slices enter the position-wise mean with its MaxNet

@@ -270,7 +270,7 @@ class FedSGA(SplitFed):
         return self.prompts.apply(front, prompt) if self.adaptation_channel else front
 
     @torch.no_grad()
-    def _probe_losses(self, client: int, prompt: torch.Tensor, channel: Channel) -> Tuple[float, float]:
+    def probe_losses(self, client: int, prompt: torch.Tensor, channel: Channel) -> Tuple[float, float]:
         """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch;
         what the client uploads for them (both interfaces and the labels) crosses ``channel``.
 
@@ -296,30 +296,16 @@ class FedSGA(SplitFed):
                 channel.up("calibration", interface)
         return losses[0], losses[1]
 
+    def load_server_harmonizer(self, task: ClientTask, plan: RoundPlan) -> None:
+        """The harmonizer the server half trains with for this client: a copy of the global one
+        per client (V1), or one carried through the round from its first client (shared)."""
+        if self.version == "v1" or task is plan.tasks[0]:
+            self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
+        self._trained_here = True
+
     def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
         """The client's round with its prompt from the store (``algorithms/fedsga_client.py``)."""
         return FedSGAClient(self, task, plan, self.store.get(task.client))
-
-    def fit_client(self, task: ClientTask, plan: RoundPlan):
-        """Calibration probes on the received model (calibration rounds), the split round, then
-        the descriptors; the client's next store entry waits in the result's payload."""
-        from fl_lightning.modules.sufficiency import sufficiency_label
-
-        client = self.new_client(task, plan)
-        if self.version == "v1" or task is plan.tasks[0]:  # shared: one harmonizer carried through the round
-            self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
-        self._trained_here = True
-        calibration, calibration_link = {}, Channel()
-        if task.options.get("calibrate"):
-            loss_p1, loss_ref = self._probe_losses(task.client, client.prompt.detach(), calibration_link)
-            calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
-                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, self.beta))}
-        result = self.fit_split_client(client)
-        result.channel.merge(calibration_link)
-        result.metrics.update(calibration)
-        figures, result.payload = client.report(calibration, result.channel)
-        result.metrics.update(figures)
-        return result
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         if not self.use_harmonizer:

@@ -41,8 +41,7 @@ class FedSGAClient(SplitClient):
     """One FedSGA client's round on the method's workers (``method``: the :class:`FedSGA`)."""
 
     def __init__(self, method, task: ClientTask, plan: RoundPlan, state: Dict[str, torch.Tensor]):
-        super().__init__(task, plan)
-        self.method = method
+        super().__init__(method, task, plan)
         self.state = state
         self.depth = task.options["index"]
         self.prompt_before = state["prompt"].detach().clone()
@@ -53,6 +52,25 @@ class FedSGAClient(SplitClient):
         self.class_counts = torch.zeros(prototypes.shape[0], dtype=torch.float64, device=prototypes.device)
         self.align_term: Optional[torch.Tensor] = None  # the batch in flight's alignment loss
         self.align_grad: Optional[torch.Tensor] = None  # its gradient at the cut (prompt_gradient: task)
+
+    def fit(self):
+        """Calibration probes on the received model (calibration rounds), the split round, then
+        the descriptors; the client's next store entry waits in the result's payload."""
+        from fl_lightning.modules.sufficiency import sufficiency_label
+
+        method, task = self.method, self.task
+        method.load_server_harmonizer(task, self.plan)
+        calibration, calibration_link = {}, Channel()
+        if task.options.get("calibrate"):
+            loss_p1, loss_ref = method.probe_losses(task.client, self.prompt.detach(), calibration_link)
+            calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
+                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, method.beta))}
+        result = method.fit_split_client(self)
+        result.channel.merge(calibration_link)
+        result.metrics.update(calibration)
+        figures, result.payload = self.report(calibration, result.channel)
+        result.metrics.update(figures)
+        return result
 
     # -- the client half ------------------------------------------------------------------------
     def forward(self, front):

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fl_lightning.algorithms.split_common import key_regions, label_counts
+from fl_lightning.algorithms.split_common import SplitClient, key_regions, label_counts
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
@@ -81,6 +81,49 @@ def choose_assistants(requirement: torch.Tensor, counts: torch.Tensor, client: i
             chosen.append((helper, give))
             need -= give
     return chosen
+
+
+class BranchClient(SplitClient):
+    """A MultiSFL client's round: split training of its assigned branch (not the master), the
+    server portion also stepping on replayed activations of the assistant devices."""
+
+    def fit(self) -> ClientResult:
+        from fl_lightning.modules.split import split_step, train_split
+        from fl_lightning.modules.split_variants import Replay
+        from fl_lightning.runtime.client_data import ClientData
+
+        method, task, plan = self.method, self.task, self.plan
+        ctx, cut, branch = self.ctx, task.cut, task.options["branch"]
+        state = method.branches[branch]
+        front_regions = key_regions(state, method.halves.front(cut))
+        pair = method.make_pair(self, state=state)
+        method.helper_worker.train()
+        helper_front, _ = method.helper_worker.split(cut)
+        shard = ctx.shards[task.client]
+        helper_data, assistants = None, 0
+        if method.replay:
+            indices, assistants = method.replay_set(task, plan.round_idx)
+            if len(indices) >= 2:  # batch norm needs two rows per part
+                chunk = max(2, math.ceil(len(indices) / shard.batches_per_epoch()))
+                helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
+
+        assistant_link = Channel()  # the assistant devices' traffic, apart from the client's own
+        front_bytes = state_bytes(state, method.halves.front(cut))  # the client portion, as each assistant receives it
+
+        def refresh_helper():  # the assistants receive the client portion as it is now
+            load_routed_state(method.helper_worker, method.client_worker.state_dict(), front_regions)
+            assistant_link.count(DOWN, "model", assistants * front_bytes)
+
+        replay = Replay(self.forward(helper_front), refresh_helper, helper_data,
+                        torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),
+                        shard.batches_per_epoch(), assistant_link)
+        fit = train_split(ctx.fabric, split_step(pair, replay), shard, ctx.train,
+                          client_generator(ctx.seed, plan.round_idx, task.client))
+        result = method.client_result(task, fit, state=state)
+        result.metrics.update({"branch": branch, "cut": method.cuts.index(cut), "assistants": assistants,
+                               "replay_examples": replay.examples, "replay_bytes_up": assistant_link.total(UP),
+                               "replay_model_bytes": assistant_link.total(DOWN)})
+        return result
 
 
 class MultiSFL(SplitFed):
@@ -197,44 +240,8 @@ class MultiSFL(SplitFed):
         return torch.cat(picked), len(chosen)
 
     # -- a client's round -----------------------------------------------------------------------
-    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        from fl_lightning.modules.split import split_step, train_split
-        from fl_lightning.modules.split_variants import Replay
-        from fl_lightning.runtime.client_data import ClientData
-
-        ctx, cut, branch = self.ctx, task.cut, task.options["branch"]
-        state = self.branches[branch]
-        front_keys = self.halves.front(cut)
-        front_regions = key_regions(state, front_keys)
-        client = self.new_client(task, plan)
-        pair = self.make_pair(client, state=state)
-        self.helper_worker.train()
-        helper_front, _ = self.helper_worker.split(cut)
-        shard = ctx.shards[task.client]
-        helper_data, assistants = None, 0
-        if self.replay:
-            indices, assistants = self.replay_set(task, plan.round_idx)
-            if len(indices) >= 2:  # batch norm needs two rows per part
-                chunk = max(2, math.ceil(len(indices) / shard.batches_per_epoch()))
-                helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
-
-        assistant_link = Channel()  # the assistant devices' traffic, apart from the client's own
-        front_bytes = state_bytes(state, front_keys)  # the client portion, as each assistant receives it
-
-        def refresh_helper():  # the assistants receive the client portion as it is now
-            load_routed_state(self.helper_worker, self.client_worker.state_dict(), front_regions)
-            assistant_link.count(DOWN, "model", assistants * front_bytes)
-
-        replay = Replay(client.forward(helper_front), refresh_helper, helper_data,
-                        torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),
-                        shard.batches_per_epoch(), assistant_link)
-        fit = train_split(ctx.fabric, split_step(pair, replay), shard, ctx.train,
-                          client_generator(ctx.seed, plan.round_idx, task.client))
-        result = self.client_result(task, fit, state=state)
-        result.metrics.update({"branch": branch, "cut": self.cuts.index(cut), "assistants": assistants,
-                               "replay_examples": replay.examples, "replay_bytes_up": assistant_link.total(UP),
-                               "replay_model_bytes": assistant_link.total(DOWN)})
-        return result
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> "BranchClient":
+        return BranchClient(self, task, plan)
 
     def commit(self, acc, task, result, plan) -> None:
         """Every branch weighs the same in the master (the authors' plain mean); the trained

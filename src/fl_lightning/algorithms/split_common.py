@@ -10,23 +10,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.algorithms.client import Client
 from fl_lightning.elastic.routing import RegionMap, full_region_map
 from fl_lightning.modules.split import one_step
-from fl_lightning.runtime.plan import ClientTask, RoundPlan
 
 
-class SplitClient:
+class SplitClient(Client):
     """One client's split round, made per task by the method (``SplitFed.new_client``): what
     its front computes, what it trains besides the front, how its backward runs, and the
     server's loss and step on its batches. Everything the round learns about the client stays
-    on this object, never on the method.
+    on this object, never on the method (``self.method``).
 
     This one is plain split learning: the front as it is, cross-entropy at the server, one
     server step per batch. FedSGA's client adds its prompt and the alignment term.
     """
 
-    def __init__(self, task: ClientTask, plan: RoundPlan):
-        self.task, self.plan = task, plan
+    def fit(self):
+        """The split round: the pair built, trained over the client's shard, the result."""
+        return self.method.fit_split_client(self)
 
     def forward(self, front: nn.Module):
         """The client half's forward on a batch."""

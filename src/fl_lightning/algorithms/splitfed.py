@@ -131,7 +131,7 @@ class SplitFed(FedAvg):
 
     def new_client(self, task: ClientTask, plan: RoundPlan) -> SplitClient:
         """The client's split round (``split_common.SplitClient``): FedSGA's carries a prompt."""
-        return SplitClient(task, plan)
+        return SplitClient(self, task, plan)
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         """Server-side tensors trained with the back, by name (FedSGA: the harmonizer)."""
@@ -141,9 +141,6 @@ class SplitFed(FedAvg):
         """Server-side tensors trained beside the back on detached inputs, by name, in a
         parameter group of their own (FedSGA without harmonization: the estimator's probe)."""
         return {}
-
-    def fit_client(self, task: ClientTask, plan: RoundPlan) -> ClientResult:
-        return self.fit_split_client(self.new_client(task, plan))
 
     def fit_split_client(self, client: SplitClient) -> ClientResult:
         """Build the client's pair, train it over the client's shard, and return the result."""

@@ -1,0 +1,69 @@
+"""A client's round as an object: the procedure one client runs, apart from the server's policy.
+
+The method (an ``Algorithm``) is the server: it plans the round, says what a client receives
+and how results merge. For each task it makes a client object (``Algorithm.new_client(task,
+plan)``) whose ``fit()`` runs that client's round and returns its ``ClientResult``. Whatever
+the round learns about the client (FedAS's alignment loss and Fisher trace, FedGH's
+prototypes, FedSGA's prompt) lives on the object or travels on the result, never on the method.
+
+- :class:`LocalClient`: federated local training. ``receive`` (the routed model comes down),
+  train, ``after_training`` (what goes back up, and the result), then the method's
+  per-client figures. FedAS aligns before training and measures its Fisher trace after; FedGH
+  uploads prototypes instead of its model.
+- ``split_common.SplitClient``: split learning, the server half in the loop.
+"""
+
+from __future__ import annotations
+
+from fl_lightning.elastic.routing import Routed
+from fl_lightning.runtime.channel import Channel
+from fl_lightning.runtime.local_training import LocalFit, train_locally
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.seeding import client_generator
+
+
+class Client:
+    """One client's round of ``method`` (the Algorithm that made it)."""
+
+    def __init__(self, method, task: ClientTask, plan: RoundPlan):
+        self.method, self.task, self.plan = method, task, plan
+        self.ctx = method.ctx
+
+    def fit(self) -> ClientResult:
+        raise NotImplementedError
+
+
+class LocalClient(Client):
+    """Receive the routed model, train it locally, send it back (the default of every FL method)."""
+
+    def __init__(self, method, task: ClientTask, plan: RoundPlan):
+        super().__init__(method, task, plan)
+        self.channel = Channel()
+        """Everything that crosses between the server and this client in the round."""
+
+    def fit(self) -> ClientResult:
+        routed = self.receive()
+        module = self.method.client_module(routed, self.task, self.plan)
+        fit = self.train(module)
+        result = self.after_training(routed, module, fit)
+        result.metrics.update(self.method.client_figures(self.task, result, self.plan))
+        return result
+
+    def receive(self) -> Routed:
+        """The model the client starts from (the method's routing), sent down the channel."""
+        routed = self.method.route(self.task, self.plan)
+        self.method.send_model(self.channel, routed, self.task)
+        return routed
+
+    def train(self, module) -> LocalFit:
+        """Local training over the client's shard, batches drawn from its (seed, round, client) stream."""
+        ctx, task = self.ctx, self.task
+        return train_locally(ctx.fabric, module, ctx.shards[task.client], ctx.train,
+                             client_generator(ctx.seed, self.plan.round_idx, task.client))
+
+    def after_training(self, routed: Routed, module, fit: LocalFit) -> ClientResult:
+        """What the trained client sends up (the method's ``return_model``), and its result."""
+        self.method.return_model(self.channel, routed, self.task)
+        return ClientResult(self.task.client, fit.num_samples, fit.loss, update=routed, module=module,
+                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=self.channel)
