@@ -1,6 +1,7 @@
 """FedSGA as docs/fedsga.md describes it: reductions to SplitFed, the logged cut against Psi,
 the server loss and where its gradients go, harmonizer aggregation, ranks and resume."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
         algorithm.harmonizer.head.weight.normal_(0, 0.1)  # a head that is not zero, so W Z counts
     plan = algorithm.plan(0)
     task = plan.tasks[0]
-    task.options["index"], task.cut = 0, "layer1.1"
+    task.payload, task.cut = dataclasses.replace(task.payload, index=0), "layer1.1"
     state = algorithm.store.get(task.client)
     with torch.no_grad():
         state["prompt"].normal_(0, 0.1)

@@ -422,7 +422,7 @@ def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
     assert "features.block0.bn.running_var" in current
     again = alg.plan(1)  # the same draw again: signs depend on (seed, round) only
     assert [t.client for t in again.tasks] == [t.client for t in plan.tasks]
-    assert all(torch.equal(a.options["signs"], b.options["signs"]) for a, b in zip(again.tasks, plan.tasks))
+    assert all(torch.equal(a.payload.signs, b.payload.signs) for a, b in zip(again.tasks, plan.tasks))
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])

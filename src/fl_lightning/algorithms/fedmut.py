@@ -3,6 +3,7 @@ the global model along the last global update; the returned models are averaged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Literal
 
 import torch
@@ -33,6 +34,13 @@ def balanced_signs(generator: torch.Generator, cohort_size: int, num_layers: int
     for layer in range(num_layers):
         signs[rows, layer] = values[torch.randperm(len(clients), generator=generator)]
     return signs
+
+
+@dataclass
+class Mutation:
+    """A FedMut client's task payload: each mutated tensor's +1, 0 or negative weight."""
+
+    signs: torch.Tensor
 
 
 class FedMut(FedAvg):
@@ -97,7 +105,7 @@ class FedMut(FedAvg):
         generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MUTATION_STREAM, round_idx))
         signs = balanced_signs(generator, len(plan.tasks), len(self.mutated_keys), self.negative_weight(round_idx))
         for i, task in enumerate(plan.tasks):
-            task.options["signs"] = signs[i]  # each mutated tensor's +1, 0 or negative weight
+            task.payload = Mutation(signs[i])
         with torch.no_grad():
             self._delta = {k: self.global_state[k] - self.previous[k] for k in self.mutated_keys}
         return plan
@@ -105,7 +113,7 @@ class FedMut(FedAvg):
     def route(self, task, plan):
         """The client's mutated copy ``w_g + alpha v_i (.) (w_g - w_prev)``."""
         load_routed_state(self.worker, self.global_state, self.worker_regions)
-        signs = task.options["signs"].tolist()
+        signs = task.payload.signs.tolist()
         local = self.worker.state_dict()
         with torch.no_grad():
             for key, sign in zip(self.mutated_keys, signs):

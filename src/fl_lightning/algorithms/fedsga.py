@@ -25,7 +25,7 @@ from typing import Dict, List, Literal, Optional, Tuple
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.fedsga_client import FedSGAClient
+from fl_lightning.algorithms.fedsga_client import CutChoice, FedSGAClient
 from fl_lightning.algorithms.split_common import default_candidates
 from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
@@ -229,10 +229,7 @@ class FedSGA(SplitFed):
         tasks = []
         for client in self.cohort(round_idx):
             index, r = self.choose(client, round_idx)
-            options = {"index": index, "calibrate": calibrate}
-            if r is not None:
-                options["r"] = r
-            tasks.append(ClientTask(client, cut=self.cuts[index], options=options))
+            tasks.append(ClientTask(client, cut=self.cuts[index], payload=CutChoice(index, calibrate, r)))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def choose(self, client: int, round_idx: int) -> tuple[int, Optional[float]]:
@@ -370,7 +367,7 @@ class FedSGA(SplitFed):
                     means = F.normalize(means, dim=1)
                 h.prototypes[seen] = means.to(h.prototypes.dtype)
                 h.has_prototype[seen] = 1.0
-        cuts = [t.options["index"] for t in plan.tasks]
+        cuts = [t.payload.index for t in plan.tasks]
         figures = {"split/mean_index": sum(cuts) / len(cuts),
                    "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)}
         figures.update({f"split/frac_cut{k}": sum(c == k for c in cuts) / len(cuts) for k in range(len(self.cuts))})

@@ -21,6 +21,16 @@ from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 
 
+@dataclass(frozen=True)
+class CutChoice:
+    """A FedSGA client's task payload: its candidate cut index, whether the round calibrates,
+    and the sufficiency probability behind the choice (None for the static and random strategies)."""
+
+    index: int
+    calibrate: bool
+    r: Optional[float] = None
+
+
 @dataclass
 class NextClientState:
     """What a FedSGA client fit hands the server, applied when the result is committed (a
@@ -43,7 +53,7 @@ class FedSGAClient(SplitClient):
     def __init__(self, method, task: ClientTask, plan: RoundPlan, state: Dict[str, torch.Tensor]):
         super().__init__(method, task, plan)
         self.state = state
-        self.depth = task.options["index"]
+        self.depth = task.payload.index
         self.prompt_before = state["prompt"].detach().clone()
         self.prompt = state["prompt"].detach().clone().requires_grad_(method.adaptation_channel)
         self.grad_norms = torch.zeros(method.num_prompts, dtype=torch.float64)
@@ -61,7 +71,7 @@ class FedSGAClient(SplitClient):
         method, task = self.method, self.task
         method.load_server_harmonizer(task, self.plan)
         calibration, calibration_link = {}, Channel()
-        if task.options.get("calibrate"):
+        if task.payload.calibrate:
             loss_p1, loss_ref = method.probe_losses(task.client, self.prompt.detach(), calibration_link)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
                            "sufficient": float(sufficiency_label(loss_p1, loss_ref, method.beta))}
@@ -164,6 +174,6 @@ class FedSGAClient(SplitClient):
             sufficient=calibration.get("sufficient"), class_counts=self.class_counts)
         figures = {"cut": self.depth, "alignment": alignment, "stability": stability,
                    "prompt_variation": variation, "prompt_norm": float(prompt.norm())}
-        if "r" in self.task.options:
-            figures["r"] = self.task.options["r"]
+        if self.task.payload.r is not None:
+            figures["r"] = self.task.payload.r
         return figures, payload

@@ -257,12 +257,6 @@ class FIARSE(FedAvg):
         return self.client_fraction[client]
 
     # -- a round --------------------------------------------------------------------------------
-    def plan(self, round_idx: int):
-        plan = super().plan(round_idx)
-        for task in plan.tasks:
-            task.options.update(fraction=self.client_fraction[task.client], budget=self.budgets[task.client])
-        return plan
-
     def route(self, task, plan) -> MaskedRouted:
         """The dense global model (loaded into the worker) with the client's mask as regions."""
         family = self.round_family(plan.round_idx)

@@ -16,6 +16,7 @@ docs/sfl_baselines.md has the rules, options and departures.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Sequence
 
 import torch
@@ -85,6 +86,13 @@ def merged_kl(counts: torch.Tensor, sizes: Sequence[int], reference: torch.Tenso
     mix = (b[:, None] * p).sum(0) / b.sum()
     seen = mix > 0
     return float((mix[seen] * (mix[seen] / reference[seen].clamp_min(1e-12)).log()).sum())
+
+
+@dataclass(frozen=True)
+class MergedBatch:
+    """A MergeSFL client's task payload: its rows in each merged batch."""
+
+    batch_size: int
 
 
 class MergeSFL(SplitFed):
@@ -161,7 +169,7 @@ class MergeSFL(SplitFed):
                 if kl < best_kl:
                     best, best_kl = candidate, kl
         self._kl = best_kl
-        tasks = [ClientTask(c, cut=self.cut, options={"batch_size": b})
+        tasks = [ClientTask(c, cut=self.cut, payload=MergedBatch(b))
                  for c, b in zip(best, self.batch_sizes(best))]
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
@@ -172,7 +180,7 @@ class MergeSFL(SplitFed):
         if t.steps:
             return t.steps
         examples = sum(self.ctx.client_sizes[task.client] for task in plan.tasks)
-        rows = sum(task.options["batch_size"] for task in plan.tasks)
+        rows = sum(task.payload.batch_size for task in plan.tasks)
         return t.epochs * math.ceil(examples / rows)
 
     def round_metrics(self, sums) -> Dict[str, float]:
@@ -202,7 +210,7 @@ class MergeSFL(SplitFed):
             client = self.new_client(task, plan)
             pairs.append(self.make_pair(client, client_worker=slot, load_server=i == 0, server_optimizer=shared))
             shard = ctx.shards[task.client]
-            data = ClientData(shard.dataset, shard.indices, task.options["batch_size"], shard.device,
+            data = ClientData(shard.dataset, shard.indices, task.payload.batch_size, shard.device,
                               shard.num_workers)
             streams.append(data.steps(steps, client_generator(ctx.seed, plan.round_idx, task.client)))
             fits.append(SplitFit(0))
@@ -225,6 +233,6 @@ class MergeSFL(SplitFed):
             fit.steps, fit.loss = steps, loss
             fit.seconds = fit.client_seconds + fit.server_seconds
             result = self.client_result(task, fit, module=slot)
-            result.metrics["batch_size"] = task.options["batch_size"]
+            result.metrics["batch_size"] = task.payload.batch_size
             results[task.client] = result
         return results

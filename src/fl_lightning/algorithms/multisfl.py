@@ -18,6 +18,7 @@ checkpointed. docs/sfl_baselines.md has the rules, every coefficient and the dep
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -83,6 +84,13 @@ def choose_assistants(requirement: torch.Tensor, counts: torch.Tensor, client: i
     return chosen
 
 
+@dataclass(frozen=True)
+class Branch:
+    """A MultiSFL client's task payload: the branch model it trains this round."""
+
+    branch: int
+
+
 class BranchClient(SplitClient):
     """A MultiSFL client's round: split training of its assigned branch (not the master), the
     server portion also stepping on replayed activations of the assistant devices."""
@@ -93,7 +101,7 @@ class BranchClient(SplitClient):
         from fl_lightning.runtime.client_data import ClientData
 
         method, task, plan = self.method, self.task, self.plan
-        ctx, cut, branch = self.ctx, task.cut, task.options["branch"]
+        ctx, cut, branch = self.ctx, task.cut, task.payload.branch
         state = method.branches[branch]
         front_regions = key_regions(state, method.halves.front(cut))
         pair = method.make_pair(self, state=state)
@@ -212,7 +220,7 @@ class MultiSFL(SplitFed):
             self._stats[branch] = decayed_distribution(self.distribution[branch], self.distribution_weight[branch],
                                                        self.counts[client], self.replay_decay)
             cut = self.client_cut[client] if self.client_cut is not None else self.cut
-            tasks.append(ClientTask(client, cut=cut, options={"branch": branch}))
+            tasks.append(ClientTask(client, cut=cut, payload=Branch(branch)))
         tasks.sort(key=lambda t: t.client)
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
@@ -226,7 +234,7 @@ class MultiSFL(SplitFed):
 
     def replay_set(self, task: ClientTask, round_idx: int) -> Tuple[torch.Tensor, int]:
         """Dataset indices the assistants replay for this client's branch, and how many assistants."""
-        distribution, _ = self._stats[task.options["branch"]]
+        distribution, _ = self._stats[task.payload.branch]
         need = replay_requirement(distribution, len(self.ctx.data.clients[task.client]), self.replay_budget)
         generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, REPLAY_STREAM, round_idx, task.client))
         chosen = choose_assistants(need, self.counts, task.client, generator)
@@ -249,7 +257,7 @@ class MultiSFL(SplitFed):
         acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
         local = result.update.module.state_dict()
         regions = result.update.regions
-        self._trained[task.options["branch"]] = {
+        self._trained[task.payload.branch] = {
             global_key: local[local_key].detach().clone() for local_key, (global_key, _) in regions.items()}
 
     # -- the round's end ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ As the FEAST paper adapts it to its common ResNet-18 substrate (Supp. E.1):
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Dict, List, Literal, Tuple
 
 import torch
@@ -45,6 +46,15 @@ LEVELS = ((3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))
 
 ExitWeights = Literal["depth", "sum"]
 KLReduction = Literal["elementwise", "batchmean"]
+
+
+@dataclass(frozen=True)
+class Level:
+    """A ScaleFL client's task payload: its level (1-based) and whether its budget fell short of
+    the smallest level (it then trains that one)."""
+
+    level: int
+    fallback: bool
 
 
 class ScaleFL(FedAvg):
@@ -167,8 +177,7 @@ class ScaleFL(FedAvg):
         tasks = []
         for c in cohort:
             k = int(self.assignment.assigned[c])
-            options = {"level": k + 1, "fallback": bool(self.assignment.fallback[c])}
-            tasks.append(ClientTask(c, spec=self.specs[k], options=options))
+            tasks.append(ClientTask(c, spec=self.specs[k], payload=Level(k + 1, bool(self.assignment.fallback[c]))))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def route(self, task, plan):
@@ -188,9 +197,9 @@ class ScaleFL(FedAvg):
                              detach_teacher=self.detach_teacher, mixer=mixer)
 
     def client_figures(self, task, result, plan):
-        k = task.options["level"] - 1
+        k = task.payload.level - 1
         cost = self.costs[k]
-        return {"level": task.options["level"], "fallback": int(task.options["fallback"]),
+        return {"level": task.payload.level, "fallback": int(task.payload.fallback),
                 "macs": self.level_macs[k], "train_macs": cost["train_macs"], "params": cost["params"],
                 "kd_active": int(self.kd_active(plan.round_idx))}
 

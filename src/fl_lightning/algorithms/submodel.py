@@ -27,6 +27,7 @@ its width, cap, parameters and MACs trained.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Literal, Optional, Sequence, Union
 
@@ -63,6 +64,13 @@ def draw_caps(num_clients: int, seed: int, tiers: Sequence[float] = TIERS,
 
 def allocation_rng(seed: int, round_idx: int) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, ALLOCATION, round_idx))
+
+
+@dataclass(frozen=True)
+class Width:
+    """A sub-model client's task payload: its width this round (at most its cap)."""
+
+    p: float
 
 
 class SubmodelAlgorithm(FedAvg):
@@ -129,7 +137,7 @@ class SubmodelAlgorithm(FedAvg):
         tasks = []
         for c in cohort:
             p = min(float(widths[c]), float(self.caps[c]))
-            tasks.append(ClientTask(c, spec=WidthSpec.uniform(p, self.stages), options={"p": p}))
+            tasks.append(ClientTask(c, spec=WidthSpec.uniform(p, self.stages), payload=Width(p)))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def route(self, task, plan):
@@ -154,11 +162,11 @@ class SubmodelAlgorithm(FedAvg):
 
     def client_figures(self, task, result, plan):
         params, macs = self.cost(task.spec)
-        return {"p": task.options["p"], "p_max": float(self.caps[task.client]), "params": params, "macs": macs}
+        return {"p": task.payload.p, "p_max": float(self.caps[task.client]), "params": params, "macs": macs}
 
     # -- the server step --------------------------------------------------------------------
     def finish_round(self, new_state, sums, plan, owned) -> None:
-        figures = {"p_bar": float(np.mean([t.options["p"] for t in plan.tasks]))}
+        figures = {"p_bar": float(np.mean([t.payload.p for t in plan.tasks]))}
         total = uncovered = never = 0
         for key in self.param_keys:
             covered = sums[f"c/{key}"] > 0
@@ -173,7 +181,7 @@ class SubmodelAlgorithm(FedAvg):
         figures["never_trained/all"] = never / total
         self._round_figures = figures
         for task in plan.tasks:
-            self.last_widths[task.client] = task.options["p"]
+            self.last_widths[task.client] = task.payload.p
         super().finish_round(new_state, sums, plan, owned)
 
     def round_metrics(self, sums) -> Dict[str, float]:
@@ -307,7 +315,7 @@ class HeteroFL(SubmodelAlgorithm):
         return routed
 
     def client_module(self, routed, task, plan):
-        p = task.options["p"]
+        p = task.payload.p
         if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
             from fl_lightning.elastic.layers.scaler import attach_scaler
 
@@ -463,7 +471,7 @@ class FjORD(SubmodelAlgorithm):
         from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
 
         smallest = min(self.tiers)
-        low = WidthSpec.uniform(min(smallest, task.options["p"]), self.stages)
+        low = WidthSpec.uniform(min(smallest, task.payload.p), self.stages)
         return OrderedDropoutDistillClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                            task.spec, low, self.distill_weight)
 

@@ -7,8 +7,8 @@ plan and the loop reads it top to bottom.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -21,8 +21,10 @@ class ClientTask:
     """Operating point the client trains: a width, a subnet spec, an envelope (None: the whole model)."""
     cut: Optional[str] = None
     """Block boundary where the model is split between client and server (split learning)."""
-    options: Dict[str, Any] = field(default_factory=dict)
-    """Anything else the algorithm's client fit needs to know (logged with the plan)."""
+    payload: Any = None
+    """What else the client's round needs, as the method's own typed record (a sub-model's
+    width, FedSGA's cut index and calibration flag, FedNAS's sandwich role); None when the
+    spec and the cut say everything."""
 
 
 @dataclass
