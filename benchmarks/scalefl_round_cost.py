@@ -99,7 +99,7 @@ def bare_round(fed, plan, exits: bool = False) -> None:
 
 def mac_ratio(fed, plan) -> float:
     algorithm = fed.algorithm
-    levels = [task.options["level"] - 1 for task in plan.tasks]
+    levels = [task.choice.level - 1 for task in plan.tasks]
     return sum(algorithm.costs[k]["train_macs"] for k in levels) / sum(algorithm.level_macs[k] for k in levels)
 
 

@@ -109,8 +109,8 @@ def run_case(method: str, out_dir=None, alg=None) -> dict:
         plan = alg.plan(r)
         rounds.append({
             "cohort": list(plan.cohort), "lr": plan.lr, "coefficient": alg.coefficient(r),
-            "tasks": [{"client": t.client, "role": t.payload.role, "spec": spec_dict(t.spec),
-                       "maxnet_weight": t.payload.maxnet_weight} for t in plan.tasks]})
+            "tasks": [{"client": t.client, "role": t.choice.role, "spec": spec_dict(t.spec),
+                       "maxnet_weight": t.choice.maxnet_weight} for t in plan.tasks]})
         recorder = BatchRecorder()
         with recorder.recording():
             fed.run_round(r)

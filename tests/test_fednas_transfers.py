@@ -172,9 +172,9 @@ def test_superfednas_constrained_draws_are_affordable(spec_factory, tmp_path):
     for round_idx in range(40):
         plan = algorithm.plan(round_idx)
         for task in plan.tasks:
-            assert task.payload.macs == cost.spec_macs(task.spec) <= algorithm.budgets[task.client]
-            assert not task.payload.fell_back
-            if task.payload.role == "random":
+            assert task.choice.macs == cost.spec_macs(task.spec) <= algorithm.budgets[task.client]
+            assert not task.choice.fell_back
+            if task.choice.role == "random":
                 generator = torch.Generator().manual_seed(derive_seed(spec.seed, ARCH_STREAM, round_idx, task.client))
                 assert task.spec == uniform_architecture(cost, generator, algorithm.budgets[task.client])
                 seen.add(task.spec)
@@ -190,11 +190,11 @@ def test_superfednas_unconstrained_ignores_budgets(spec_factory, tmp_path):
     for round_idx in range(30):
         plan = algorithm.plan(round_idx)
         for task in plan.tasks:
-            over += task.payload.macs > algorithm.budgets[task.client]
-            if task.payload.role == "max":
+            over += task.choice.macs > algorithm.budgets[task.client]
+            if task.choice.role == "max":
                 assert task.spec == algorithm.ctx.model.max_spec()
                 maxed += 1
-            elif task.payload.role == "min":
+            elif task.choice.role == "min":
                 assert task.spec == algorithm.ctx.model.min_spec()
             else:
                 generator = torch.Generator().manual_seed(derive_seed(spec.seed, ARCH_STREAM, round_idx, task.client))
@@ -223,7 +223,7 @@ def test_deepfednas_walks_the_pareto_path(spec_factory, tmp_path, constrained):
         assert plan.cohort == sample_clients(spec.seed, round_idx, 6, 3)
         for task in plan.tasks:
             pool = algorithm.sets[task.client] if constrained else list(range(n))
-            role = task.payload.role
+            role = task.choice.role
             if role == "max":
                 assert task.spec == path.specs[pool[-1]]
                 assert largest_before[task.client] == min(largest_before[c] for c in plan.cohort)
@@ -232,11 +232,11 @@ def test_deepfednas_walks_the_pareto_path(spec_factory, tmp_path, constrained):
             else:
                 generator = torch.Generator().manual_seed(derive_seed(spec.seed, ARCH_STREAM, round_idx, task.client))
                 assert task.spec == path.specs[pool[int(torch.randint(len(pool), (1,), generator=generator))]]
-            assert task.payload.macs == path.macs[path.specs.index(task.spec)]
+            assert task.choice.macs == path.macs[path.specs.index(task.spec)]
             if constrained:
-                assert task.payload.macs <= algorithm.budgets[task.client]
+                assert task.choice.macs <= algorithm.budgets[task.client]
             visited.add(path.specs.index(task.spec))
-        assert sorted(t.payload.role for t in plan.tasks) == ["max", "min", "random"]
+        assert sorted(t.choice.role for t in plan.tasks) == ["max", "min", "random"]
         algorithm.track(plan)
     reachable = set().union(*map(set, algorithm.sets)) if constrained else set(range(n))
     assert visited == reachable
@@ -263,9 +263,9 @@ def test_unconstrained_deepfednas_samples_the_complete_supernet(spec_factory, tm
         plans.append(algorithm.plan(round_idx))
         algorithm.track(plans[-1])
     tasks = [t for plan in plans for t in plan.tasks]
-    assert all(t.spec == model.max_spec() for t in tasks if t.payload.role == "max")
-    assert all(t.spec == model.min_spec() for t in tasks if t.payload.role == "min")
-    random_macs = [t.payload.macs for t in tasks if t.payload.role == "random"]
+    assert all(t.spec == model.max_spec() for t in tasks if t.choice.role == "max")
+    assert all(t.spec == model.min_spec() for t in tasks if t.choice.role == "min")
+    random_macs = [t.choice.macs for t in tasks if t.choice.role == "random"]
     assert max(random_macs) > cache.macs[-1]
 
     path = algorithm.path

@@ -120,7 +120,7 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
         algorithm.harmonizer.head.weight.normal_(0, 0.1)  # a head that is not zero, so W Z counts
     plan = algorithm.plan(0)
     task = plan.tasks[0]
-    task.payload, task.cut = dataclasses.replace(task.payload, index=0), "layer1.1"
+    task.choice, task.cut = dataclasses.replace(task.choice, index=0), "layer1.1"
     state = algorithm.store.get(task.client)
     with torch.no_grad():
         state["prompt"].normal_(0, 0.1)

@@ -315,10 +315,10 @@ def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec
     client = alg.plan(0).cohort[0]
     fed.run_round(0)
     shard = ctx.shards[client]
-    alg._load(alg.store.kept(client, TRAINED), alg.global_state.keys())
+    alg.load_keys(alg.store.kept(client, TRAINED), alg.global_state.keys())
     prototypes, counts = class_prototypes(alg.worker, alg.classifier, shard.dataset, shard.indices,
                                           ctx.num_classes, 16, batch_stats=True)
-    alg._load(alg.global_state, alg.global_state.keys())
+    alg.load_keys(alg.global_state, alg.global_state.keys())
     x, y = shard_tensors(ctx, client)
 
     def loss_now():
@@ -354,7 +354,7 @@ def test_fedas_alignment_and_fisher_do_not_follow_the_running_statistics(spec_fa
     present = torch.bincount(y, minlength=ctx.num_classes) > 0
 
     def aligned(scrambled):
-        alg._load(alg.init_state, alg.global_state.keys())
+        alg.load_keys(alg.init_state, alg.global_state.keys())
         if scrambled:
             scramble_running_statistics(alg.worker)
         kept = buffers_of(alg.worker)
@@ -422,7 +422,7 @@ def test_fedmut_sends_balanced_mutations_along_the_last_update(spec_factory):
     assert "features.block0.bn.running_var" in current
     again = alg.plan(1)  # the same draw again: signs depend on (seed, round) only
     assert [t.client for t in again.tasks] == [t.client for t in plan.tasks]
-    assert all(torch.equal(a.payload.signs, b.payload.signs) for a, b in zip(again.tasks, plan.tasks))
+    assert all(torch.equal(a.choice.signs, b.choice.signs) for a, b in zip(again.tasks, plan.tasks))
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])

@@ -105,7 +105,7 @@ def test_fjord_round_matches_the_flower_baseline(tmp_path, golden, form):
         for (x, y), (xs, ys) in zip(batches[client], stored):
             assert torch.equal(x, xs) and torch.equal(y, ys)
 
-    widths = {t.client: t.payload.p for t in alg.plan(0).tasks}
+    widths = {t.client: t.choice.p for t in alg.plan(0).tasks}
     assert widths == theirs["widths"]
     if form == "round":
         assert sorted(widths.values()) == [0.2, 0.4, 0.6]

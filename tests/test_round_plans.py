@@ -27,12 +27,12 @@ class FixedCohort(FedAvg):
         self.clients, self.lr_factor = list(clients), dict(lr_factor or {})
 
     def plan(self, round_idx):
-        tasks = [ClientTask(c, payload=self.lr_factor.get(c, 1.0)) for c in self.clients]  # the lr factor
+        tasks = [ClientTask(c, choice=self.lr_factor.get(c, 1.0)) for c in self.clients]  # the lr factor
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def client_module(self, routed, task, plan):
         module = super().client_module(routed, task, plan)
-        module.lr = plan.lr * task.payload
+        module.lr = plan.lr * task.choice
         return module
 
     def client_figures(self, task, result, plan):

@@ -162,7 +162,7 @@ def test_mergesfl_selection_minimizes_the_merged_kl(spec_factory):
     cohort = uniform.plan(0).cohort
     assert algorithm._kl <= merged_kl(algorithm.counts[cohort], algorithm.batch_sizes(cohort), algorithm.reference)
     assert algorithm._kl == pytest.approx(merged_kl(algorithm.counts[plan.cohort],
-                                                    [t.payload.batch_size for t in plan.tasks],
+                                                    [t.choice.batch_size for t in plan.tasks],
                                                     algorithm.reference))
 
 

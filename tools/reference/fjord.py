@@ -101,7 +101,7 @@ def record():
         alg.client_module = keep
         fed, initial, cohort, batches = run_one_round(spec)
         plan = alg.plan(0)
-        widths = {t.client: t.options["p"] for t in plan.tasks}
+        widths = {t.client: t.choice.p for t in plan.tasks}
         draws[name] = {"widths": widths,
                        "draws": {c: list(getattr(modules[c], "drawn", [])) for c in cohort}}
         if case is None:

@@ -64,7 +64,7 @@ def record():
     fed, initial, cohort, batches = run_one_round(spec)
     alg, ctx = fed.algorithm, fed.ctx
     plan = alg.plan(0)
-    branch_of = {t.client: t.options["branch"] for t in plan.tasks}
+    branch_of = {t.client: t.choice.branch for t in plan.tasks}
     shards = {c: shard(ctx, c)[1] for c in range(ctx.num_clients)}  # labels of every client's shard
     return {"initial": initial, "cohort": cohort, "batches": {c: batches[c] for c in cohort}, "branch": branch_of,
             "labels": shards, "lr": spec.train.lr, "momentum": spec.train.momentum,

@@ -10,10 +10,14 @@ prototypes, FedSGA's prompt) lives on the object or travels on the result, never
   train, ``after_training`` (what goes back up, and the result), then the method's
   per-client figures. FedAS aligns before training and measures its Fisher trace after; FedGH
   uploads prototypes instead of its model.
-- ``split_common.SplitClient``: split learning, the server half in the loop.
+- ``split_common.SplitClient``: split learning, the server half in the loop. Its ``fit`` hands
+  the round to the method's split engine (``SplitFed.fit_split_client``), which builds the
+  client/server pair the server half needs; the client object supplies the parts.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Type
 
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.runtime.channel import Channel
@@ -22,22 +26,26 @@ from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator
 
+if TYPE_CHECKING:
+    from fl_lightning.algorithms.base import Algorithm
+
 
 class Client:
     """One client's round of ``method`` (the Algorithm that made it)."""
 
-    def __init__(self, method, task: ClientTask, plan: RoundPlan):
+    def __init__(self, method: "Algorithm", task: ClientTask, plan: RoundPlan):
         self.method, self.task, self.plan = method, task, plan
         self.ctx = method.ctx
 
     def fit(self) -> ClientResult:
+        """Run the client's round; the result is committed by the method if it is finite."""
         raise NotImplementedError
 
 
 class LocalClient(Client):
     """Receive the routed model, train it locally, send it back (the default of every FL method)."""
 
-    def __init__(self, method, task: ClientTask, plan: RoundPlan):
+    def __init__(self, method: "Algorithm", task: ClientTask, plan: RoundPlan):
         super().__init__(method, task, plan)
         self.channel = Channel()
         """Everything that crosses between the server and this client in the round."""
@@ -65,5 +73,12 @@ class LocalClient(Client):
     def after_training(self, routed: Routed, module, fit: LocalFit) -> ClientResult:
         """What the trained client sends up (the method's ``return_model``), and its result."""
         self.method.return_model(self.channel, routed, self.task)
-        return ClientResult(self.task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=self.channel)
+        return self.result(routed, module, fit)
+
+    def result(self, routed: Routed, module, fit: LocalFit, kind: Type[ClientResult] = ClientResult,
+               figures: Optional[dict] = None, **fields) -> ClientResult:
+        """The client's result (of type ``kind``, with ``fields``): the trained model, the fit's
+        ``steps`` and ``seconds`` then ``figures`` in its metrics, and the client's channel."""
+        metrics = {"steps": fit.steps, "seconds": fit.seconds, **(figures or {})}
+        return kind(self.task.client, fit.num_samples, fit.loss, update=routed, module=module, metrics=metrics,
+                    channel=self.channel, **fields)

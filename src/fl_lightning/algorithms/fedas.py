@@ -77,14 +77,17 @@ class FedASClient(LocalClient):
     of its previous local model, local training with its own head, then the trace of its
     Fisher information (the aggregation weight); the whole trained model goes up."""
 
+    align_loss = 0.0
+    """Mean loss of the round's alignment passes (0 when the client does not align)."""
+
     def receive(self) -> Routed:
+        """The received global body aligned to the client's prototypes, under its own head."""
         method, ctx, task = self.method, self.ctx, self.task
         stored = method.store.kept(task.client, TRAINED)
         previous = stored if stored is not None else method.init_state
-        self.align_loss = 0.0
         if method.align_epochs > 0 and (stored is not None or method.align_unseen):
             shard = ctx.shards[task.client]
-            method._load(previous, method.global_state.keys())
+            method.load_keys(previous, method.global_state.keys())
             prototypes, counts = class_prototypes(method.worker, method.classifier, shard.dataset, shard.indices,
                                                   ctx.num_classes, method.align_batch_size, ctx.fabric.device,
                                                   batch_stats=True)
@@ -94,18 +97,18 @@ class FedASClient(LocalClient):
             self.align_loss = method.align(shard, prototypes, counts > 0, generator)
         else:
             load_routed_state(method.worker, method.global_state, method.worker_regions)
-        method._load(previous, method.head_keys)  # the personalized head
+        method.load_keys(previous, method.head_keys)  # the personalized head
         routed = Routed(method.worker, method.worker_regions)
         method.send_model(self.channel, routed, task)
         return routed
 
     def after_training(self, routed, module, fit) -> FisherResult:
+        """The trained model goes up with the trace of its Fisher information."""
         shard, ctx = self.ctx.shards[self.task.client], self.ctx
         fisher = fisher_trace(routed.module, shard.dataset, shard.indices, ctx.train.batch_size, ctx.fabric.device)
         self.method.return_model(self.channel, routed, self.task)
-        return FisherResult(self.task.client, fit.num_samples, fit.loss, update=routed, module=module, fisher=fisher,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds, "fisher_trace": fisher,
-                                     "align_loss": self.align_loss}, channel=self.channel)
+        return self.result(routed, module, fit, FisherResult, {"fisher_trace": fisher, "align_loss": self.align_loss},
+                           fisher=fisher)
 
 
 class FedAS(FedAvg):
@@ -166,7 +169,7 @@ class FedAS(FedAvg):
         self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in self.global_state.items()},
                                                TRAINED: torch.zeros((), device=ctx.fabric.device)})
 
-    def _load(self, state: Dict[str, torch.Tensor], keys) -> None:
+    def load_keys(self, state: Dict[str, torch.Tensor], keys) -> None:
         local = self.worker.state_dict()
         with torch.no_grad():
             for key in keys:
@@ -227,7 +230,7 @@ class FedAS(FedAvg):
     def client_models(self, split):
         """Each client that has trained serves its stored local model."""
         def personal(client: int):
-            self._load(self.store.kept(client, TRAINED), self.global_state.keys())
+            self.load_keys(self.store.kept(client, TRAINED), self.global_state.keys())
             return self.worker
 
         return ClientModels(self.store.holding(TRAINED), personal)

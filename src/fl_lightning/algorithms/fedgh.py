@@ -39,6 +39,7 @@ class FedGHClient(LocalClient):
     up is each present class's prototype and label, never the model."""
 
     def after_training(self, routed, module, fit) -> ClientResult:
+        """Prototypes of the trained body over the client's shard go up, as the result's payload."""
         ctx, shard = self.ctx, self.ctx.shards[self.task.client]
         # batch statistics: the representations the header sees in local training; with running
         # statistics from a few local steps, evaluation-mode ones were up to 100x larger and the
@@ -47,10 +48,9 @@ class FedGHClient(LocalClient):
                                           ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
                                           batch_stats=True)
         present = counts > 0
+        # no return_model: the model never goes up, only each present class's prototype and label
         self.channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
-        return ClientResult(self.task.client, fit.num_samples, fit.loss, update=routed, module=module,
-                            metrics={"steps": fit.steps, "seconds": fit.seconds}, channel=self.channel,
-                            payload=Prototypes(protos, present.float()))
+        return self.result(routed, module, fit, payload=Prototypes(protos, present.float()))
 
 
 class FedGH(FedAvg):

@@ -36,9 +36,9 @@ def balanced_signs(generator: torch.Generator, cohort_size: int, num_layers: int
     return signs
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Mutation:
-    """A FedMut client's task payload: each mutated tensor's +1, 0 or negative weight."""
+    """What the server chose for a FedMut client: each mutated tensor's +1, 0 or negative weight."""
 
     signs: torch.Tensor
 
@@ -105,7 +105,7 @@ class FedMut(FedAvg):
         generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, MUTATION_STREAM, round_idx))
         signs = balanced_signs(generator, len(plan.tasks), len(self.mutated_keys), self.negative_weight(round_idx))
         for i, task in enumerate(plan.tasks):
-            task.payload = Mutation(signs[i])
+            task.choice = Mutation(signs[i])
         with torch.no_grad():
             self._delta = {k: self.global_state[k] - self.previous[k] for k in self.mutated_keys}
         return plan
@@ -113,7 +113,7 @@ class FedMut(FedAvg):
     def route(self, task, plan):
         """The client's mutated copy ``w_g + alpha v_i (.) (w_g - w_prev)``."""
         load_routed_state(self.worker, self.global_state, self.worker_regions)
-        signs = task.payload.signs.tolist()
+        signs = task.choice.signs.tolist()
         local = self.worker.state_dict()
         with torch.no_grad():
             for key, sign in zip(self.mutated_keys, signs):

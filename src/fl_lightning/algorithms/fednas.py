@@ -58,7 +58,7 @@ MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
 
 @dataclass(frozen=True)
 class SandwichChoice:
-    """A FedNAS-transfer client's task payload: its sandwich role, MaxNet weight, the MACs of its
+    """What the server chose for a FedNAS-transfer client: its sandwich role, MaxNet weight, the MACs of its
     architecture, which tracking count it feeds, and whether its draw fell back to the cache."""
 
     role: Role
@@ -314,8 +314,8 @@ class _FedNASTransfer(Feast):
             spec, fell_back = self.architecture(role, client, round_idx)
             track = "largest" if role == "max" or (role == "random" and spec == top) else \
                 "smallest" if role == "min" or (role == "random" and spec == bottom) else None
-            tasks.append(ClientTask(client, spec=spec, payload=SandwichChoice(
-                role, weight, self.cost.spec_macs(spec), track, fell_back)))
+            tasks.append(ClientTask(client, spec=spec, choice=SandwichChoice(
+                role=role, maxnet_weight=weight, macs=self.cost.spec_macs(spec), track=track, fell_back=fell_back)))
         self._round_c = c
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
@@ -335,13 +335,13 @@ class _FedNASTransfer(Feast):
                                      schedule=self.mix_schedule,
                                      generator=_generator(MIX_STREAM, self.ctx.seed, plan.round_idx, task.client))
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
-                                        macs=task.payload.macs, mixer=mixer)
+                                        macs=task.choice.macs, mixer=mixer)
 
     def work(self, task: ClientTask) -> float:
-        return Algorithm.work(self, task) * task.payload.macs
+        return Algorithm.work(self, task) * task.choice.macs
 
     def client_figures(self, task: ClientTask, result, plan: RoundPlan) -> Dict[str, float]:
-        o = task.payload
+        o = task.choice
         return {"role": o.role, "arch": str(task.spec), "arch_macs": o.macs,
                 "maxnet_weight": o.maxnet_weight, "arch_fallback": int(o.fell_back)}
 
@@ -350,7 +350,7 @@ class _FedNASTransfer(Feast):
         weight (not its sample count)."""
         self._forward_macs += result.module.forward_macs()
         if result.update is not None:
-            acc.add(result.update.module.state_dict(), float(task.payload.maxnet_weight), result.update.regions)
+            acc.add(result.update.module.state_dict(), float(task.choice.maxnet_weight), result.update.regions)
 
     def finish_round(self, new_state, sums, plan: RoundPlan, owned: List[int]) -> None:
         super().finish_round(new_state, sums, plan, owned)
@@ -360,9 +360,9 @@ class _FedNASTransfer(Feast):
         """Count who trained the largest / smallest architecture this round (the originals'
         ``cli_subnet_track``). Every rank holds the whole plan, so the counts agree."""
         for task in plan.tasks:
-            if task.payload.track == "largest":
+            if task.choice.track == "largest":
                 self.largest[task.client] += 1
-            elif task.payload.track == "smallest":
+            elif task.choice.track == "smallest":
                 self.smallest[task.client] += 1
 
     def round_metrics(self, sums) -> Dict[str, float]:

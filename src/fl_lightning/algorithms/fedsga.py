@@ -229,7 +229,7 @@ class FedSGA(SplitFed):
         tasks = []
         for client in self.cohort(round_idx):
             index, r = self.choose(client, round_idx)
-            tasks.append(ClientTask(client, cut=self.cuts[index], payload=CutChoice(index, calibrate, r)))
+            tasks.append(ClientTask(client, cut=self.cuts[index], choice=CutChoice(index, calibrate, r)))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def choose(self, client: int, round_idx: int) -> tuple[int, Optional[float]]:
@@ -295,7 +295,8 @@ class FedSGA(SplitFed):
 
     def load_server_harmonizer(self, task: ClientTask, plan: RoundPlan) -> None:
         """The harmonizer the server half trains with for this client: a copy of the global one
-        per client (V1), or one carried through the round from its first client (shared)."""
+        per client (V1), or one carried through the round from its first client (shared). Marks
+        this rank as one that trained the round's harmonizer (its tensors enter the round sums)."""
         if self.version == "v1" or task is plan.tasks[0]:
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
         self._trained_here = True
@@ -367,7 +368,7 @@ class FedSGA(SplitFed):
                     means = F.normalize(means, dim=1)
                 h.prototypes[seen] = means.to(h.prototypes.dtype)
                 h.has_prototype[seen] = 1.0
-        cuts = [t.payload.index for t in plan.tasks]
+        cuts = [t.choice.index for t in plan.tasks]
         figures = {"split/mean_index": sum(cuts) / len(cuts),
                    "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)}
         figures.update({f"split/frac_cut{k}": sum(c == k for c in cuts) / len(cuts) for k in range(len(self.cuts))})

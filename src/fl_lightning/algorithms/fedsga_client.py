@@ -1,5 +1,6 @@
-"""A FedSGA client's round: its prompt, the server's loss with the alignment term, and the
-descriptors it reports after training (docs/fedsga.md).
+"""A FedSGA client's round: the calibration probes on the received model (calibration rounds),
+its prompt, the server's loss with the alignment term, and the descriptors it reports after
+training (docs/fedsga.md).
 
 The method (``algorithms/fedsga.py``) makes one :class:`FedSGAClient` per task from the
 client's store entry; the object carries everything the round learns about that client (its
@@ -23,7 +24,7 @@ from fl_lightning.runtime.plan import ClientTask, RoundPlan
 
 @dataclass(frozen=True)
 class CutChoice:
-    """A FedSGA client's task payload: its candidate cut index, whether the round calibrates,
+    """What the server chose for a FedSGA client: its candidate cut index, whether the round calibrates,
     and the sufficiency probability behind the choice (None for the static and random strategies)."""
 
     index: int
@@ -53,7 +54,7 @@ class FedSGAClient(SplitClient):
     def __init__(self, method, task: ClientTask, plan: RoundPlan, state: Dict[str, torch.Tensor]):
         super().__init__(method, task, plan)
         self.state = state
-        self.depth = task.payload.index
+        self.depth = task.choice.index
         self.prompt_before = state["prompt"].detach().clone()
         self.prompt = state["prompt"].detach().clone().requires_grad_(method.adaptation_channel)
         self.grad_norms = torch.zeros(method.num_prompts, dtype=torch.float64)
@@ -71,7 +72,7 @@ class FedSGAClient(SplitClient):
         method, task = self.method, self.task
         method.load_server_harmonizer(task, self.plan)
         calibration, calibration_link = {}, Channel()
-        if task.payload.calibrate:
+        if task.choice.calibrate:
             loss_p1, loss_ref = method.probe_losses(task.client, self.prompt.detach(), calibration_link)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
                            "sufficient": float(sufficiency_label(loss_p1, loss_ref, method.beta))}
@@ -174,6 +175,6 @@ class FedSGAClient(SplitClient):
             sufficient=calibration.get("sufficient"), class_counts=self.class_counts)
         figures = {"cut": self.depth, "alignment": alignment, "stability": stability,
                    "prompt_variation": variation, "prompt_norm": float(prompt.norm())}
-        if self.task.payload.r is not None:
-            figures["r"] = self.task.payload.r
+        if self.task.choice.r is not None:
+            figures["r"] = self.task.choice.r
         return figures, payload

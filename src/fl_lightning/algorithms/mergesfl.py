@@ -90,7 +90,7 @@ def merged_kl(counts: torch.Tensor, sizes: Sequence[int], reference: torch.Tenso
 
 @dataclass(frozen=True)
 class MergedBatch:
-    """A MergeSFL client's task payload: its rows in each merged batch."""
+    """What the server chose for a MergeSFL client: its rows in each merged batch."""
 
     batch_size: int
 
@@ -169,7 +169,7 @@ class MergeSFL(SplitFed):
                 if kl < best_kl:
                     best, best_kl = candidate, kl
         self._kl = best_kl
-        tasks = [ClientTask(c, cut=self.cut, payload=MergedBatch(b))
+        tasks = [ClientTask(c, cut=self.cut, choice=MergedBatch(b))
                  for c, b in zip(best, self.batch_sizes(best))]
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
@@ -180,7 +180,7 @@ class MergeSFL(SplitFed):
         if t.steps:
             return t.steps
         examples = sum(self.ctx.client_sizes[task.client] for task in plan.tasks)
-        rows = sum(task.payload.batch_size for task in plan.tasks)
+        rows = sum(task.choice.batch_size for task in plan.tasks)
         return t.epochs * math.ceil(examples / rows)
 
     def round_metrics(self, sums) -> Dict[str, float]:
@@ -210,7 +210,7 @@ class MergeSFL(SplitFed):
             client = self.new_client(task, plan)
             pairs.append(self.make_pair(client, client_worker=slot, load_server=i == 0, server_optimizer=shared))
             shard = ctx.shards[task.client]
-            data = ClientData(shard.dataset, shard.indices, task.payload.batch_size, shard.device,
+            data = ClientData(shard.dataset, shard.indices, task.choice.batch_size, shard.device,
                               shard.num_workers)
             streams.append(data.steps(steps, client_generator(ctx.seed, plan.round_idx, task.client)))
             fits.append(SplitFit(0))
@@ -233,6 +233,6 @@ class MergeSFL(SplitFed):
             fit.steps, fit.loss = steps, loss
             fit.seconds = fit.client_seconds + fit.server_seconds
             result = self.client_result(task, fit, module=slot)
-            result.metrics["batch_size"] = task.payload.batch_size
+            result.metrics["batch_size"] = task.choice.batch_size
             results[task.client] = result
         return results

@@ -86,7 +86,7 @@ def choose_assistants(requirement: torch.Tensor, counts: torch.Tensor, client: i
 
 @dataclass(frozen=True)
 class Branch:
-    """A MultiSFL client's task payload: the branch model it trains this round."""
+    """What the server chose for a MultiSFL client: the branch model it trains this round."""
 
     branch: int
 
@@ -101,9 +101,10 @@ class BranchClient(SplitClient):
         from fl_lightning.runtime.client_data import ClientData
 
         method, task, plan = self.method, self.task, self.plan
-        ctx, cut, branch = self.ctx, task.cut, task.payload.branch
+        ctx, cut, branch = self.ctx, task.cut, task.choice.branch
         state = method.branches[branch]
-        front_regions = key_regions(state, method.halves.front(cut))
+        front_keys = method.halves.front(cut)
+        front_regions = key_regions(state, front_keys)
         pair = method.make_pair(self, state=state)
         method.helper_worker.train()
         helper_front, _ = method.helper_worker.split(cut)
@@ -116,7 +117,7 @@ class BranchClient(SplitClient):
                 helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
 
         assistant_link = Channel()  # the assistant devices' traffic, apart from the client's own
-        front_bytes = state_bytes(state, method.halves.front(cut))  # the client portion, as each assistant receives it
+        front_bytes = state_bytes(state, front_keys)  # the client portion, as each assistant receives it
 
         def refresh_helper():  # the assistants receive the client portion as it is now
             load_routed_state(method.helper_worker, method.client_worker.state_dict(), front_regions)
@@ -220,7 +221,7 @@ class MultiSFL(SplitFed):
             self._stats[branch] = decayed_distribution(self.distribution[branch], self.distribution_weight[branch],
                                                        self.counts[client], self.replay_decay)
             cut = self.client_cut[client] if self.client_cut is not None else self.cut
-            tasks.append(ClientTask(client, cut=cut, payload=Branch(branch)))
+            tasks.append(ClientTask(client, cut=cut, choice=Branch(branch)))
         tasks.sort(key=lambda t: t.client)
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
@@ -234,7 +235,7 @@ class MultiSFL(SplitFed):
 
     def replay_set(self, task: ClientTask, round_idx: int) -> Tuple[torch.Tensor, int]:
         """Dataset indices the assistants replay for this client's branch, and how many assistants."""
-        distribution, _ = self._stats[task.payload.branch]
+        distribution, _ = self._stats[task.choice.branch]
         need = replay_requirement(distribution, len(self.ctx.data.clients[task.client]), self.replay_budget)
         generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, REPLAY_STREAM, round_idx, task.client))
         chosen = choose_assistants(need, self.counts, task.client, generator)
@@ -248,7 +249,7 @@ class MultiSFL(SplitFed):
         return torch.cat(picked), len(chosen)
 
     # -- a client's round -----------------------------------------------------------------------
-    def new_client(self, task: ClientTask, plan: RoundPlan) -> "BranchClient":
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> BranchClient:
         return BranchClient(self, task, plan)
 
     def commit(self, acc, task, result, plan) -> None:
@@ -257,7 +258,7 @@ class MultiSFL(SplitFed):
         acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
         local = result.update.module.state_dict()
         regions = result.update.regions
-        self._trained[task.payload.branch] = {
+        self._trained[task.choice.branch] = {
             global_key: local[local_key].detach().clone() for local_key, (global_key, _) in regions.items()}
 
     # -- the round's end ------------------------------------------------------------------------

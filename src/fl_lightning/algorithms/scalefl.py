@@ -50,7 +50,7 @@ KLReduction = Literal["elementwise", "batchmean"]
 
 @dataclass(frozen=True)
 class Level:
-    """A ScaleFL client's task payload: its level (1-based) and whether its budget fell short of
+    """What the server chose for a ScaleFL client: its level (1-based) and whether its budget fell short of
     the smallest level (it then trains that one)."""
 
     level: int
@@ -177,7 +177,7 @@ class ScaleFL(FedAvg):
         tasks = []
         for c in cohort:
             k = int(self.assignment.assigned[c])
-            tasks.append(ClientTask(c, spec=self.specs[k], payload=Level(k + 1, bool(self.assignment.fallback[c]))))
+            tasks.append(ClientTask(c, spec=self.specs[k], choice=Level(k + 1, bool(self.assignment.fallback[c]))))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def route(self, task, plan):
@@ -197,9 +197,9 @@ class ScaleFL(FedAvg):
                              detach_teacher=self.detach_teacher, mixer=mixer)
 
     def client_figures(self, task, result, plan):
-        k = task.payload.level - 1
+        k = task.choice.level - 1
         cost = self.costs[k]
-        return {"level": task.payload.level, "fallback": int(task.payload.fallback),
+        return {"level": task.choice.level, "fallback": int(task.choice.fallback),
                 "macs": self.level_macs[k], "train_macs": cost["train_macs"], "params": cost["params"],
                 "kd_active": int(self.kd_active(plan.round_idx))}
 

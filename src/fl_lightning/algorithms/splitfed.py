@@ -197,7 +197,8 @@ class SplitFed(FedAvg):
 
     def train_pass(self, client: SplitClient, pair):
         """One client's split training over its shard with the standard step and the client's
-        server rule (``modules/split.py``); MU-SplitFed changes the step, MultiSFL the rule."""
+        server rule (``modules/split.py``); MU-SplitFed changes the step (MultiSFL's client runs
+        its replay step itself)."""
         from fl_lightning.modules.split import split_step, train_split
 
         ctx, task = self.ctx, client.task

@@ -68,7 +68,7 @@ def allocation_rng(seed: int, round_idx: int) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class Width:
-    """A sub-model client's task payload: its width this round (at most its cap)."""
+    """What the server chose for a sub-model client: its width this round (at most its cap)."""
 
     p: float
 
@@ -137,7 +137,7 @@ class SubmodelAlgorithm(FedAvg):
         tasks = []
         for c in cohort:
             p = min(float(widths[c]), float(self.caps[c]))
-            tasks.append(ClientTask(c, spec=WidthSpec.uniform(p, self.stages), payload=Width(p)))
+            tasks.append(ClientTask(c, spec=WidthSpec.uniform(p, self.stages), choice=Width(p)))
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def route(self, task, plan):
@@ -162,11 +162,11 @@ class SubmodelAlgorithm(FedAvg):
 
     def client_figures(self, task, result, plan):
         params, macs = self.cost(task.spec)
-        return {"p": task.payload.p, "p_max": float(self.caps[task.client]), "params": params, "macs": macs}
+        return {"p": task.choice.p, "p_max": float(self.caps[task.client]), "params": params, "macs": macs}
 
     # -- the server step --------------------------------------------------------------------
     def finish_round(self, new_state, sums, plan, owned) -> None:
-        figures = {"p_bar": float(np.mean([t.payload.p for t in plan.tasks]))}
+        figures = {"p_bar": float(np.mean([t.choice.p for t in plan.tasks]))}
         total = uncovered = never = 0
         for key in self.param_keys:
             covered = sums[f"c/{key}"] > 0
@@ -181,7 +181,7 @@ class SubmodelAlgorithm(FedAvg):
         figures["never_trained/all"] = never / total
         self._round_figures = figures
         for task in plan.tasks:
-            self.last_widths[task.client] = task.payload.p
+            self.last_widths[task.client] = task.choice.p
         super().finish_round(new_state, sums, plan, owned)
 
     def round_metrics(self, sums) -> Dict[str, float]:
@@ -315,7 +315,7 @@ class HeteroFL(SubmodelAlgorithm):
         return routed
 
     def client_module(self, routed, task, plan):
-        p = task.payload.p
+        p = task.choice.p
         if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
             from fl_lightning.elastic.layers.scaler import attach_scaler
 
@@ -471,7 +471,7 @@ class FjORD(SubmodelAlgorithm):
         from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
 
         smallest = min(self.tiers)
-        low = WidthSpec.uniform(min(smallest, task.payload.p), self.stages)
+        low = WidthSpec.uniform(min(smallest, task.choice.p), self.stages)
         return OrderedDropoutDistillClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                            task.spec, low, self.distill_weight)
 

@@ -1,8 +1,8 @@
 """What the round loop and the algorithms share, so that neither imports the other.
 
 The loop asks an algorithm for a :class:`RoundPlan`, runs each :class:`ClientTask` through the
-algorithm's client fit, and gets back a :class:`ClientResult`; the algorithm sees the run
-through a :class:`RunContext`.
+client object the algorithm makes for it (``algorithm.new_client(task, plan).fit()``), and gets
+back a :class:`ClientResult`; the algorithm sees the run through a :class:`RunContext`.
 """
 
 from fl_lightning.runtime.context import RunContext

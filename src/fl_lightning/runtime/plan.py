@@ -21,10 +21,10 @@ class ClientTask:
     """Operating point the client trains: a width, a subnet spec, an envelope (None: the whole model)."""
     cut: Optional[str] = None
     """Block boundary where the model is split between client and server (split learning)."""
-    payload: Any = None
-    """What else the client's round needs, as the method's own typed record (a sub-model's
-    width, FedSGA's cut index and calibration flag, FedNAS's sandwich role); None when the
-    spec and the cut say everything."""
+    choice: Any = None
+    """What else the server chose for the client's round, as the method's own typed record (a
+    sub-model's width, FedSGA's cut index and calibration flag, FedNAS's sandwich role); None
+    when the spec and the cut say everything."""
 
 
 @dataclass
