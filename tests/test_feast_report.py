@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -62,3 +63,28 @@ def test_report_prints_table_6_from_saved_files(tmp_path, capsys):
     assert "mean |gap| low end (budget <= 35M): 3.00 pp over 2 subnets (15.00M-30.00M)" in out
     assert "mean |gap| full range: 2.00 pp over 3 subnets (15.00M-40.00M)" in out
     assert "(out of span)" in out and (tmp_path / "plot.png").is_file()
+
+
+def test_paired_rows_and_noise_floor_by_run_name():
+    """Runs named <row>_s<seed>: each row minus the reference on their common seeds, the 95%
+    interval of scipy's paired t-test and the finding; the noise floor's absolute changes."""
+    from scipy import stats
+
+    def run(name, population):
+        return {"name": name, "population": population}
+
+    full, max_only = [0.95, 0.96, 0.94], [0.70, 0.66, 0.75]
+    runs = ([run(f"full_s{s}", a) for s, a in enumerate(full)] + [run(f"max_only_s{s}", a) for s, a in enumerate(max_only)]
+            + [run("max_only_s7", 0.9), run("unnamed", 0.5)])  # seed 7 has no reference run; no seed in the name
+    table = tool.paired_table(runs, "full")
+    row = next(line for line in table.splitlines() if line.startswith("| max_only |"))
+    cells = [c.strip() for c in row.split("|")[2:6]]
+    assert cells[0] == "3" and cells[1] == ", ".join(f"{100 * (b - a):+.1f}" for a, b in zip(full, max_only))
+    low, high = stats.ttest_rel(100 * np.array(max_only), 100 * np.array(full)).confidence_interval(0.95)
+    mean, half = (float(x) for x in cells[2].split(" ± "))
+    assert mean == pytest.approx((low + high) / 2, abs=0.051) and half == pytest.approx((high - low) / 2, abs=0.051)
+    assert cells[3] == "below full"
+    assert tool.paired_table(runs, "nothing").startswith("Paired comparison skipped")
+    floor = tool.noise_table(runs, [run("full_s0", 0.93), run("full_s2", 0.945)])
+    assert "| full | 2 | 2.0, 0.5 | 1.2 | 2.0 |" in floor
+    assert tool.noise_table(runs, []).startswith("Noise floor skipped")

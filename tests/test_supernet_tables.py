@@ -287,3 +287,47 @@ def test_table_4_deployment_ranges_on_hand_made_runs():
     assert "| FEAST | 3-4 cached variants | 24.00M-596.00M |" in text
     assert "| HeteroFL | 5 width tiers | 2.00M-550.00M |" in text
     assert supernet_tables.table4([]).startswith("Table 4 skipped")
+
+
+def test_paired_comparison_and_noise_floor_on_hand_made_runs():
+    """FEAST minus each method seed by seed on the seeds both hold, the 95% interval from
+    scipy's paired t-test, the finding; and the same runs under other arithmetic as the noise
+    floor (absolute changes)."""
+    from types import SimpleNamespace
+
+    from scipy import stats
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+
+    def run(method, seed, acc):
+        return SimpleNamespace(method=method, seed=seed, rounds=30, population_acc=acc, name=f"{method}_{seed}",
+                               path=Path(f"{method}_{seed}"))
+
+    feast = [0.80, 0.75, 0.82, 0.78]
+    heterofl = [0.70, 0.71, 0.69, 0.74, 0.99]  # a fifth seed FEAST lacks: left out
+    scalefl = [0.79, 0.77, 0.80, 0.80]
+    runs = ([run("FEAST", s, a) for s, a in enumerate(feast)] + [run("HeteroFL", s, a) for s, a in enumerate(heterofl)]
+            + [run("ScaleFL", s, a) for s, a in enumerate(scalefl)])
+    setting = (("dataset", "synthetic"),)
+    groups = {setting: supernet_tables.Group(runs)}
+    text = supernet_tables.paired_table(groups)
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[3:7]]
+            for line in text.splitlines() if line.startswith("| synthetic")}
+    for method, accs, finding in (("HeteroFL", heterofl, "FEAST above HeteroFL"),
+                                  ("ScaleFL", scalefl, "FEAST no difference detectable")):
+        d = 100 * (np.array(feast) - np.array(accs[:4]))
+        low, high = stats.ttest_rel(100 * np.array(feast), 100 * np.array(accs[:4])).confidence_interval(0.95)
+        assert rows[method][0] == "4"
+        assert rows[method][1] == ", ".join(f"{x:+.1f}" for x in d)
+        mean, half = (float(x) for x in rows[method][2].split(" ± "))  # printed to 0.1 points
+        assert mean == pytest.approx((low + high) / 2, abs=0.051) and half == pytest.approx((high - low) / 2, abs=0.051)
+        assert rows[method][3] == finding
+    again = {setting: supernet_tables.Group([run("FEAST", 0, 0.77), run("FEAST", 1, 0.76)])}
+    floor = supernet_tables.noise_table(groups, again)
+    row = next(line for line in floor.splitlines() if line.startswith("| synthetic | FEAST"))
+    assert [c.strip() for c in row.split("|")[3:7]] == ["2", "3.0, 1.0", "2.0", "3.0"]
+    assert supernet_tables.noise_table(groups, {}).startswith("Noise floor skipped")

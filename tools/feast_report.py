@@ -12,6 +12,11 @@ For each run it reads ``summary.json`` (test accuracies of the best-validation c
 - the gamma table (Table 13): population accuracy and accuracy at the largest variant, per
   run, with the run's gamma;
 
+- with ``--reference ROW``, for runs named ``<row>_s<seed>``: every row's population accuracy
+  minus the reference row's, seed by seed, with the 95% Student-t interval of the mean and what
+  it shows (a finding only when the interval excludes zero); with ``--noise RUN ...`` also the
+  noise floor, the same rows and seeds run under other arithmetic (absolute changes);
+
 then draws every run's accuracy against MACs (Fig. 3) on one log-x plot. With
 ``--extractions`` (the JSON that ``python -m fl_lightning extract --run RUN --budget B`` prints,
 one file per budget, or JSON lines) it also prints
@@ -27,12 +32,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 import yaml
 
 from fl_lightning.analysis.serving_controls import anchor_accuracy
+from submodel_tables import paired_interval, verdict
 
 
 def load_run(path: Path) -> dict:
@@ -70,6 +80,46 @@ def gamma_table(runs) -> str:
         lines.append(f"{run['name']:<32} {run['gamma']!s:>6} {pct(run['accs'][-1]):>8} {pct(run['accs'][0]):>9} "
                      f"{pct(run['population']):>11}")
     return "\n".join(lines)
+
+
+def by_row(runs) -> dict:
+    """Population accuracy of runs named ``<row>_s<seed>``: ``{row: {seed: accuracy}}``."""
+    out = defaultdict(dict)
+    for run in runs:
+        match = re.fullmatch(r"(.+)_s(\d+)", run["name"])
+        if match and run["population"] is not None:
+            out[match.group(1)][int(match.group(2))] = run["population"]
+    return dict(out)
+
+
+def paired_table(runs, reference: str) -> str:
+    rows = by_row(runs)
+    ref = rows.get(reference)
+    if not ref:
+        return f"Paired comparison skipped: no run named {reference}_s<seed>"
+    lines = [f"Paired comparison: row - {reference}, population accuracy per seed (points), 95% Student-t interval "
+             "of the mean", "", "| row | seeds | per seed | mean ± 95% CI | finding |", "| --- | --- | --- | --- | --- |"]
+    for row, seeds in sorted(rows.items()):
+        common = sorted(set(seeds) & set(ref))
+        if row == reference or not common:
+            continue
+        d = [100 * (seeds[s] - ref[s]) for s in common]
+        mean, half = paired_interval(d)
+        lines.append(f"| {row} | {len(d)} | {', '.join(f'{x:+.1f}' for x in d)} | {mean:+.1f} ± {half:.1f} | "
+                     f"{verdict(mean, half, reference)} |")
+    return "\n".join(lines)
+
+
+def noise_table(runs, others) -> str:
+    rows, again = by_row(runs), by_row(others)
+    lines = ["Noise floor: |population accuracy| change of the same row and seed under other arithmetic (points)", "",
+             "| row | seeds | per seed | mean | max |", "| --- | --- | --- | --- | --- |"]
+    for row, seeds in sorted(rows.items()):
+        common = sorted(set(seeds) & set(again.get(row, {})))
+        if common:
+            d = [abs(100 * (seeds[s] - again[row][s])) for s in common]
+            lines.append(f"| {row} | {len(d)} | {', '.join(f'{x:.1f}' for x in d)} | {np.mean(d):.1f} | {max(d):.1f} |")
+    return "\n".join(lines) if len(lines) > 4 else "Noise floor skipped: no --noise run repeats a row and seed"
 
 
 def load_extractions(paths) -> list:
@@ -158,6 +208,10 @@ def main(argv=None) -> None:
                         help="extract results (JSON or JSON lines) of the first run: Supp. Table 6")
     parser.add_argument("--low_end", type=float, default=52e6,
                         help="largest requested budget of Supp. Table 6's low end (MACs)")
+    parser.add_argument("--reference", default=None,
+                        help="row (runs named <row>_s<seed>) the others are compared with, seed by seed")
+    parser.add_argument("--noise", nargs="*", type=Path, default=None,
+                        help="the same rows and seeds under other arithmetic (noise floor)")
     args = parser.parse_args(argv)
     finished = [path for path in args.runs if (path / "summary.json").is_file() and (path / "cache.json").is_file()]
     for path in sorted(set(args.runs) - set(finished)):
@@ -172,6 +226,12 @@ def main(argv=None) -> None:
     print(rule_table(runs, anchors))
     print()
     print(gamma_table(runs))
+    if args.reference:
+        print()
+        print(paired_table(runs, args.reference))
+    if args.noise:
+        print()
+        print(noise_table(runs, [load_run(path) for path in args.noise if (path / "summary.json").is_file()]))
     if args.extractions:
         print()
         print(extraction_table(runs[0], load_extractions(args.extractions), args.low_end))

@@ -1,6 +1,6 @@
 """Tables and figure of the supernet comparison (FEAST Tables 1, 3, 5, 7-8, 11, 12; Fig. 3).
 
-    python tools/supernet_tables.py RUN [RUN ...] [--figure PATH] [--anchors A ...]
+    python tools/supernet_tables.py RUN [RUN ...] [--figure PATH] [--anchors A ...] [--noise RUN ...]
 
 Every RUN is a run directory (or a folder of them) of FEAST, its SuperFedNAS / DeepFedNAS
 transfers, ScaleFL, FIARSE or HeteroFL, read into one form by ``analysis/serving.py``. Runs are
@@ -15,6 +15,10 @@ Prints, where the runs exist (otherwise one line saying what is missing):
   and their MAC range (smallest to largest point);
 - Table 1: population accuracy under largest-affordable serving per method; Δbest is FEAST
   minus the strongest baseline (paired over seeds);
+- the paired comparison: FEAST minus every other method seed by seed, with the 95% Student-t
+  interval of the mean and what it shows (a finding only when the interval excludes zero);
+- with ``--noise RUN ...``, the noise floor: the same methods and seeds run under other
+  arithmetic (e.g. ``--fabric.threads_per_rank 2``), the population accuracy's absolute change;
 - Sec. 4.2's ranges: per method, the accuracy change from its smallest to its largest point
   across the shared range (points of at least the first anchor, the paper's 25M);
 - Table 3: the transfers and FEAST at the budget anchors;
@@ -42,6 +46,7 @@ from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
                                                    horizon_command, matched_rounds, range_ends, same_population,
                                                    scaled_anchors)
+from submodel_tables import paired_interval, verdict
 
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
 TIERED = ("HeteroFL", "ScaleFL")
@@ -230,6 +235,45 @@ def table1(groups: Dict[tuple, Group]) -> str:
            "(paired over seeds)", "",
            table(["setting", *BASELINES, "FEAST", "Δbest"], rows)]
     return "\n".join(out + [""] + notes if notes else out)
+
+
+def paired_table(groups: Dict[tuple, Group]) -> str:
+    """FEAST minus each other method of its setting, population accuracy seed by seed (points),
+    the mean with its 95% interval, and the finding."""
+    rows = []
+    for setting, g in groups.items():
+        feast = g.original.get("FEAST")
+        for method, seeds in g.original.items() if feast else ():
+            common = sorted(set(feast) & set(seeds))
+            if method == "FEAST" or not common:
+                continue
+            d = [100 * (feast[s].population_acc - seeds[s].population_acc) for s in common]
+            mean, half = paired_interval(d)
+            rows.append([label(setting), method, str(len(d)), ", ".join(f"{x:+.1f}" for x in d),
+                         f"{mean:+.1f} ± {half:.1f}", f"FEAST {verdict(mean, half, method)}"])
+    if not rows:
+        return "Paired comparison skipped: no setting has FEAST and another method on a common seed."
+    return "\n".join(["Paired comparison: FEAST - method, population accuracy per seed (points), 95% Student-t "
+                      "interval of the mean", "",
+                      table(["setting", "method", "seeds", "per seed", "mean ± 95% CI", "finding"], rows)])
+
+
+def noise_table(groups: Dict[tuple, Group], other: Dict[tuple, Group]) -> str:
+    """The same setting, method and seed under other arithmetic: the population accuracy's
+    absolute change (points), the spread one run carries."""
+    rows = []
+    for setting, g in groups.items():
+        for method, seeds in g.original.items():
+            again = other[setting].original.get(method, {}) if setting in other else {}
+            common = sorted(set(seeds) & set(again))
+            if common:
+                d = [abs(100 * (seeds[s].population_acc - again[s].population_acc)) for s in common]
+                rows.append([label(setting), method, str(len(d)), ", ".join(f"{x:.1f}" for x in d),
+                             f"{np.mean(d):.1f}", f"{max(d):.1f}"])
+    if not rows:
+        return "Noise floor skipped: no run of --noise repeats a setting, method and seed of the runs."
+    return "\n".join(["Noise floor: |population accuracy| change of the same setting, method and seed under other "
+                      "arithmetic (points)", "", table(["setting", "method", "seeds", "per seed", "mean", "max"], rows)])
 
 
 def ranges_table(groups: Dict[tuple, Group], given_anchors) -> str:
@@ -482,6 +526,8 @@ def main(argv=None) -> int:
     parser.add_argument("--figure", type=Path, default=None, help="write accuracy against MACs here (PNG)")
     parser.add_argument("--anchors", type=float, nargs="+", default=None,
                         help="budget anchors in MACs (default: 25, 50, 229, 408, 596M, scaled to a CPU-sized cache)")
+    parser.add_argument("--noise", type=Path, nargs="+", default=None,
+                        help="the same methods and seeds under other arithmetic (noise floor)")
     args = parser.parse_args(argv)
     runs = load_all(args.runs)
     if not runs:
@@ -494,11 +540,14 @@ def main(argv=None) -> int:
     for g in groups.values():
         for note in g.notes:
             print(f"note {note}")
-    sections = [table4(runs), table1(groups), ranges_table(groups, args.anchors), table3(runs, args.anchors), table5(groups), table8(groups),
-                sweep_table(runs, "s", ("FEAST",), "Table 11: FEAST across the Zipf exponent s, test accuracy (%) at "
-                                                   "the anchors and the first-to-last change (points)", args.anchors),
-                sweep_table(runs, "alpha", ("FEAST", "FIARSE"), "Table 12: FEAST and FIARSE across the label skew, "
-                            "test accuracy (%) at the anchors and the first-to-last change (points)", args.anchors)]
+    sections = [table4(runs), table1(groups), paired_table(groups)]
+    if args.noise:
+        sections.append(noise_table(groups, {s: Group(rs) for s, rs in group_runs(load_all(args.noise)).items()}))
+    sections += [ranges_table(groups, args.anchors), table3(runs, args.anchors), table5(groups), table8(groups),
+                 sweep_table(runs, "s", ("FEAST",), "Table 11: FEAST across the Zipf exponent s, test accuracy (%) at "
+                                                    "the anchors and the first-to-last change (points)", args.anchors),
+                 sweep_table(runs, "alpha", ("FEAST", "FIARSE"), "Table 12: FEAST and FIARSE across the label skew, "
+                             "test accuracy (%) at the anchors and the first-to-last change (points)", args.anchors)]
     print("\n\n".join(sections))
     if args.figure is not None:
         figure(groups, args.figure)
