@@ -37,12 +37,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
 import yaml
 
 from fl_lightning.analysis.serving_controls import anchor_accuracy
-from submodel_tables import paired_interval, verdict
+from submodel_tables import noise_cells, paired_cells, verdict
 
 
 def load_run(path: Path) -> dict:
@@ -100,13 +98,10 @@ def paired_table(runs, reference: str) -> str:
     lines = [f"Paired comparison: row - {reference}, population accuracy per seed (points), 95% Student-t interval "
              "of the mean", "", "| row | seeds | per seed | mean ± 95% CI | finding |", "| --- | --- | --- | --- | --- |"]
     for row, seeds in sorted(rows.items()):
-        common = sorted(set(seeds) & set(ref))
-        if row == reference or not common:
-            continue
-        d = [100 * (seeds[s] - ref[s]) for s in common]
-        mean, half = paired_interval(d)
-        lines.append(f"| {row} | {len(d)} | {', '.join(f'{x:+.1f}' for x in d)} | {mean:+.1f} ± {half:.1f} | "
-                     f"{verdict(mean, half, reference)} |")
+        paired = paired_cells(seeds, ref) if row != reference else None
+        if paired:
+            cells, mean, half = paired
+            lines.append(f"| {row} | {' | '.join(cells)} | {verdict(mean, half, reference)} |")
     return "\n".join(lines)
 
 
@@ -115,10 +110,9 @@ def noise_table(runs, others) -> str:
     lines = ["Noise floor: |population accuracy| change of the same row and seed under other arithmetic (points)", "",
              "| row | seeds | per seed | mean | max |", "| --- | --- | --- | --- | --- |"]
     for row, seeds in sorted(rows.items()):
-        common = sorted(set(seeds) & set(again.get(row, {})))
-        if common:
-            d = [abs(100 * (seeds[s] - again[row][s])) for s in common]
-            lines.append(f"| {row} | {len(d)} | {', '.join(f'{x:.1f}' for x in d)} | {np.mean(d):.1f} | {max(d):.1f} |")
+        cells = noise_cells(seeds, again.get(row, {}))
+        if cells:
+            lines.append(f"| {row} | {' | '.join(cells)} |")
     return "\n".join(lines) if len(lines) > 4 else "Noise floor skipped: no --noise run repeats a row and seed"
 
 
@@ -213,6 +207,9 @@ def main(argv=None) -> None:
     parser.add_argument("--noise", nargs="*", type=Path, default=None,
                         help="the same rows and seeds under other arithmetic (noise floor)")
     args = parser.parse_args(argv)
+    missing = [path for path in args.noise or [] if not path.exists()]
+    if missing:
+        parser.error(f"--noise: no run at {missing[0]}")
     finished = [path for path in args.runs if (path / "summary.json").is_file() and (path / "cache.json").is_file()]
     for path in sorted(set(args.runs) - set(finished)):
         print(f"skipped {path}: not a finished FEAST run (no summary.json and cache.json)", file=sys.stderr)

@@ -97,6 +97,31 @@ def verdict(mean: float, half: float, reference: str) -> str:
     return "no difference detectable"
 
 
+def paired_cells(values: dict, reference: dict):
+    """``values - reference`` seed by seed on their common seeds (fractions in, points out):
+    ``([seeds, per seed, mean ± 95% CI], mean, half)``, or None without a common seed."""
+    common = sorted(set(values) & set(reference))
+    if not common:
+        return None
+    d = [100 * (values[s] - reference[s]) for s in common]
+    mean, half = paired_interval(d)
+    return [str(len(d)), ", ".join(f"{x:+.1f}" for x in d), f"{mean:+.1f} ± {half:.1f}"], mean, half
+
+
+def noise_cells(values: dict, again: dict):
+    """The same seeds under other arithmetic: ``[seeds, per seed, mean, max]`` of the absolute
+    changes in points, or None without a common seed."""
+    common = sorted(set(values) & set(again))
+    if not common:
+        return None
+    d = [abs(100 * (values[s] - again[s])) for s in common]
+    return [str(len(d)), ", ".join(f"{x:.1f}" for x in d), f"{np.mean(d):.1f}", f"{max(d):.1f}"]
+
+
+def finals(seeds: dict) -> dict:
+    return {s: run["final"] for s, run in seeds.items()}
+
+
 def print_paired(figures: dict, reference: str, label: str) -> None:
     """Per-seed final-accuracy differences of every entry against ``reference``, in points, with
     the mean's 95% interval and what it shows."""
@@ -108,13 +133,10 @@ def print_paired(figures: dict, reference: str, label: str) -> None:
     print(f"| {label} | seeds | per seed | mean ± 95% CI | finding |")
     print("| --- | --- | --- | --- | --- |")
     for name, seeds in figures.items():
-        common = sorted(set(seeds) & set(ref))
-        if name == reference or not common:
-            continue
-        d = [100 * (seeds[s]["final"] - ref[s]["final"]) for s in common]
-        mean, half = paired_interval(d)
-        print(f"| {name} | {len(d)} | {', '.join(f'{x:+.1f}' for x in d)} | {mean:+.1f} ± {half:.1f} | "
-              f"{verdict(mean, half, reference)} |")
+        paired = paired_cells(finals(seeds), finals(ref)) if name != reference else None
+        if paired:
+            cells, mean, half = paired
+            print(f"| {name} | {' | '.join(cells)} | {verdict(mean, half, reference)} |")
 
 
 def print_noise_floor(figures: dict, other: dict, label: str) -> None:
@@ -124,11 +146,9 @@ def print_noise_floor(figures: dict, other: dict, label: str) -> None:
     print(f"| {label} | seeds | per seed | mean | max |")
     print("| --- | --- | --- | --- | --- |")
     for name, seeds in figures.items():
-        common = sorted(set(seeds) & set(other.get(name, {})))
-        if not common:
-            continue
-        d = [abs(100 * (seeds[s]["final"] - other[name][s]["final"])) for s in common]
-        print(f"| {name} | {len(d)} | {', '.join(f'{x:.1f}' for x in d)} | {np.mean(d):.1f} | {max(d):.1f} |")
+        cells = noise_cells(finals(seeds), finals(other.get(name, {})))
+        if cells:
+            print(f"| {name} | {' | '.join(cells)} |")
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,7 @@ from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
                                                    horizon_command, matched_rounds, range_ends, same_population,
                                                    scaled_anchors)
-from submodel_tables import paired_interval, verdict
+from submodel_tables import noise_cells, paired_cells, verdict
 
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
 TIERED = ("HeteroFL", "ScaleFL")
@@ -237,6 +237,10 @@ def table1(groups: Dict[tuple, Group]) -> str:
     return "\n".join(out + [""] + notes if notes else out)
 
 
+def population(seeds: Dict[int, ServingRun]) -> Dict[int, float]:
+    return {s: run.population_acc for s, run in seeds.items()}
+
+
 def paired_table(groups: Dict[tuple, Group]) -> str:
     """FEAST minus each other method of its setting, population accuracy seed by seed (points),
     the mean with its 95% interval, and the finding."""
@@ -244,13 +248,10 @@ def paired_table(groups: Dict[tuple, Group]) -> str:
     for setting, g in groups.items():
         feast = g.original.get("FEAST")
         for method, seeds in g.original.items() if feast else ():
-            common = sorted(set(feast) & set(seeds))
-            if method == "FEAST" or not common:
-                continue
-            d = [100 * (feast[s].population_acc - seeds[s].population_acc) for s in common]
-            mean, half = paired_interval(d)
-            rows.append([label(setting), method, str(len(d)), ", ".join(f"{x:+.1f}" for x in d),
-                         f"{mean:+.1f} ± {half:.1f}", f"FEAST {verdict(mean, half, method)}"])
+            paired = paired_cells(population(feast), population(seeds)) if method != "FEAST" else None
+            if paired:
+                cells, mean, half = paired
+                rows.append([label(setting), method, *cells, f"FEAST {verdict(mean, half, method)}"])
     if not rows:
         return "Paired comparison skipped: no setting has FEAST and another method on a common seed."
     return "\n".join(["Paired comparison: FEAST - method, population accuracy per seed (points), 95% Student-t "
@@ -265,11 +266,9 @@ def noise_table(groups: Dict[tuple, Group], other: Dict[tuple, Group]) -> str:
     for setting, g in groups.items():
         for method, seeds in g.original.items():
             again = other[setting].original.get(method, {}) if setting in other else {}
-            common = sorted(set(seeds) & set(again))
-            if common:
-                d = [abs(100 * (seeds[s].population_acc - again[s].population_acc)) for s in common]
-                rows.append([label(setting), method, str(len(d)), ", ".join(f"{x:.1f}" for x in d),
-                             f"{np.mean(d):.1f}", f"{max(d):.1f}"])
+            cells = noise_cells(population(seeds), population(again))
+            if cells:
+                rows.append([label(setting), method, *cells])
     if not rows:
         return "Noise floor skipped: no run of --noise repeats a setting, method and seed of the runs."
     return "\n".join(["Noise floor: |population accuracy| change of the same setting, method and seed under other "
@@ -529,6 +528,9 @@ def main(argv=None) -> int:
     parser.add_argument("--noise", type=Path, nargs="+", default=None,
                         help="the same methods and seeds under other arithmetic (noise floor)")
     args = parser.parse_args(argv)
+    missing = [path for path in args.noise or [] if not path.exists()]
+    if missing:
+        parser.error(f"--noise: no run at {missing[0]}")
     runs = load_all(args.runs)
     if not runs:
         print("no readable runs")
