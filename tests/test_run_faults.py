@@ -248,3 +248,22 @@ def test_round_where_every_client_fails_says_what_exists_and_logs_its_clients(tm
     assert not (out / "nan" / "checkpoints" / "last.ckpt").exists()
     rows = [json.loads(l) for l in (out / "nan" / "clients.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["round"] == 0 and "non-finite" in r["skipped"] for r in rows)
+
+
+@pytest.mark.parametrize("bad, expected", [(float("nan"), "b.weight"), (float("inf"), "b.weight"),
+                                           (3e38, None)])
+def test_update_check_names_non_finite_tensors_and_lets_a_sum_overflow(bad, expected):
+    """NaN or inf in an update names its tensor; finite values whose sum overflows float32
+    (3e38 three times) are not a fault."""
+    from torch import nn
+
+    from fl_lightning.elastic.routing import Routed
+    from fl_lightning.runtime.result import ClientResult
+
+    module = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+    with torch.no_grad():
+        module["a"].weight.fill_(3e38)
+        module["b"].weight[0, 0] = bad
+    result = ClientResult(client=0, num_samples=1, loss=0.5, update=Routed(module, {}))
+    problem = result.non_finite()
+    assert (problem is None) if expected is None else expected in problem

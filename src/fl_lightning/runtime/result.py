@@ -51,12 +51,13 @@ class ClientResult:
         if not math.isfinite(self.loss):
             return f"non-finite training loss ({self.loss})"
         if self.update is not None:
-            tensors = [t for t in self.update.module.state_dict().values() if t.is_floating_point()]
-            if tensors:
-                # One reduction and one host sync: NaN and inf survive the sum.
-                total = torch.stack([torch.sum(t.detach(), dtype=torch.float64) for t in tensors]).sum()
-                if not torch.isfinite(total):
-                    bad = [k for k, t in self.update.module.state_dict().items()
-                           if t.is_floating_point() and not torch.isfinite(t).all()]
+            tensors = [t.detach().reshape(-1) for t in self.update.module.state_dict().values()
+                       if t.is_floating_point()]
+            # NaN and inf survive a plain sum (one fast reduction); only when the sum is not
+            # finite are the tensors searched, as finite values can also overflow it.
+            if tensors and not torch.isfinite(torch.cat(tensors).sum()):
+                bad = [k for k, t in self.update.module.state_dict().items()
+                       if t.is_floating_point() and not torch.isfinite(t).all()]
+                if bad:
                     return f"non-finite values in the update ({', '.join(bad[:3])})"
         return None
