@@ -90,7 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=["splitfed", "fedsga"], default="splitfed")
     parser.add_argument("--model", choices=list(MODELS), default="resnet")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="paired rounds (bare loop, then the federation round); the medians are compared")
     parser.add_argument("--prompt-gradient", choices=["task", "all"], default="all",
                         help="FedSGA: keep the alignment gradient from the prompt (one more front backward) or not")
     args = parser.parse_args()
