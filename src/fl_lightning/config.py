@@ -46,7 +46,6 @@ PrecisionInt = Literal[64, 32, 16]
 SCHEDULES = get_args(LrSchedule)
 ACCELERATORS = get_args(Accelerator)
 STRATEGIES = get_args(Strategy)
-PRECISIONS = get_args(Precision) + get_args(PrecisionInt)
 
 
 @dataclass

@@ -33,7 +33,6 @@ from .base import ArrayDataset, DatasetBundle
 
 # LEAF's language_utils.py ALL_LETTERS; a character's class is its index in this string.
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
-NUM_LETTERS = len(ALL_LETTERS)  # 80
 # The 95 printable ASCII characters (space to tilde), the vocabulary size HAS-FL reports.
 PRINTABLE = "".join(chr(c) for c in range(32, 127))
 VOCABULARIES = {"leaf": ALL_LETTERS, "printable": PRINTABLE}
