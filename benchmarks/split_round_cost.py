@@ -8,9 +8,9 @@ bytes counted at the cut against the tensors' sizes.
 The federation round (plan, loading each client's front and server's back, split training
 through the cut with two optimizers, descriptors, aggregation) is timed against a bare loop
 that trains one copy of the whole model with SGD on the same clients' batches. Target ratio
-<= 1.15 for SplitFed and for FedSGA (static cut, on its shared server model, with prompts,
-the harmonizer on the prediction path and the prompt kept from the alignment gradient, probes
-and descriptors): both run on the split engine of ``modules/split.py``.
+<= 1.15 for SplitFed and for FedSGA (static cut, on its shared server model, with prompts
+trained by the whole server loss (``prompt_gradient: all``, the default), the harmonizer on the
+prediction path, probes and descriptors): both run on the split engine of ``modules/split.py``.
 """
 
 from __future__ import annotations

@@ -291,8 +291,9 @@ def test_two_ranks_equal_one_rank(tmp_path, method):
 
 
 @pytest.mark.parametrize("algorithm, model", [(lambda: fedsga(), RESNET), (lambda: fedsga(), VIT),
-                                              (lambda: SplitFed(cut="layer2.1", version="v2"), RESNET)],
-                         ids=["fedsga", "fedsga_vit_token_prompts", "splitfed_v2"])
+                                              (lambda: SplitFed(cut="layer2.1", version="v2"), RESNET),
+                                              (lambda: SplitFed(cut="layer2.1", version="v1"), RESNET)],
+                         ids=["fedsga", "fedsga_vit_token_prompts", "splitfed_v2", "splitfed_v1"])
 def test_resume_is_exact(spec_factory, algorithm, model):
     fed = FederationConfig(rounds=4, clients_per_round=4)
     whole = spec_factory(name="whole", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)

@@ -91,6 +91,8 @@ def test_narrow_interfaces_are_standardized_then_zero_padded():
     wide = torch.cat([standard, torch.zeros(4, 4)], dim=1)
     embedding = h.depth_embedding.weight[0].expand(4, -1)
     expected = F.normalize(h.projector(torch.cat([wide, embedding], 1)), dim=1)
+    # the same float32 operations up to the order of a few sums over 4-6 terms: a few ulps of
+    # outputs of unit norm (~1e-7), inside 1e-6; a wrong statistic moves them by ~1e-1
     assert torch.allclose(h.project(z, 0), expected, atol=1e-6)
     running_mean = 0.1 * pooled.mean(0)  # one batch of momentum 0.1 from zero mean, unit variance
     running_var = 0.9 + 0.1 * pooled.var(0, unbiased=True)

@@ -65,6 +65,10 @@ def sgd_step(module, loss, lr):
 
 
 def assert_params(module, expected, atol=1e-6):
+    """Toy halves (a few dozen float32 weights near 1) after one or a few SGD steps of lr <= 0.1:
+    a different order of the float32 sums moves a gradient by a few ulps (~1e-7 of its size) and
+    a weight by less than that; 1e-6 absolute (with allclose's 1e-5 relative) leaves a margin of
+    about ten, while a wrong step moves a weight by lr x gradient, ~1e-2."""
     for (name, a), b in zip(module.named_parameters(), expected.parameters()):
         assert torch.allclose(a, b, atol=atol), name
 
