@@ -613,7 +613,9 @@ class HASFL(SubmodelAlgorithm):
         self.h_tilde = torch.ones(n, dtype=torch.float64)
         # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).
         self.widths = self.caps.clone() if self.t_warm > 0 else self.allocate()
-        self._pending: Dict[int, Dict[str, torch.Tensor]] = {}
+        # Server round state: each committed client's update on its own coordinates, held until
+        # the round's aggregate D_bar is known (H_hat needs both); emptied at the round's end.
+        self.round_deltas: Dict[int, Dict[str, tuple]] = {}
 
     # -- allocation rule --------------------------------------------------------------------
     def allocate(self) -> torch.Tensor:
@@ -636,15 +638,15 @@ class HASFL(SubmodelAlgorithm):
             if global_key in self.ever:
                 old = region.gather(self.global_state[global_key]).to(torch.float64)
                 delta[global_key] = (local[local_key].detach().to(torch.float64) - old, region)
-        self._pending[task.client] = delta
+        self.round_deltas[task.client] = delta
 
     def finish_round(self, new_state, sums, plan, owned):
         h_hat = torch.zeros(self.ctx.num_clients, dtype=torch.float64)
         trained = torch.zeros(self.ctx.num_clients, dtype=torch.float64)
-        for client, delta in self._pending.items():
+        for client, delta in self.round_deltas.items():
             h_hat[client] = update_divergence(delta, new_state, self.global_state, self.eps)
             trained[client] = 1.0
-        self._pending = {}
+        self.round_deltas = {}
         # Owners computed their clients' estimates; one sum makes them identical on every rank.
         reduced = all_reduce_sum(self.ctx.fabric, {"h_hat": h_hat.to(self.ctx.fabric.device),
                                                    "trained": trained.to(self.ctx.fabric.device)})
