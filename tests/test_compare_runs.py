@@ -62,3 +62,19 @@ def test_bad_recording_options_stop_in_one_line_before_anything_is_written(tmp_p
     assert capsys.readouterr().err.startswith("error: configs: configs/missing.yaml")
     assert record_runs.main([str(out), "--root", str(tmp_path / "nowhere")]) == 2
     assert not out.exists()
+
+
+def test_a_renamed_figure_is_compared_under_its_new_names(tmp_path, capsys):
+    """model_bytes became model_bytes_down and model_bytes_up: equal values pass, a changed one
+    under either new name is named; a malformed rename stops in one line."""
+    write_run(tmp_path / "a" / "x", [{"round": 0, "sum/model_bytes": 8}], [{"client": 3, "model_bytes": 8}])
+    write_run(tmp_path / "b" / "x", [{"round": 0, "sum/model_bytes_down": 8, "sum/model_bytes_up": 8}],
+              [{"client": 3, "model_bytes_down": 8, "model_bytes_up": 8}])
+    write_run(tmp_path / "c" / "x", [{"round": 0, "sum/model_bytes_down": 8, "sum/model_bytes_up": 9}],
+              [{"client": 3, "model_bytes_down": 8, "model_bytes_up": 8}])
+    rename = ["--renamed", "model_bytes=model_bytes_down,model_bytes_up"]
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), *rename]) == 0
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "c"), *rename]) == 1
+    assert "sum/model_bytes_up 8 against 9" in capsys.readouterr().out
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--renamed", "model_bytes"]) == 2
+    assert "--renamed: expected OLD=NEW" in capsys.readouterr().err

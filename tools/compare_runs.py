@@ -6,10 +6,13 @@ from ``tools/record_runs.py``, once with the old checkout and once with the new)
 
     python tools/compare_runs.py runs/before runs/after        # folders holding run folders
     python tools/compare_runs.py runs/before/x runs/after/x    # or two run folders
-    python tools/compare_runs.py runs/before runs/after --ignore model_bytes model_bytes_up
+    python tools/compare_runs.py runs/before runs/after --ignore test_global_acc
+    python tools/compare_runs.py runs/before runs/after --renamed model_bytes=model_bytes_down,model_bytes_up
 
-``--ignore`` leaves out keys (per client, and their ``sum/`` round totals) whose name or
-meaning a change altered on purpose; name them in the change's notes.
+``--ignore`` leaves out keys (per client, and their ``sum/`` round totals) whose meaning a
+change altered on purpose or that it added; ``--renamed OLD=NEW[,NEW...]`` says a figure kept
+its value under new names: the old runs' ``OLD`` is compared with each ``NEW`` of the new runs.
+Name both in the change's notes.
 
 Exits 1 naming the first differing figure of each run that differs, 0 when all agree.
 """
@@ -24,18 +27,40 @@ from pathlib import Path
 TIMES = ("seconds", "round_seconds", "client_seconds", "server_seconds", "client_seconds_max")
 
 
-def figures(run: Path, name: str, ignored=()) -> list:
+def figures(run: Path, name: str, ignored=(), renamed=None) -> list:
+    """The rows of ``run/name`` without wall times and ignored keys, with ``renamed``
+    (``{old: [new, ...]}``) keys under their new names."""
     path = run / name
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     left_out = set(TIMES) | set(ignored)
-    return [{k: v for k, v in row.items() if k.split("/")[-1] not in left_out} for row in rows]
+    return [{k: v for k, v in renamed_keys(row, renamed or {}).items() if k.split("/")[-1] not in left_out}
+            for row in rows]
 
 
-def first_difference(a: Path, b: Path, ignored=()):
+def renamed_keys(row: dict, renamed: dict) -> dict:
+    out = {}
+    for key, value in row.items():
+        prefix, _, last = key.rpartition("/")  # a round total keeps its sum/ prefix
+        for new in renamed.get(last, [last]):
+            out[f"{prefix}/{new}" if prefix else new] = value
+    return out
+
+
+def rename_map(pairs) -> dict:
+    out = {}
+    for pair in pairs:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not all(new.split(",")):
+            raise ValueError(f"--renamed: expected OLD=NEW[,NEW...], got {pair!r}")
+        out[old] = new.split(",")
+    return out
+
+
+def first_difference(a: Path, b: Path, ignored=(), renamed=None):
     for name in ("metrics.jsonl", "clients.jsonl"):
-        rows_a, rows_b = figures(a, name, ignored), figures(b, name, ignored)
+        rows_a, rows_b = figures(a, name, ignored, renamed), figures(b, name, ignored)
         if len(rows_a) != len(rows_b):
             return f"{name}: {len(rows_a)} rows against {len(rows_b)}"
         for i, (ra, rb) in enumerate(zip(rows_a, rows_b)):
@@ -56,8 +81,15 @@ def main(argv=None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--ignore", nargs="+", default=[], metavar="KEY",
-                        help="keys to leave out of the comparison (renamed or redefined on purpose)")
+                        help="keys to leave out of the comparison (redefined or added on purpose)")
+    parser.add_argument("--renamed", nargs="+", default=[], metavar="OLD=NEW[,NEW...]",
+                        help="figures that kept their values under new names")
     args = parser.parse_args(argv)
+    try:
+        renamed = rename_map(args.renamed)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for key in ("before", "after"):
         if not getattr(args, key).is_dir():
             print(f"error: {key}: {getattr(args, key)} is not a folder", file=sys.stderr)
@@ -72,7 +104,7 @@ def main(argv=None) -> int:
             print(f"{name}: missing from {args.after}")
             failed += 1
             continue
-        problem = first_difference(path, after[name], args.ignore)
+        problem = first_difference(path, after[name], args.ignore, renamed)
         print(f"{name}: {'identical' if problem is None else problem}")
         failed += problem is not None
     return 1 if failed else 0
