@@ -331,3 +331,23 @@ def test_paired_comparison_and_noise_floor_on_hand_made_runs():
     row = next(line for line in floor.splitlines() if line.startswith("| synthetic | FEAST"))
     assert [c.strip() for c in row.split("|")[3:7]] == ["2", "3.0, 1.0", "2.0", "3.0"]
     assert supernet_tables.noise_table(groups, {}).startswith("Noise floor skipped")
+
+
+def test_an_archived_run_gets_back_the_partition_fit_wrote(tiny_runs, tmp_path):
+    """Archives keep a run's text only; the rebuilt partition.pt must equal fit's tensor for tensor."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import restore_partitions
+    finally:
+        sys.path.remove(str(TOOLS))
+    archived = tmp_path / "feast"
+    shutil.copytree(tiny_runs / "feast", archived, ignore=shutil.ignore_patterns("partition.pt", "checkpoints"))
+    with pytest.raises(RunFormatError, match="no partition.pt"):
+        load_run(archived)
+    assert restore_partitions.main([str(archived)]) == 0
+    written = torch.load(tiny_runs / "feast" / "partition.pt", weights_only=True)
+    rebuilt = torch.load(archived / "partition.pt", weights_only=True)
+    assert sorted(rebuilt) == sorted(written)
+    assert all(torch.equal(rebuilt[k], written[k]) for k in written)
+    assert load_run(archived).population_acc == pytest.approx(load_run(tiny_runs / "feast").population_acc)
+    assert not restore_partitions.restore(archived)  # present: left as it is
