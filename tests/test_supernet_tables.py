@@ -220,8 +220,8 @@ def test_tool_prints_the_tables_it_has_runs_for(tiny_runs, tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("| synthetic"))
     assert f"{100 * scalefl.population_acc:.2f}" in row and f"{100 * feast.population_acc:.2f}" in row
     assert "Table 5: serving-density control" in out and "| ScaleFL |" in out
-    r_new = matched_rounds(1, feast.proxy, scalefl.proxy)
-    assert f"--federation.rounds {r_new} " in out  # the rerun command of the matched horizon
+    assert matched_rounds(1, feast.proxy, scalefl.proxy) == 1  # ScaleFL costs more: its run is the matched one
+    assert "Matched-horizon reruns still to run" not in out
     assert "Table 3 skipped" in out and "Table 11 skipped" in out
     low = scaled_anchors(float(feast.point_macs.min()), float(feast.point_macs.max()))[0]
     ends = range_ends(feast.point_macs, feast.point_accs, low)
@@ -351,3 +351,44 @@ def test_an_archived_run_gets_back_the_partition_fit_wrote(tiny_runs, tmp_path):
     assert all(torch.equal(rebuilt[k], written[k]) for k in written)
     assert load_run(archived).population_acc == pytest.approx(load_run(tiny_runs / "feast").population_acc)
     assert not restore_partitions.restore(archived)  # present: left as it is
+
+
+def test_table8_reads_a_matched_horizon_rerun_and_pairs_it_with_feast(tiny_runs, tmp_path, capsys):
+    """At 10 rounds ScaleFL's matched horizon is shorter (it costs more than FEAST per round): the
+    tool prints the rerun's command, and once the rerun exists fills Table 8 with its accuracy,
+    FEAST's margin over it and the paired interval (one seed: too few for an interval)."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+
+    def copy(name: str, target: str, rounds: int, test_acc=None):
+        out = tmp_path / target
+        shutil.copytree(tiny_runs / name, out, ignore=shutil.ignore_patterns("checkpoints", "tensorboard"))
+        config = yaml.safe_load((out / "config.yaml").read_text())
+        config["federation"]["rounds"] = rounds
+        (out / "config.yaml").write_text(yaml.safe_dump(config))
+        if (out / "accounting.json").exists():  # FEAST's expected total (Eq. 26) is linear in rounds
+            accounting = json.loads((out / "accounting.json").read_text())
+            accounting["computation"]["feast_train_macs"] *= rounds
+            (out / "accounting.json").write_text(json.dumps(accounting))
+        if test_acc is not None:  # the rerun's own score, apart from the original's
+            summary = json.loads((out / "summary.json").read_text())
+            summary["best" if "test_acc" in summary.get("best", {}) else "final"]["test_acc"] = test_acc
+            (out / "summary.json").write_text(json.dumps(summary))
+        return out
+
+    feast, scalefl = copy("feast", "feast", 10), copy("scalefl", "scalefl", 10)
+    r_new = matched_rounds(10, load_run(feast).proxy, load_run(scalefl).proxy)
+    assert 1 < r_new < 10  # proxies are linear in rounds: 10 x FEAST / ScaleFL, rounded up
+    assert supernet_tables.main([str(feast), str(scalefl)]) == 0
+    assert f"--federation.rounds {r_new} --out_dir {tmp_path} --name scalefl_r{r_new}" in capsys.readouterr().out
+    rerun = copy("scalefl", f"scalefl_r{r_new}", r_new, test_acc=0.125)
+    assert supernet_tables.main([str(feast), str(scalefl), str(rerun)]) == 0
+    out = capsys.readouterr().out
+    table8 = out[out.index("Table 8"):]
+    row = next(line for line in table8.splitlines() if line.startswith("| ScaleFL |"))
+    margin = 100 * (load_run(feast).population_acc - load_run(rerun).population_acc)
+    assert f"| {r_new} |" in row and f"{margin:+.1f} ± nan (too few seeds)" in row
+    assert "Matched-horizon reruns still to run" not in table8

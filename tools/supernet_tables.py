@@ -7,7 +7,7 @@ transfers, ScaleFL, FIARSE or HeteroFL, read into one form by ``analysis/serving
 grouped by population setting (dataset, clients, budget range, Zipf s, alpha_eff or alpha_data,
 gamma: ``config.yaml``) and by method; seeds are averaged as mean ± std (sample std) and FEAST
 is compared with a baseline seed by seed, client by client. A group's original horizon is its
-FEAST runs' round count; baseline runs with more rounds are its equal-compute reruns.
+FEAST runs' round count; baseline runs of other round counts are its equal-compute reruns.
 
 Prints, where the runs exist (otherwise one line saying what is missing):
 
@@ -24,7 +24,8 @@ Prints, where the runs exist (otherwise one line saying what is missing):
 - Table 3: the transfers and FEAST at the budget anchors;
 - Table 5: the serving-density control against each fixed-tier baseline;
 - Tables 7-8: the training proxies, the matched horizon R' and, once the reruns exist, their
-  accuracy, FEAST's margin and client wins (with the commands that produce the reruns);
+  accuracy, FEAST's margin (mean ± std and the paired 95% interval over seeds) and client wins
+  (with the commands that produce the reruns);
 - Tables 11-12: the Zipf-s and alpha sweeps at the anchors with the first-to-last change (FEAST
   against FIARSE in Table 12);
 
@@ -89,13 +90,14 @@ def label(setting: tuple) -> str:
 
 
 class Group:
-    """The runs of one setting: by method, by seed; originals and longer-horizon reruns apart."""
+    """The runs of one setting: by method, by seed; originals and the baselines' reruns at other
+    horizons (Table 8's matched ones) apart."""
 
     def __init__(self, runs: List[ServingRun]):
         feast_rounds = [r.rounds for r in runs if r.method == "FEAST"]
         self.horizon = min(feast_rounds) if feast_rounds else min(r.rounds for r in runs)
         self.original: Dict[str, Dict[int, ServingRun]] = defaultdict(dict)
-        self.longer: Dict[str, Dict[int, List[ServingRun]]] = defaultdict(lambda: defaultdict(list))
+        self.reruns: Dict[str, Dict[int, List[ServingRun]]] = defaultdict(lambda: defaultdict(list))
         self.notes: List[str] = []
         for run in sorted(runs, key=lambda r: str(r.path)):
             if run.rounds == self.horizon:
@@ -103,8 +105,8 @@ class Group:
                     self.notes.append(f"{run.name}: a second {run.method} run of seed {run.seed}, ignored")
                     continue
                 self.original[run.method][run.seed] = run
-            elif run.rounds > self.horizon and run.method != "FEAST":
-                self.longer[run.method][run.seed].append(run)
+            elif run.method != "FEAST":
+                self.reruns[run.method][run.seed].append(run)
             else:
                 self.notes.append(f"{run.name}: {run.rounds} rounds against the group's {self.horizon}, ignored")
 
@@ -352,20 +354,25 @@ def horizon_row(g: Group, method: str, feast: Dict[int, ServingRun], common: Lis
     """One Table 8 row (matched horizon, reruns' accuracy, margin, wins) and the commands of the
     reruns still missing."""
     base = g.original[method]
-    horizons, matched, margins, wins, missing = set(), [], [], [], []
+    horizons, matched, margins, wins, missing = set(), {}, [], [], []
     for s in common:
         r_new = matched_rounds(g.horizon, feast[s].proxy, base[s].proxy)
         horizons.add(r_new)
-        rerun = next((r for r in g.longer.get(method, {}).get(s, []) if r.rounds == r_new), None)
+        if r_new == g.horizon:  # the original run already spends FEAST's compute
+            rerun = base[s]
+        else:
+            rerun = next((r for r in g.reruns.get(method, {}).get(s, []) if r.rounds == r_new), None)
         if rerun is None:
             missing.append(horizon_command(base[s], r_new))
             continue
-        matched.append(rerun.population_acc)
+        matched[s] = rerun.population_acc
         margins.append(feast[s].population_acc - rerun.population_acc)
         if same_population(feast[s], rerun):
             wins.append(compare_clients(feast[s], rerun))
+    paired = paired_cells({s: feast[s].population_acc for s in matched}, matched)
+    interval = "–" if paired is None else f"{paired[0][2]} ({verdict(paired[1], paired[2], method)})"
     row = [method, str(g.horizon), "/".join(map(str, sorted(horizons))), pm([base[s].population_acc for s in common]),
-           pm(matched), pm(margins), wins_text(wins)]
+           pm(list(matched.values())), pm(margins), interval, wins_text(wins)]
     return row, missing
 
 
@@ -396,7 +403,7 @@ def table8(groups: Dict[tuple, Group]) -> str:
                          + table(["method", "logical", "executed", "FEAST / executed"], proxies)
                          + f"\n\nTable 8: equal-total-training-compute horizon (FEAST {feast_acc}%)\n\n"
                          + table(["method", "orig. rounds", "matched rounds", "orig. acc", "matched acc", "margin",
-                                  "wins"], rows))
+                                  "FEAST - matched, 95% CI", "wins"], rows))
     if not parts:
         return "Tables 7-8 skipped: no setting has a FEAST run with accounting.json and a baseline run."
     out = "\n\n".join(parts)
