@@ -139,6 +139,17 @@ def test_prompt_variation_by_hand():
     assert fresh == pytest.approx(1.0)
 
 
+def test_prompt_variation_stays_in_the_unit_interval_for_fresh_tokens():
+    # zero-initialised tokens give every delta exactly 1; uneven weights used to round the sum past 1
+    generator = torch.Generator().manual_seed(0)
+    for n in (3, 5, 7, 12, 24):
+        for _ in range(50):
+            grads = torch.rand(n, generator=generator) * 5
+            after = [torch.randn(8, generator=generator) for _ in range(n)]
+            value = prompt_variation([torch.zeros(8)] * n, after, grads, tau=0.5)
+            assert 0.0 <= value <= 1.0 and value == pytest.approx(1.0, abs=1e-9)
+
+
 def test_temporal_stability():
     a = torch.randn(4, 3)
     assert temporal_stability(a, None) == 0.0

@@ -22,9 +22,12 @@ def temporal_stability(pooled: torch.Tensor, previous: Optional[torch.Tensor]) -
 def prompt_variation(before: list, after: list, grad_norms: torch.Tensor, tau: float, eps: float = 1e-12) -> float:
     """``sum_j w_j delta_j``: each token's relative change over the fit, weighted by
     ``softmax(log g / tau)`` of its mean gradient norm (tokens the loss leans on weigh most)."""
-    delta = torch.stack([(a - b).norm() / (a.norm() + b.norm() + eps) for b, a in zip(before, after)])
+    delta = torch.stack([(a.double() - b.double()).norm() / (a.double().norm() + b.double().norm() + eps)
+                         for b, a in zip(before, after)])
     weights = torch.softmax(torch.log(grad_norms.double() + eps) / tau, dim=0)
-    return float((weights * delta.double()).sum())
+    # Each delta is at most 1 (triangle inequality) and the weights sum to 1, but rounding can
+    # land the sum an ulp outside [0, 1] (a zero-initialised token gives delta exactly 1).
+    return min(max(float((weights * delta).sum()), 0.0), 1.0)
 
 
 def sufficiency_label(loss_p1: float, loss_ref: float, beta: float) -> bool:
