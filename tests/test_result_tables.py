@@ -33,3 +33,32 @@ def test_one_pair_has_no_interval():
     mean, half = paired_interval([1.0])
     assert mean == 1.0 and np.isnan(half)
     assert verdict(mean, half, "ref") == "too few seeds"
+
+
+def test_table3_reads_each_drop_against_the_references_on_the_same_seeds(capsys):
+    from scipy import stats
+
+    from submodel_tables import print_table3
+
+    best = {"hasfl": [0.80, 0.70, 0.75], "uniform": [0.60, 0.65, 0.50]}
+    final = {"hasfl": [0.78, 0.69, 0.70], "uniform": [0.40, 0.44, 0.31]}
+    figures = {name: {seed: {"best": best[name][seed], "final": final[name][seed], "p": 0.5, "largest": 1.0}
+                      for seed in range(3)} for name in best}
+    print_table3(figures)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| uniform"))
+    # uniform's drops -20, -21, -19 against HAS-FL's -2, -1, -5: the paired t-interval by scipy
+    interval = stats.ttest_rel([-20.0, -21.0, -19.0], [-2.0, -1.0, -5.0]).confidence_interval(0.95)
+    mean, half = (interval.low + interval.high) / 2, (interval.high - interval.low) / 2
+    assert f"{mean:+.1f} ± {half:.1f} (below hasfl)" in row
+    assert "| -20.0 ± 1.0 |" in row  # the drop's own mean ± std over the three seeds
+
+
+def test_table4_prints_the_interval_of_each_correlation_over_seeds(capsys):
+    from submodel_tables import print_table4
+
+    keys = ["r(H,TV)", "r(H,pmax)", "pr(H,TV|pmax)", "pr(p,TV|pmax)"]
+    rows = {0: dict.fromkeys(keys, -0.5), 1: dict.fromkeys(keys, -0.7), 2: dict.fromkeys(keys, -0.6)}
+    print_table4("hasfl", rows)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    half = 4.302653 * 0.1 / np.sqrt(3)  # t(0.975, 2) x std / sqrt(n)
+    assert last == "| 95% CI | " + " | ".join([f"-0.60 ± {half:.2f}"] * 4) + " |"

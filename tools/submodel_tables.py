@@ -43,21 +43,42 @@ def largest_allocation(run) -> float:
     return float(np.median(list(widest.values()))) if widest else 1.0
 
 
-def print_table3(figures: dict) -> None:
-    """Table 3: the coverage ablation with its peak-to-final drop (mean of the per-seed drops)."""
-    rows = [p for p in ("hasfl", "hasfl_nocov", "heterofl") if p in figures]
+def print_table3(figures: dict, reference: str = "hasfl") -> None:
+    """Table 3: the coverage ablation with its peak-to-final drop (mean of the per-seed drops),
+    and Uniform beside it (Table 2's rise and decline). The best of many noisy evaluations always
+    sits above the last, so a drop is read against the reference's on the same seeds: the last
+    column is ``drop - reference drop`` with its paired 95% interval (negative: falls further)."""
+    rows = [p for p in ("hasfl", "hasfl_nocov", "heterofl", "uniform") if p in figures]
     if not rows:
         return
     print("\nTable 3: coverage ablation (mean ± std over seeds; drop = final - best per seed; largest p = "
-          "median over the rounds after warm-up of the round's widest sub-model, range over seeds)\n")
-    print("| configuration | seeds | best acc (%) | final acc (%) | peak→final Δ (points) | avg p | largest p |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "median over the rounds after warm-up of the round's widest sub-model, range over seeds; "
+          f"last column: drop - {reference}'s drop, paired over seeds, points)\n")
+    print("| configuration | seeds | best acc (%) | final acc (%) | peak→final Δ (points) | avg p | largest p "
+          "| Δ drop, 95% CI |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    drops = {name: {s: x["final"] - x["best"] for s, x in figures[name].items()} for name in rows}
     for name in rows:
         v = list(figures[name].values())
         largest = [x["largest"] for x in v]
+        paired = paired_cells(drops[name], drops[reference]) if name != reference and reference in drops else None
+        against = f"{paired[0][2]} ({verdict(paired[1], paired[2], reference)})" if paired else "-"
         print(f"| {name} | {len(v)} | {pm([x['best'] for x in v])} | {pm([x['final'] for x in v])} | "
               f"{pm([x['final'] - x['best'] for x in v])} | {pm([x['p'] for x in v], 1.0, 2)} | "
-              f"{min(largest):.2f}-{max(largest):.2f} |")
+              f"{min(largest):.2f}-{max(largest):.2f} | {against} |")
+
+
+def print_table4(policy: str, rows: dict) -> None:
+    """Table 4 per seed, their mean, and the 95% Student-t interval of the mean over seeds."""
+    keys = ["r(H,TV)", "r(H,pmax)", "pr(H,TV|pmax)", "pr(p,TV|pmax)"]
+    print(f"\nTable 4 ({policy}): correlations over the clients of each seed\n")
+    print("| seed | " + " | ".join(keys) + " |")
+    print("| --- |" + " --- |" * len(keys))
+    for s, row in rows.items():
+        print(f"| {s} | " + " | ".join(f"{row[k]:+.2f}" for k in keys) + " |")
+    print("| mean | " + " | ".join(f"{np.nanmean([r[k] for r in rows.values()]):+.2f}" for k in keys) + " |")
+    intervals = [paired_interval([r[k] for r in rows.values() if np.isfinite(r[k])]) for k in keys]
+    print("| 95% CI | " + " | ".join(f"{m:+.2f} ± {h:.2f}" for m, h in intervals) + " |")
 
 
 def collect(root: Path) -> dict:
@@ -173,17 +194,10 @@ def main(argv=None) -> int:
         other = {p: {s: run_figures(r) for s, r in seeds.items()} for p, seeds in collect(args.noise).items()}
         print_noise_floor(figures, other, "policy")
     if args.table3:
-        print_table3(figures)
+        print_table3(figures, args.reference)
     if args.table4:
         for policy in [p for p in runs if p.startswith("hasfl")]:
-            print(f"\nTable 4 ({policy}): correlations over the clients of each seed\n")
-            rows = {s: table4_row(r) for s, r in sorted(runs[policy].items())}
-            keys = ["r(H,TV)", "r(H,pmax)", "pr(H,TV|pmax)", "pr(p,TV|pmax)"]
-            print("| seed | " + " | ".join(keys) + " |")
-            print("| --- |" + " --- |" * len(keys))
-            for s, row in rows.items():
-                print(f"| {s} | " + " | ".join(f"{row[k]:+.2f}" for k in keys) + " |")
-            print("| mean | " + " | ".join(f"{np.nanmean([r[k] for r in rows.values()]):+.2f}" for k in keys) + " |")
+            print_table4(policy, {s: table4_row(r) for s, r in sorted(runs[policy].items())})
     return 0
 
 
