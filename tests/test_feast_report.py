@@ -88,3 +88,14 @@ def test_paired_rows_and_noise_floor_by_run_name():
     floor = tool.noise_table(runs, [run("full_s0", 0.93), run("full_s2", 0.945)])
     assert "| full | 2 | 2.0, 0.5 | 1.2 | 2.0 |" in floor
     assert tool.noise_table(runs, []).startswith("Noise floor skipped")
+
+
+def test_mass_table_averages_the_trained_share_over_the_rounds_that_logged_it(tmp_path):
+    run = tmp_path / "full_s0"
+    run.mkdir()
+    rows = [{"round": 0, "mass/trained_frac": 0.5}, {"round": 1, "test_acc": 0.3},
+            {"round": 2, "mass/trained_frac": 0.25}, {"round": 3, "mass/trained_frac": 0.75}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert tool.trained_fractions(run) == [(0, 0.5), (2, 0.25), (3, 0.75)]
+    line = tool.mass_table([run]).splitlines()[-1].split()
+    assert line == ["full_s0", "0.500", "0.500", "0.750"]  # mean (0.5 + 0.25 + 0.75) / 3, first, last

@@ -192,6 +192,46 @@ def plot(runs, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def trained_fractions(path: Path) -> list:
+    """``(round, trained / routed data mass)`` of every round that logged it."""
+    rows = (json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip())
+    return [(row["round"], row["mass/trained_frac"]) for row in rows if "mass/trained_frac" in row]
+
+
+def mass_table(paths) -> str:
+    """Per run: the share of routed data mass that trained the positions it reached, averaged over
+    the rounds, and its first and last round's values."""
+    lines = ["Trained share of the routed data mass (mass/trained_frac)",
+             f"{'run':32s} {'mean':>6s} {'first':>6s} {'last':>6s}"]
+    for path in paths:
+        fractions = [f for _, f in trained_fractions(path)]
+        if fractions:
+            lines.append(f"{path.name:32s} {sum(fractions) / len(fractions):6.3f} {fractions[0]:6.3f} {fractions[-1]:6.3f}")
+    return "\n".join(lines)
+
+
+def plot_mass(runs, paths, out: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = {}
+    for run, path in zip(runs, paths):
+        points = trained_fractions(path)
+        first = run["rule"] not in colors  # one legend entry per rule, its seeds in one colour
+        color = colors.setdefault(run["rule"], f"C{len(colors)}")
+        ax.plot([r for r, _ in points], [f for _, f in points], color=color, linewidth=0.8,
+                label=run["rule"] if first else None)
+    ax.set_xlabel("round")
+    ax.set_ylabel("trained / routed data mass")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
@@ -206,6 +246,8 @@ def main(argv=None) -> None:
                         help="row (runs named <row>_s<seed>) the others are compared with, seed by seed")
     parser.add_argument("--noise", nargs="*", type=Path, default=None,
                         help="the same rows and seeds under other arithmetic (noise floor)")
+    parser.add_argument("--mass", type=Path, default=None,
+                        help="plot each run's trained share of the routed data mass per round here")
     args = parser.parse_args(argv)
     missing = [path for path in args.noise or [] if not path.exists()]
     if missing:
@@ -232,6 +274,11 @@ def main(argv=None) -> None:
     if args.extractions:
         print()
         print(extraction_table(runs[0], load_extractions(args.extractions), args.low_end))
+    if args.mass:
+        print()
+        print(mass_table(finished))
+        plot_mass(runs, finished, args.mass)
+        print(f"\nsaved {args.mass}")
     plot(runs, args.plot)
     print(f"\nsaved {args.plot}")
 
