@@ -99,3 +99,12 @@ def test_mass_table_averages_the_trained_share_over_the_rounds_that_logged_it(tm
     assert tool.trained_fractions(run) == [(0, 0.5), (2, 0.25), (3, 0.75)]
     line = tool.mass_table([run]).splitlines()[-1].split()
     assert line == ["full_s0", "0.500", "0.500", "0.750"]  # mean (0.5 + 0.25 + 0.75) / 3, first, last
+
+
+def test_an_unwritable_figure_path_stops_before_any_table(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as stop:
+        tool.main([str(tmp_path), "--mass", str(blocker / "mass.png")])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == "" and "--mass: cannot write into" in err

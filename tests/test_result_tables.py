@@ -62,3 +62,16 @@ def test_table4_prints_the_interval_of_each_correlation_over_seeds(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     half = 4.302653 * 0.1 / np.sqrt(3)  # t(0.975, 2) x std / sqrt(n)
     assert last == "| 95% CI | " + " | ".join([f"-0.60 ± {half:.2f}"] * 4) + " |"
+
+
+def test_tables_refuse_a_missing_root_or_an_unknown_reference_before_printing(tmp_path, capsys):
+    from submodel_tables import main
+
+    with pytest.raises(SystemExit) as missing:
+        main([str(tmp_path / "nowhere")])
+    (tmp_path / "hasfl_s0").mkdir()
+    with pytest.raises(SystemExit) as unknown:
+        main([str(tmp_path), "--reference", "fjord"])
+    out, err = capsys.readouterr()
+    assert missing.value.code == unknown.value.code == 2 and out == ""
+    assert "root: no folder at" in err and "--reference: no runs named fjord_s<seed>" in err

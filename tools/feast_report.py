@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -192,9 +193,18 @@ def plot(runs, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def writable_folder(folder: Path) -> bool:
+    """The folder exists and is writable, or can be made (checked before any table is printed)."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK)
+
+
 def trained_fractions(path: Path) -> list:
-    """``(round, trained / routed data mass)`` of every round that logged it."""
-    rows = (json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip())
+    """``(round, trained / routed data mass)`` of every round that logged it (none without a log)."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    rows = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
     return [(row["round"], row["mass/trained_frac"]) for row in rows if "mass/trained_frac" in row]
 
 
@@ -252,11 +262,14 @@ def main(argv=None) -> None:
     missing = [path for path in args.noise or [] if not path.exists()]
     if missing:
         parser.error(f"--noise: no run at {missing[0]}")
+    for option, out in (("--plot", args.plot), ("--mass", args.mass)):
+        if out is not None and not writable_folder(out.parent):
+            parser.error(f"{option}: cannot write into {out.parent}")
     finished = [path for path in args.runs if (path / "summary.json").is_file() and (path / "cache.json").is_file()]
     for path in sorted(set(args.runs) - set(finished)):
         print(f"skipped {path}: not a finished FEAST run (no summary.json and cache.json)", file=sys.stderr)
     if not finished:
-        raise SystemExit("error: no finished FEAST run among the given paths")
+        parser.error("runs: no finished FEAST run among the given paths")
     runs = [load_run(path) for path in finished]
     anchors = args.anchors
     if not anchors:

@@ -175,12 +175,19 @@ def print_noise_floor(figures: dict, other: dict, label: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
-    parser.add_argument("--reference", default="hasfl")
+    parser.add_argument("--reference", default=None, help="the policy the others are paired with (default: hasfl)")
     parser.add_argument("--table3", action="store_true")
     parser.add_argument("--table4", action="store_true")
     parser.add_argument("--noise", type=Path, help="the same seeds run under other arithmetic")
     args = parser.parse_args(argv)
+    for option, folder in (("root", args.root), ("--noise", args.noise)):
+        if folder is not None and not folder.is_dir():
+            parser.error(f"{option}: no folder at {folder}")
     runs = collect(args.root)
+    if args.reference is not None and args.reference not in runs:
+        parser.error(f"--reference: no runs named {args.reference}_s<seed> under {args.root} "
+                     f"(policies there: {', '.join(sorted(runs)) or 'none'})")
+    args.reference = args.reference or "hasfl"
     figures = {policy: {s: run_figures(r) for s, r in seeds.items()} for policy, seeds in runs.items()}
     print(f"### {args.root}\n")
     print("| policy | seeds | best acc (%) | final acc (%) | avg p |")
