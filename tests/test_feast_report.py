@@ -97,7 +97,7 @@ def test_mass_table_averages_the_trained_share_over_the_rounds_that_logged_it(tm
             {"round": 2, "mass/trained_frac": 0.25}, {"round": 3, "mass/trained_frac": 0.75}]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert tool.trained_fractions(run) == [(0, 0.5), (2, 0.25), (3, 0.75)]
-    line = tool.mass_table([run]).splitlines()[-1].split()
+    line = tool.mass_table([{"name": run.name}], [tool.trained_fractions(run)]).splitlines()[-1].split()
     assert line == ["full_s0", "0.500", "0.500", "0.750"]  # mean (0.5 + 0.25 + 0.75) / 3, first, last
 
 
@@ -107,4 +107,4 @@ def test_an_unwritable_figure_path_stops_before_any_table(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         tool.main([str(tmp_path), "--mass", str(blocker / "mass.png")])
     out, err = capsys.readouterr()
-    assert stop.value.code == 2 and out == "" and "--mass: cannot write into" in err
+    assert stop.value.code == 2 and out == "" and "mass: " in err and "is a file, not a folder" in err

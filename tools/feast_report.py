@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from collections import defaultdict
@@ -41,6 +40,8 @@ from pathlib import Path
 import yaml
 
 from fl_lightning.analysis.serving_controls import anchor_accuracy
+from fl_lightning.errors import ConfigError
+from fl_lightning.federation.run_dir import check_writable
 from submodel_tables import noise_cells, paired_cells, verdict
 
 
@@ -193,12 +194,6 @@ def plot(runs, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def writable_folder(folder: Path) -> bool:
-    """The folder exists and is writable, or can be made (checked before any table is printed)."""
-    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
-    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK)
-
-
 def trained_fractions(path: Path) -> list:
     """``(round, trained / routed data mass)`` of every round that logged it (none without a log)."""
     metrics = path / "metrics.jsonl"
@@ -208,19 +203,19 @@ def trained_fractions(path: Path) -> list:
     return [(row["round"], row["mass/trained_frac"]) for row in rows if "mass/trained_frac" in row]
 
 
-def mass_table(paths) -> str:
+def mass_table(runs, fractions) -> str:
     """Per run: the share of routed data mass that trained the positions it reached, averaged over
-    the rounds, and its first and last round's values."""
+    the rounds, and its first and last round's values (``fractions``: one trained_fractions per run)."""
     lines = ["Trained share of the routed data mass (mass/trained_frac)",
              f"{'run':32s} {'mean':>6s} {'first':>6s} {'last':>6s}"]
-    for path in paths:
-        fractions = [f for _, f in trained_fractions(path)]
-        if fractions:
-            lines.append(f"{path.name:32s} {sum(fractions) / len(fractions):6.3f} {fractions[0]:6.3f} {fractions[-1]:6.3f}")
+    for run, points in zip(runs, fractions):
+        shares = [f for _, f in points]
+        if shares:
+            lines.append(f"{run['name']:32s} {sum(shares) / len(shares):6.3f} {shares[0]:6.3f} {shares[-1]:6.3f}")
     return "\n".join(lines)
 
 
-def plot_mass(runs, paths, out: Path) -> None:
+def plot_mass(runs, fractions, out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -228,8 +223,7 @@ def plot_mass(runs, paths, out: Path) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     colors = {}
-    for run, path in zip(runs, paths):
-        points = trained_fractions(path)
+    for run, points in zip(runs, fractions):
         first = run["rule"] not in colors  # one legend entry per rule, its seeds in one colour
         color = colors.setdefault(run["rule"], f"C{len(colors)}")
         ax.plot([r for r, _ in points], [f for _, f in points], color=color, linewidth=0.8,
@@ -262,9 +256,12 @@ def main(argv=None) -> None:
     missing = [path for path in args.noise or [] if not path.exists()]
     if missing:
         parser.error(f"--noise: no run at {missing[0]}")
-    for option, out in (("--plot", args.plot), ("--mass", args.mass)):
-        if out is not None and not writable_folder(out.parent):
-            parser.error(f"{option}: cannot write into {out.parent}")
+    for option, out in (("plot", args.plot), ("mass", args.mass)):
+        try:
+            if out is not None:
+                check_writable(out, option, folder=False)
+        except ConfigError as error:
+            parser.error(str(error))
     finished = [path for path in args.runs if (path / "summary.json").is_file() and (path / "cache.json").is_file()]
     for path in sorted(set(args.runs) - set(finished)):
         print(f"skipped {path}: not a finished FEAST run (no summary.json and cache.json)", file=sys.stderr)
@@ -289,8 +286,9 @@ def main(argv=None) -> None:
         print(extraction_table(runs[0], load_extractions(args.extractions), args.low_end))
     if args.mass:
         print()
-        print(mass_table(finished))
-        plot_mass(runs, finished, args.mass)
+        fractions = [trained_fractions(path) for path in finished]
+        print(mass_table(runs, fractions))
+        plot_mass(runs, fractions, args.mass)
         print(f"\nsaved {args.mass}")
     plot(runs, args.plot)
     print(f"\nsaved {args.plot}")

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     if args.reference is not None and args.reference not in runs:
         parser.error(f"--reference: no runs named {args.reference}_s<seed> under {args.root} "
                      f"(policies there: {', '.join(sorted(runs)) or 'none'})")
-    args.reference = args.reference or "hasfl"
+    reference = args.reference or "hasfl"
     figures = {policy: {s: run_figures(r) for s, r in seeds.items()} for policy, seeds in runs.items()}
     print(f"### {args.root}\n")
     print("| policy | seeds | best acc (%) | final acc (%) | avg p |")
@@ -196,12 +196,12 @@ def main(argv=None) -> int:
         vals = list(seeds.values())
         print(f"| {policy} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
               f"{pm([v['p'] for v in vals], 1.0, 2)} |")
-    print_paired(figures, args.reference, "policy")
+    print_paired(figures, reference, "policy")
     if args.noise:
         other = {p: {s: run_figures(r) for s, r in seeds.items()} for p, seeds in collect(args.noise).items()}
         print_noise_floor(figures, other, "policy")
     if args.table3:
-        print_table3(figures, args.reference)
+        print_table3(figures, reference)
     if args.table4:
         for policy in [p for p in runs if p.startswith("hasfl")]:
             print_table4(policy, {s: table4_row(r) for s, r in sorted(runs[policy].items())})
