@@ -249,7 +249,7 @@ def test_runs_saved_with_a_named_model_and_dataset_resume_and_evaluate(tmp_path,
     assert "error: model: models are chosen by class_path" in capsys.readouterr().err
     assert main(["fit", "--data", "{name: synthetic, options: {num_classes: 5}}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: data.options") and "datasets are chosen by class_path" in err
+    assert err.startswith("error: data.name") and "datasets are chosen by class_path" in err
 
 
 def test_resume_with_another_round_count_or_model_is_refused(tmp_path, capsys):

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import re
 import stat
 import sys
 import warnings
@@ -31,7 +30,7 @@ from fl_lightning.config import (DEFAULT_DATASET, DataConfig, EvalConfig, Fabric
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
 from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction, number_type
-from fl_lightning.parse_errors import one_line
+from fl_lightning.parse_errors import command_options, given_tree, locate
 
 if TYPE_CHECKING:
     from fl_lightning.algorithms import Algorithm
@@ -250,32 +249,38 @@ def parse_command(argv: List[str]):
 
 def _parse(parser: ArgumentParser, argv: List[str]):
     """Parse ``argv``; a command that names no class for the model or the dataset (none at all,
-    or only options of it) is parsed again with the default class (``DEFAULT_CLASSES``) named
-    where it is first needed (``_with_default_classes``). As a parser default, a class's options
-    would carry over to a class_path that accepts them, such as CNN's channels to a config's
-    ResNet18."""
+    or only options of it) gets the default class (``DEFAULT_CLASSES``) named where it is first
+    needed (``_with_default_classes``). As a parser default, a class's options would carry over
+    to a class_path that accepts them, such as CNN's channels to a config's ResNet18. A refusal
+    is located by walking the command line against the command's signature (``parse_errors``)."""
+    argv = _with_default_classes(argv, _classless_sections(argv))
     try:
-        try:
-            cfg = parser.parse_args(argv)
-            command = cfg[cfg.command]
-            classless = [key for key in DEFAULT_CLASSES if key in command and command[key] is None]
-        except Exception as error:
-            classless = [key for key in DEFAULT_CLASSES if _only_options_given(str(error), key)]
-            if not classless:
-                raise
-        return parser.parse_args(_with_default_classes(argv, classless)) if classless else cfg
+        return parser.parse_args(argv)
     except Exception as error:  # jsonargparse reports bad keys and values as ArgumentError
         if type(error).__name__ in ("ArgumentError", "NSKeyError") or _from_jsonargparse(error):
-            raise ConfigError(*one_line(error, parser)) from None
+            raise ConfigError(*locate(argv, error)) from None
         raise
 
 
-def _only_options_given(text: str, key: str) -> bool:
-    """Whether a parse error says that options of section ``key`` came without its class."""
-    if not (text.lstrip().startswith(f'Parser key "{key}"') and "NestedArg(" in text):
-        return False
-    tried = re.findall(r"Problem with given class_path '([^']+)'", text)
-    return all(path.endswith(".DatasetSource") for path in tried)  # the base class: nothing named
+def _classless_sections(argv: List[str]) -> List[str]:
+    """Sections of ``DEFAULT_CLASSES`` that the command takes and ``argv`` names no class for."""
+    command = next((a for a in argv if a in COMMANDS), None)
+    if command is None or any(a in ("-h", "--help") or a.endswith(".help") for a in argv):
+        return []  # help prints before any default would matter
+    options = command_options(command)
+    tree = given_tree(argv[argv.index(command) + 1:])
+    out = []
+    for key in DEFAULT_CLASSES:
+        head, *rest = key.split(".")
+        if head not in options:
+            continue
+        node = tree.get(head)
+        for part in rest:
+            node = node.get(part) if isinstance(node, dict) else None
+        named = node is not None and (not isinstance(node, dict) or "class_path" in node)
+        if not named:
+            out.append(key)
+    return out
 
 
 def _with_default_classes(argv: List[str], keys: List[str]) -> List[str]:

@@ -1,9 +1,12 @@
-"""jsonargparse's parse errors as one line, ``<key>: <problem>``.
+"""Where a refused command line goes wrong, found from the command's signature.
 
-A bad value's problem is said from the option's own type (``must be an integer >= 1 or auto,
-got 0``): the key is read from the error's chain, the type from the option's signature. The rest
-are the parser's structural refusals (unknown option, unknown algorithm, missing value), which
-carry their own words.
+jsonargparse refuses a bad value with a nested text tree and no structured fields, so its text
+is not read here. Instead the command line is assembled again as a plain tree (``--config``
+files and texts in order, then each option) and walked against the command's signature:
+sections by their dataclass fields, ``class_path`` sections by the class's ``__init__``, and
+each given value checked alone against its annotation by a one-option parser. The first key the
+walk refuses is the key of the error, and its problem is said from the annotation (``describe``):
+``fabric.devices: must be an integer >= 1 or auto, got 0``.
 """
 
 from __future__ import annotations
@@ -11,33 +14,363 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import functools
 import importlib
-import re
+import inspect
+import os
 import typing
-from typing import Any, List, Literal, Optional, Tuple, Union, get_args, get_origin
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union, get_args, get_origin
+
+import yaml
 
 from fl_lightning.option_types import OutOfRange
 
-_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":')
-_CLASS = re.compile(r"Problem with given class_path '([^']+)':")
-_VALUE = re.compile(r"(?:Got|Given) value: (.*)$", re.M)
+Refusal = Tuple[str, str]
+"""``(key, problem)``: what a command line's first bad key is and why."""
 
 
-def one_line(error: BaseException, parser) -> Tuple[str, str]:
-    """``(key, problem)`` for a parse error raised by ``parser`` (the CLI's, with subcommands)."""
-    text = str(error)
-    key, owner = _key_and_owner(text)
-    structural = _structural(text, key, parser)
-    if structural is not None:
-        return structural
-    hint = _typehint(parser, key, owner)
-    ours = next((e for e in reversed(_chain(error)) if isinstance(e, OutOfRange)), None)
-    if ours is not None and (hint is None or get_origin(hint) is not Union):
-        where = "an element " if hint is not None and get_origin(hint) in (list, tuple) else ""
-        return key, f"{where}{ours}"
-    if hint is None:
-        return key or "config", " ".join(text.split())
-    return key, f"must be {describe(hint)}, got {_given(text, ours)}"
+@dataclasses.dataclass(frozen=True)
+class Typed:
+    """A value as typed on the command line: text the parser reads by the option's type."""
+
+    text: str
+
+    def loaded(self) -> Any:
+        """The text as YAML reads it (``[8, 16]`` a list, ``0.5`` a number, ``abc`` text)."""
+        try:
+            return yaml.safe_load(self.text)
+        except yaml.YAMLError:
+            return self.text
+
+
+def locate(argv: List[str], error: BaseException) -> Refusal:
+    """``(key, problem)`` for a command line the parser refused with ``error``."""
+    from fl_lightning.cli import COMMANDS
+
+    words = [a for a in argv if not a.startswith("-")]
+    command = next((a for a in argv if a in COMMANDS), None)
+    if command is None:
+        if words:
+            return "command", f"unknown subcommand {words[0]!r}; choose one of {', '.join(COMMANDS)}"
+        return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
+    options = command_options(command)
+    tree = given_tree(argv[argv.index(command) + 1:])
+    for name, default in class_defaults(command).items():  # options given alone go to the default class
+        if isinstance(tree.get(name), dict) and "class_path" not in tree[name]:
+            tree[name] = {**default, **tree[name]}
+    found = _walk_fields("", tree, options)
+    if found is not None:
+        return found
+    missing = [name for name in required_options(command) if name not in tree]
+    if missing:
+        return missing[0], "required"
+    return "config", " ".join(str(error).split())  # a refusal no single key explains
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line as a tree
+# ---------------------------------------------------------------------------------------------
+
+
+def given_tree(args: List[str]) -> Dict[str, Any]:
+    """What a command's arguments give, as one nested mapping: each ``--config`` (a file or
+    YAML text) merged in order, each ``--a.b value`` set at ``a.b`` as ``Typed`` text."""
+    tree: Dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg in ("--help", "--print_config"):
+            i += 1
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            else:
+                value = "true"
+        if name == "config":
+            _merge(tree, _config_text(value))
+        elif name.rpartition(".")[2] != "help":  # --model.help CLASS asks, it does not set
+            _set(tree, name.split("."), Typed(value))
+        i += 1
+    return tree
+
+
+def _config_text(value: str) -> dict:
+    from fl_lightning.cli import read_config_file
+
+    if os.path.exists(value):
+        return read_config_file(value)
+    loaded = Typed(value).loaded()
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _merge(into: dict, given: dict) -> None:
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _set(tree: dict, parts: List[str], value: Any) -> None:
+    for part in parts[:-1]:
+        node = tree.get(part)
+        if not isinstance(node, dict):
+            node = tree[part] = _as_mapping(node)
+        tree = node
+    tree[parts[-1]] = value
+
+
+def _as_mapping(node: Any) -> dict:
+    """A section given whole before one of its options: a mapping it spells, or a class name."""
+    if isinstance(node, Typed):
+        loaded = node.loaded()
+        if isinstance(loaded, dict):
+            return loaded
+        return {"class_path": loaded} if isinstance(loaded, str) else {}
+    return {"class_path": node} if isinstance(node, str) else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The walk
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def command_options(command: str) -> Dict[str, Any]:
+    """``{option: annotation}`` of a subcommand (``partition`` reads a fit config as well)."""
+    from fl_lightning.cli import COMMANDS, fit
+
+    functions = ([fit] if command == "partition" else []) + [COMMANDS[command]]
+    out: Dict[str, Any] = {}
+    for function in functions:
+        out.update(typing.get_type_hints(function, localns=_class_bases()))
+    return out
+
+
+def class_defaults(command: str) -> Dict[str, dict]:
+    """``{option: {class_path: ...}}`` of a subcommand's class sections that have a default class."""
+    from fl_lightning.cli import COMMANDS
+
+    return {p.name: p.default for p in inspect.signature(COMMANDS[command]).parameters.values()
+            if isinstance(p.default, dict) and "class_path" in p.default}
+
+
+def required_options(command: str) -> List[str]:
+    """Options of a subcommand without a default (``evaluate``'s run)."""
+    from fl_lightning.cli import COMMANDS
+
+    return [p.name for p in inspect.signature(COMMANDS[command]).parameters.values()
+            if p.default is inspect.Parameter.empty]
+
+
+@functools.lru_cache(maxsize=1)
+def _class_bases() -> Dict[str, type]:
+    """The bases of the sections chosen by ``class_path``, by name."""
+    from fl_lightning.algorithms import Algorithm
+    from fl_lightning.data import DatasetSource
+    from fl_lightning.elastic.models.base import ElasticModel
+
+    return {"Algorithm": Algorithm, "ElasticModel": ElasticModel, "DatasetSource": DatasetSource}
+
+
+def _walk_fields(prefix: str, given: dict, hints: Dict[str, Any]) -> Optional[Refusal]:
+    for name, value in given.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in hints:
+            return key, _unknown_key(key, value, [f"{prefix}.{h}" if prefix else h for h in hints])
+        found = _walk(key, value, hints[name])
+        if found is not None:
+            return found
+    return None
+
+
+def _walk(key: str, value: Any, hint: Any) -> Optional[Refusal]:
+    inner = _without_none(hint)
+    if dataclasses.is_dataclass(inner):
+        if value is None or (isinstance(value, Typed) and value.loaded() is None):
+            return None if inner is not hint else (key, f"must be a mapping of its fields, got {_shown(value)}")
+        if isinstance(value, Typed):
+            value = _config_text(value.text) if os.path.isfile(value.text) else value.loaded()
+        if not isinstance(value, dict):
+            return key, f"expected a mapping of its fields or a YAML file, got {_shown_text(value)!r}"
+        return _walk_fields(key, value, _hints(inner))
+    base = _class_base(inner)
+    if base is not None:
+        if value is None and inner is not hint:
+            return None
+        return _walk_class(key, value, base)
+    return check_value(key, value, hint)
+
+
+def _walk_class(key: str, value: Any, base: type) -> Optional[Refusal]:
+    """A section chosen by ``class_path``: the class must exist, and each init argument is walked
+    against its annotation."""
+    if isinstance(value, Typed):
+        value = _as_mapping(value) if isinstance(value.loaded(), (str, dict)) else value
+    if isinstance(value, str):
+        value = {"class_path": value}
+    if not isinstance(value, dict):
+        return key, _unknown_class(key, base, _shown_text(value))
+    path = value.get("class_path")
+    args = {**(value.get("init_args") or {}),
+            **{k: v for k, v in value.items() if k not in ("class_path", "init_args", "dict_kwargs")}}
+    if path is None:
+        if key == "model" and "name" in value:
+            return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
+                         "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs "
+                         "form is read only from saved runs")
+        example = "fl_lightning.elastic.models.CNN" if key == "model" else "FedProx"
+        return key, f"its options need its class first, e.g. --{key} {example} --{key}.<option> <value>"
+    cls = resolve_class(base, _shown_text(path))
+    if cls is None:
+        return key, _unknown_class(key, base, _shown_text(path))
+    hints = _hints(cls)
+    for name, item in args.items():
+        if name not in hints or name in _not_options(base):
+            return f"{key}.{name}", f"not an option of {cls.__name__}"
+        found = _walk(f"{key}.{name}", item, hints[name])
+        if found is not None:
+            return found
+    return None
+
+
+def check_value(key: str, value: Any, hint: Any) -> Optional[Refusal]:
+    """``(key, problem)`` when ``hint`` refuses ``value``, read as the parser reads it: text
+    from the command line by the option's type, a config file's value as YAML gave it."""
+    parser = _one_option_parser(hint)
+    if parser is None:
+        return None
+    try:
+        if isinstance(value, Typed):
+            parser.parse_args([f"--value={value.text}"])
+        else:
+            parser.parse_object({"value": value})
+    except Exception as error:  # the parser's refusal: its text is not read, only its cause's type
+        ours = next((e for e in _chain(error) if isinstance(e, OutOfRange)), None)
+        if ours is not None and get_origin(hint) is not Union:
+            where = "an element " if get_origin(hint) in (list, tuple, collections.abc.Sequence) else ""
+            return key, f"{where}{ours}"
+        given = str(ours).rsplit(", got ", 1)[-1] if ours is not None else _shown(value)
+        return key, f"must be {describe(hint)}, got {given}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _one_option_parser(hint: Any):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    try:
+        parser.add_argument("--value", type=hint)
+    except Exception:  # an annotation the parser takes only inside a class: nothing to check alone
+        return None
+    return parser
+
+
+def _chain(error: BaseException) -> List[BaseException]:
+    out, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        out.append(error)
+        error = error.__cause__ or error.__context__ or getattr(error, "parent", None)
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A refused value as it reads: what YAML made of the typed text, else the value, quoted."""
+    return repr(value.loaded() if isinstance(value, Typed) else value)
+
+
+def _shown_text(value: Any) -> str:
+    return value.text if isinstance(value, Typed) else str(value)
+
+
+def _without_none(hint: Any) -> Any:
+    """``X`` of ``Optional[X]``; any other hint as it is."""
+    if get_origin(hint) is Union:
+        rest = [a for a in get_args(hint) if a is not type(None)]
+        if len(rest) == 1 and len(rest) < len(get_args(hint)):
+            return rest[0]
+    return hint
+
+
+def _class_base(hint: Any) -> Optional[type]:
+    return next((base for base in _class_bases().values() if isinstance(hint, type) and issubclass(hint, base)),
+                None)
+
+
+def _not_options(base: type) -> frozenset:
+    """Constructor arguments a section does not take (a model's class count and input shape)."""
+    if base is _class_bases()["ElasticModel"]:
+        from fl_lightning.elastic.models import NOT_OPTIONS
+
+        return NOT_OPTIONS
+    return frozenset()
+
+
+def _hints(owner) -> Dict[str, Any]:
+    """Annotated init arguments of a class (following ``**kwargs`` to the parent's ``__init__``,
+    as the parser does) or a dataclass's fields, resolved."""
+    if dataclasses.is_dataclass(owner):
+        return typing.get_type_hints(owner)
+    out: Dict[str, Any] = {}
+    for cls in reversed(owner.__mro__):
+        init = cls.__dict__.get("__init__")
+        if init is None or cls is object:
+            continue
+        parameters = inspect.signature(init).parameters.values()
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            out = {}
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # an annotation that does not resolve names nothing to check
+            hints = {}
+        out.update({p.name: hints.get(p.name, Any) for p in parameters
+                    if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+    return out
+
+
+def resolve_class(base: type, path: str) -> Optional[type]:
+    """The subclass of ``base`` that ``path`` names: a dotted import path, or a class name
+    exported by the package of its kind; None if there is none."""
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module or _PACKAGES[base.__name__]), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, base) else None
+
+
+_PACKAGES = {"Algorithm": "fl_lightning.algorithms", "ElasticModel": "fl_lightning.elastic.models",
+             "DatasetSource": "fl_lightning.data"}
+_KINDS = {"Algorithm": "algorithm", "ElasticModel": "model", "DatasetSource": "dataset"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The words of a refusal
+# ---------------------------------------------------------------------------------------------
+
+
+def _unknown_key(key: str, value: Any, known: List[str]) -> str:
+    if key.split(".")[:2] in (["data", "name"], ["data", "options"]):
+        return OLD_DATA
+    where = "unknown option" if _typed_anywhere(value) else "unknown key in the config"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return where + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def _typed_anywhere(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_typed_anywhere(v) for v in value.values())
+    return isinstance(value, Typed)
+
+
+def _unknown_class(key: str, base: type, given: str) -> str:
+    kind = _KINDS[base.__name__]
+    names = {"algorithm": algorithm_names, "model": model_paths, "dataset": dataset_paths}[kind]()
+    return f"unknown {kind} {given!r}; choose one of {', '.join(names)} or give {{class_path: ..., init_args: ...}}"
 
 
 def describe(hint: Any) -> str:
@@ -71,127 +404,9 @@ def describe(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _chain(error: BaseException) -> List[BaseException]:
-    out, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        out.append(error)
-        error = error.__cause__ or error.__context__
-    return out
-
-
-def _key_and_owner(text: str) -> Tuple[str, Optional[str]]:
-    """The dotted key through nested parsers (``algorithm`` then ``mu``: ``algorithm.mu``) and
-    the class_path whose options the inner part names."""
-    parts, owner = [], None
-    for line in text.splitlines():
-        key, owner_match = _KEY.match(line), _CLASS.search(line)
-        if key and (not parts or not parts[-1].endswith(key.group(1))):
-            parts.append(key.group(1))
-        if owner_match:
-            owner = owner_match.group(1)
-    return ".".join(parts), owner
-
-
-def _given(text: str, ours: Optional[BaseException]) -> str:
-    if ours is not None:
-        return str(ours).rsplit(", got ", 1)[-1]
-    found = [v for v in _VALUE.findall(text)  # not the wrappers: options without class, the whole section
-             if not v.startswith("NestedArg(") and not v.startswith("{'class_path'")]
-    return repr(found[-1].strip()) if found else "?"
-
-
-def _typehint(parser, key: str, owner: Optional[str]):
-    """The declared type of ``key``: a subcommand option's, or an init argument of ``owner``
-    (a class_path, such as an algorithm's) and the dataclass fields beneath it."""
-    if owner is not None:
-        module, _, name = owner.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name)  # a package may export it lazily
-        except (ImportError, AttributeError):
-            return None
-        parts = key.split(".")
-        for start in range(1, len(parts)):  # the section is ``algorithm``, ``model`` or ``data.dataset``
-            hint = cls
-            for part in parts[start:]:
-                hint = _hints(hint).get(part)
-                if hint is None:
-                    break
-            if hint is not None:
-                return hint
-        return None
-    for sub in getattr(parser, "subcommand_parsers", {}).values():
-        for action in sub._actions:
-            if action.dest == key and getattr(action, "_typehint", None) is not None:
-                return action._typehint
-    return None
-
-
-def _hints(owner) -> dict:
-    """Annotated names of a class's ``__init__`` (or a dataclass's fields), resolved."""
-    target = owner if dataclasses.is_dataclass(owner) else getattr(owner, "__init__", owner)
-    try:
-        return typing.get_type_hints(target)
-    except Exception:  # an annotation that does not resolve names nothing to describe
-        return {}
-
-
-def _structural(text: str, key: str, parser) -> Optional[Tuple[str, str]]:
-    """Refusals that are not about a value's type: unknown options, algorithms and subcommands."""
-    from fl_lightning.cli import COMMANDS
-
-    first = next((line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()
-                  and not _KEY.match(line) and not _CLASS.search(line)), "")
-    if match := re.match(r"unrecognized arguments: (\S+)", first):
-        name = match.group(1).lstrip("-").split("=", 1)[0]
-        return name, OLD_DATA if _old_data_key(name) else "unknown option" + _did_you_mean(name, parser)
-    if match := re.match(r"Subcommand '[^']+' does not accept option '([^']+)'", first):
-        name = match.group(1)
-        return name, OLD_DATA if _old_data_key(name) else \
-            "unknown key in the config" + _did_you_mean(name, parser)
-    if match := re.match(r"the following arguments are required: ([^,\s]+)", first):
-        command, _, name = match.group(1).lstrip("-").partition(".")
-        return (name if command in COMMANDS and name else match.group(1)), "required"
-    if match := re.search(r"^\s*(?:- )?Option '([^']+)' is not accepted", text, re.M):
-        owner = _CLASS.search(text)
-        return f"{key}.{match.group(1)}", f"not an option of {owner.group(1).rsplit('.', 1)[-1] if owner else key}"
-    if key == "model" and "{'name':" in text:
-        return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
-                     "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs form "
-                     "is read only from saved runs")
-    unknown_class = (r"(Expected a dot import path string|Not a valid subclass of|.*does not correspond to a subclass"
-                     r"|Expected a path but|module '[^']+' has no attribute)")
-    if re.match(unknown_class, first) or (key == "data.dataset" and re.search(unknown_class, text)):
-        given = (_VALUE.findall(text) or re.findall(r"(?:string:|Expected a path but) (\S*)", first)
-                 or _CLASS.findall(text))
-        if key == "model":
-            return key, (f"unknown model {given[-1].strip()!r}; choose one of {', '.join(model_paths())} "
-                         "or give {class_path: ..., init_args: ...}")
-        if key == "data.dataset":
-            return key, (f"unknown dataset {given[-1].strip()!r}; choose one of {', '.join(dataset_paths())} "
-                         "or give {class_path: ..., init_args: ...}")
-        return key or "algorithm", (f"unknown algorithm {given[-1].strip()!r}; choose one of "
-                                    f"{', '.join(algorithm_names())} or give {{class_path: ..., init_args: ...}}")
-    if key in ("model", "algorithm") and "NestedArg(" in text and not _CLASS.search(text):
-        return key, (f"its options need its class first, e.g. --{key} "
-                     f"{'fl_lightning.elastic.models.CNN' if key == 'model' else 'FedProx'} --{key}.<option> <value>")
-    if match := re.match(r"Unable to load config ['\"](.*)['\"]", first):
-        return key, f"expected a mapping of its fields or a YAML file, got {match.group(1)!r}"
-    if match := re.search(r"invalid choice: '([^']*)'", first):
-        return "command", f"unknown subcommand {match.group(1)!r}; choose one of {', '.join(COMMANDS)}"
-    if 'expected "command"' in first:
-        return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
-    return None
-
-
 OLD_DATA = ("datasets are chosen by class_path and init_args under data.dataset, e.g. data: {dataset: "
             "{class_path: fl_lightning.data.Synthetic, init_args: {num_classes: 10}}}; the name/options form is "
             "read only from saved runs")
-
-
-def _old_data_key(name: str) -> bool:
-    """``data.name`` or ``data.options[.x]``: the data section's form before datasets were classes."""
-    return name.split(".")[:2] in (["data", "name"], ["data", "options"])
 
 
 def dataset_paths() -> List[str]:
@@ -220,12 +435,3 @@ def algorithm_names() -> List[str]:
             names.append(cls.__name__)
         todo.extend(cls.__subclasses__())
     return names
-
-
-def _did_you_mean(name: str, parser) -> str:
-    known = set()
-    for sub in getattr(parser, "subcommand_parsers", {}).values():
-        for action in sub._actions:
-            known.update(o.lstrip("-") for o in action.option_strings if o.startswith("--"))
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
