@@ -37,6 +37,16 @@ def test_the_tree_merges_configs_in_order_then_the_options(tmp_path):
     (["fit", "--federation.roundz", "3"], ("federation.roundz", "unknown option (did you mean federation.rounds?)")),
     (["fit", "--model", "fl_lightning.elastic.models.CNN", "--model.depth", "3"], ("model.depth", "not an option of CNN")),
     (["fit", "--train", "5"], ("train", "expected a mapping of its fields or a YAML file, got '5'")),
+    (["fit", "--data", "null"], ("data", "must be a mapping of its fields, got None")),
+    (["fit", "--data", "null", "--data.dataset", "fl_lightning.data.Digits"],
+     ("data", "must be a mapping of its fields, got None")),
+    (["fit", "--algorithm.init_args", "x"], ("algorithm.init_args", "must be a mapping of the class's options, got 'x'")),
+    (["fit", "--model", "fl_lightning.elastic.models.CNN", "--model.init_args", "null"],
+     ("model.init_args", "must be a mapping of the class's options, got 'null'")),
+    (["fit", "--data.dataset", "{init_args: {mu: 2}}", "--data.dataset", "fl_lightning.data.Digits"],
+     ("data.dataset.mu", "not an option of Digits")),  # options given before their class stay with it
+    (["fit", "--config", "configs/quickstart.yaml", "--federation.rounds.x", "1"],
+     ("federation.rounds.x", "unknown option (federation.rounds takes a value, not options)")),
     (["evaluate"], ("run", "required")),
     (["fitt"], ("command", "unknown subcommand 'fitt'; choose one of fit, evaluate, partition, models, extract")),
 ])
@@ -55,3 +65,13 @@ def test_a_config_file_value_is_named_by_its_key(tmp_path, capsys):
                   SILENT) == ("data.dataset.num_test", "must be an integer >= 1, got 0")
     assert main(["fit", "--config", str(config), "--out_dir", str(tmp_path / "runs")]) == 2
     assert capsys.readouterr().err.strip() == "error: data.dataset.noise: must be a finite number >= 0, got -1"
+
+
+def test_a_section_set_to_null_gets_its_default_class():
+    from fl_lightning.cli import parse_command
+
+    import yaml
+
+    resolved = yaml.safe_load(parse_command(["fit", "--model", "null", "--data.dataset", "null"])[2])
+    assert resolved["model"]["class_path"] == "fl_lightning.elastic.models.CNN"
+    assert resolved["data"]["dataset"]["class_path"] == "fl_lightning.data.Digits"

@@ -30,7 +30,7 @@ from fl_lightning.config import (DEFAULT_DATASET, DataConfig, EvalConfig, Fabric
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.feast_protocol import EXTRACTION_POPULATION, SEARCH_GENERATIONS
 from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction, number_type
-from fl_lightning.parse_errors import command_options, given_tree, locate
+from fl_lightning.parse_errors import Typed, command_options, given_tree, locate
 
 if TYPE_CHECKING:
     from fl_lightning.algorithms import Algorithm
@@ -277,8 +277,9 @@ def _classless_sections(argv: List[str]) -> List[str]:
         node = tree.get(head)
         for part in rest:
             node = node.get(part) if isinstance(node, dict) else None
-        named = node is not None and (not isinstance(node, dict) or "class_path" in node)
-        if not named:
+        if isinstance(node, Typed):
+            node = node.loaded()  # --model null names no class
+        if node is None or (isinstance(node, dict) and "class_path" not in node):
             out.append(key)
     return out
 

@@ -53,12 +53,11 @@ def locate(argv: List[str], error: BaseException) -> Refusal:
         if words:
             return "command", f"unknown subcommand {words[0]!r}; choose one of {', '.join(COMMANDS)}"
         return "command", f"choose a subcommand: {', '.join(COMMANDS)}"
-    options = command_options(command)
     tree = given_tree(argv[argv.index(command) + 1:])
     for name, default in class_defaults(command).items():  # options given alone go to the default class
         if isinstance(tree.get(name), dict) and "class_path" not in tree[name]:
             tree[name] = {**default, **tree[name]}
-    found = _walk_fields("", tree, options)
+    found = _walk_fields("", tree, command_options(command))
     if found is not None:
         return found
     missing = [name for name in required_options(command) if name not in tree]
@@ -117,19 +116,30 @@ def _set(tree: dict, parts: List[str], value: Any) -> None:
     for part in parts[:-1]:
         node = tree.get(part)
         if not isinstance(node, dict):
-            node = tree[part] = _as_mapping(node)
+            mapping = _as_mapping(node)
+            if mapping is None and isinstance(node, Typed):
+                return  # a section typed as something else keeps it: the walk names it
+            node = tree[part] = mapping if mapping is not None else {}  # an option under a file's value
         tree = node
+    before = _as_mapping(tree.get(parts[-1]))
+    if isinstance(value, Typed) and isinstance(value.loaded(), str) and not os.path.isfile(value.text) \
+            and before and "class_path" not in before:
+        value = {**before, "class_path": value.loaded()}  # options given before their class stay
     tree[parts[-1]] = value
 
 
-def _as_mapping(node: Any) -> dict:
-    """A section given whole before one of its options: a mapping it spells, or a class name."""
+def _as_mapping(node: Any) -> Optional[dict]:
+    """A section given whole: the mapping it spells or its file holds, or a class name; None
+    when it is none of these (``--data null``)."""
+    if node is None:
+        return {}
     if isinstance(node, Typed):
-        loaded = node.loaded()
-        if isinstance(loaded, dict):
-            return loaded
-        return {"class_path": loaded} if isinstance(loaded, str) else {}
-    return {"class_path": node} if isinstance(node, str) else {}
+        if os.path.isfile(node.text):
+            return _config_text(node.text)
+        node = node.loaded()
+    if isinstance(node, dict):
+        return node
+    return {"class_path": node} if isinstance(node, str) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,26 +211,34 @@ def _walk(key: str, value: Any, hint: Any) -> Optional[Refusal]:
         if value is None and inner is not hint:
             return None
         return _walk_class(key, value, base)
+    if isinstance(value, dict) and _typed_anywhere(value) and get_origin(inner) is not dict and inner is not dict:
+        name = next(iter(value))  # --federation.rounds.x: an option under one that has none
+        return f"{key}.{name}", f"unknown option ({key} takes a value, not options)"
     return check_value(key, value, hint)
 
 
 def _walk_class(key: str, value: Any, base: type) -> Optional[Refusal]:
     """A section chosen by ``class_path``: the class must exist, and each init argument is walked
     against its annotation."""
-    if isinstance(value, Typed):
-        value = _as_mapping(value) if isinstance(value.loaded(), (str, dict)) else value
+    if isinstance(value, Typed) and isinstance(value.loaded(), (str, dict)):
+        value = _as_mapping(value)
     if isinstance(value, str):
         value = {"class_path": value}
     if not isinstance(value, dict):
         return key, _unknown_class(key, base, _shown_text(value))
-    path = value.get("class_path")
-    args = {**(value.get("init_args") or {}),
+    path, given = value.get("class_path"), value.get("init_args")
+    init_args = given.loaded() if isinstance(given, Typed) else given  # typed null is not a mapping
+    if given is None:
+        init_args = {}  # a config file's empty init_args: the class's defaults
+    if not isinstance(init_args, dict):
+        return f"{key}.init_args", f"must be a mapping of the class's options, got {_shown_text(given)!r}"
+    args = {**init_args,
             **{k: v for k, v in value.items() if k not in ("class_path", "init_args", "dict_kwargs")}}
+    if key == "model" and "name" in args:  # no model has a name option: the form before class paths
+        return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
+                     "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs "
+                     "form is read only from saved runs")
     if path is None:
-        if key == "model" and "name" in value:
-            return key, ("models are chosen by class_path and init_args (as algorithms), e.g. {class_path: "
-                         "fl_lightning.elastic.models.CNN, init_args: {channels: [16, 32]}}; the name/kwargs "
-                         "form is read only from saved runs")
         example = "fl_lightning.elastic.models.CNN" if key == "model" else "FedProx"
         return key, f"its options need its class first, e.g. --{key} {example} --{key}.<option> <value>"
     cls = resolve_class(base, _shown_text(path))
