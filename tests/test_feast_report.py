@@ -42,7 +42,7 @@ def test_rule_table_serves_the_largest_variant_within_each_anchor():
     table = tool.rule_table([{**RUN, "rule": "full", "population": 0.7}], [5e6, 10e6, 18e6, 45e6])
     row = table.splitlines()[-1].split()
     assert row[:2] == ["toy", "full"]
-    assert row[2:] == ["-", "50.00", "50.00", "80.00", "70.00"]
+    assert row[2:] == ["-", "50.00", "50.00", "80.00", "70.00", "0.00"]  # 50, 60, (30M unscored), 80: no fall
 
 
 def test_report_prints_table_6_from_saved_files(tmp_path, capsys):
@@ -108,3 +108,20 @@ def test_an_unwritable_figure_path_stops_before_any_table(tmp_path, capsys):
         tool.main([str(tmp_path), "--mass", str(blocker / "mass.png")])
     out, err = capsys.readouterr()
     assert stop.value.code == 2 and out == "" and "mass: " in err and "is a file, not a folder" in err
+
+
+def test_paired_measures_and_worst_step_read_the_variants():
+    """The largest and smallest variant's accuracy are paired as the population is; the worst
+    step is the largest fall between neighbouring cached variants (by hand)."""
+    runs = [{"name": f"{row}_s{s}", "population": p, "accs": accs, "macs": [1e6, 2e6, 3e6]}
+            for row, s, p, accs in (("full", 0, 0.90, [0.80, 0.85, 0.92]), ("full", 1, 0.88, [0.70, 0.90, 0.86]),
+                                    ("gamma_0", 0, 0.80, [0.82, 0.80, 0.70]), ("gamma_0", 1, 0.84, [0.75, 0.72, 0.74]))]
+    largest = tool.by_row(runs, "largest variant")
+    assert largest == {"full": {0: 0.92, 1: 0.86}, "gamma_0": {0: 0.70, 1: 0.74}}
+    row = next(line for line in tool.paired_table(runs, "full", "smallest variant").splitlines()
+               if line.startswith("| gamma_0 |"))
+    assert row.split("|")[3].strip() == "+2.0, +5.0"
+    assert [tool.worst_step(r) for r in runs] == pytest.approx([0.0, 0.04, 0.10, 0.03], abs=1e-12)
+    unsorted = {"macs": [3e6, 1e6, 2e6], "accs": [0.45, 0.5, None]}  # by MACs: 0.5, (unscored), 0.45
+    assert tool.worst_step(unsorted) == pytest.approx(0.05, abs=1e-12)
+    assert tool.MEASURES["largest variant"](unsorted) == 0.45

@@ -8,13 +8,15 @@ For each run it reads ``summary.json`` (test accuracies of the best-validation c
 
 - the training-rule table (Table 2): at each MAC anchor, the accuracy of the largest cached
   variant whose MACs are at most the anchor (the variant a client of that budget is served; the
-  same rule as ``tools/supernet_tables.py``'s Tables 1 and 3), per run, with the run's rule;
+  same rule as ``tools/supernet_tables.py``'s Tables 1 and 3), per run, with the run's rule,
+  and its worst step (the largest fall from one cached variant to the next larger);
 - the gamma table (Table 13): population accuracy and accuracy at the largest variant, per
   run, with the run's gamma;
 
 - with ``--reference ROW``, for runs named ``<row>_s<seed>``: every row's population accuracy
-  minus the reference row's, seed by seed, with the 95% Student-t interval of the mean and what
-  it shows (a finding only when the interval excludes zero); with ``--noise RUN ...`` also the
+  (then its largest and its smallest variant's) minus the reference row's, seed by seed, with
+  the 95% Student-t interval of the mean and what it shows (a finding only when the interval
+  excludes zero); with ``--noise RUN ...`` also the
   noise floor, the same rows and seeds run under other arithmetic (absolute changes);
 
 then draws every run's accuracy against MACs (Fig. 3) on one log-x plot. With
@@ -63,13 +65,16 @@ def pct(value) -> str:
 
 
 def rule_table(runs, anchors) -> str:
-    header = f"{'run':<32} {'rule':<11}" + "".join(f"{a / 1e6:>9.2f}M" for a in anchors) + "  population"
-    lines = ["Training rule (Table 2): test accuracy % of the largest cached variant within each MAC anchor",
+    header = (f"{'run':<32} {'rule':<11}" + "".join(f"{a / 1e6:>9.2f}M" for a in anchors)
+              + "  population  worst step")
+    lines = ["Training rule (Table 2): test accuracy % of the largest cached variant within each MAC anchor; "
+             "worst step: the largest fall from one cached variant to the next larger",
              header]
     for run in runs:
         accs = [float("nan") if a is None else a for a in run["accs"]]
         cells = "".join(f"{pct(anchor_accuracy(run['macs'], accs, a)):>10}" for a in anchors)
-        lines.append(f"{run['name']:<32} {run['rule']:<11}{cells}  {pct(run['population']):>10}")
+        lines.append(f"{run['name']:<32} {run['rule']:<11}{cells}  {pct(run['population']):>10}"
+                     f"  {pct(worst_step(run)):>10}")
     return "\n".join(lines)
 
 
@@ -77,27 +82,41 @@ def gamma_table(runs) -> str:
     lines = ["Allocation gamma (Table 13): test accuracy %",
              f"{'run':<32} {'gamma':>6} {'largest':>8} {'smallest':>9} {'population':>11}"]
     for run in sorted(runs, key=lambda r: (r["gamma"] is None, r["gamma"])):
-        lines.append(f"{run['name']:<32} {run['gamma']!s:>6} {pct(run['accs'][-1]):>8} {pct(run['accs'][0]):>9} "
+        accs = by_macs(run)
+        lines.append(f"{run['name']:<32} {run['gamma']!s:>6} {pct(accs[-1]):>8} {pct(accs[0]):>9} "
                      f"{pct(run['population']):>11}")
     return "\n".join(lines)
 
 
-def by_row(runs) -> dict:
-    """Population accuracy of runs named ``<row>_s<seed>``: ``{row: {seed: accuracy}}``."""
+def by_macs(run) -> list:
+    """The run's variant accuracies from the fewest MACs to the most (a cache need not be sorted)."""
+    return [acc for _, acc in sorted(zip(run["macs"], run["accs"]), key=lambda pair: pair[0])]
+
+
+MEASURES = {"population": lambda run: run["population"],
+            "largest variant": lambda run: by_macs(run)[-1] if run.get("accs") else None,
+            "smallest variant": lambda run: by_macs(run)[0] if run.get("accs") else None}
+"""What a paired comparison reads of a run: Table 2 and the quick start read the population,
+Table 13 the largest variant (its claim) and the smallest."""
+
+
+def by_row(runs, measure: str = "population") -> dict:
+    """``measure`` of runs named ``<row>_s<seed>``: ``{row: {seed: accuracy}}``."""
     out = defaultdict(dict)
     for run in runs:
         match = re.fullmatch(r"(.+)_s(\d+)", run["name"])
-        if match and run["population"] is not None:
-            out[match.group(1)][int(match.group(2))] = run["population"]
+        value = MEASURES[measure](run)
+        if match and value is not None:
+            out[match.group(1)][int(match.group(2))] = value
     return dict(out)
 
 
-def paired_table(runs, reference: str) -> str:
-    rows = by_row(runs)
+def paired_table(runs, reference: str, measure: str = "population") -> str:
+    rows = by_row(runs, measure)
     ref = rows.get(reference)
     if not ref:
         return f"Paired comparison skipped: no run named {reference}_s<seed>"
-    lines = [f"Paired comparison: row - {reference}, population accuracy per seed (points), 95% Student-t interval "
+    lines = [f"Paired comparison: row - {reference}, {measure} accuracy per seed (points), 95% Student-t interval "
              "of the mean", "", "| row | seeds | per seed | mean ± 95% CI | finding |", "| --- | --- | --- | --- | --- |"]
     for row, seeds in sorted(rows.items()):
         paired = paired_cells(seeds, ref) if row != reference else None
@@ -105,6 +124,13 @@ def paired_table(runs, reference: str) -> str:
             cells, mean, half = paired
             lines.append(f"| {row} | {' | '.join(cells)} | {verdict(mean, half, reference)} |")
     return "\n".join(lines)
+
+
+def worst_step(run) -> float:
+    """The largest fall in accuracy from one cached variant to the next larger one (0 when the
+    curve never falls): the quick start's ordering check allows at most 1 point."""
+    known = [a for a in by_macs(run) if a is not None]
+    return max([0.0] + [a - b for a, b in zip(known, known[1:])])
 
 
 def noise_table(runs, others) -> str:
@@ -276,8 +302,9 @@ def main(argv=None) -> None:
     print()
     print(gamma_table(runs))
     if args.reference:
-        print()
-        print(paired_table(runs, args.reference))
+        for measure in MEASURES:
+            print()
+            print(paired_table(runs, args.reference, measure))
     if args.noise:
         print()
         print(noise_table(runs, [load_run(path) for path in args.noise if (path / "summary.json").is_file()]))
