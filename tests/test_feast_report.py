@@ -125,3 +125,12 @@ def test_paired_measures_and_worst_step_read_the_variants():
     unsorted = {"macs": [3e6, 1e6, 2e6], "accs": [0.45, 0.5, None]}  # by MACs: 0.5, (unscored), 0.45
     assert tool.worst_step(unsorted) == pytest.approx(0.05, abs=1e-12)
     assert tool.MEASURES["largest variant"](unsorted) == 0.45
+
+
+def test_a_rows_seeds_are_drawn_as_their_mean():
+    runs = [{"name": f"full_s{s}", "rule": "full", "gamma": 1.0, "macs": [1e6, 2e6], "accs": accs}
+            for s, accs in enumerate(([0.6, 0.8], [0.7, 0.9]))]
+    runs.append({"name": "single", "rule": "max_only", "gamma": 1.0, "macs": [1e6, 2e6], "accs": [0.1, None]})
+    drawn = tool.curves(runs)
+    assert [label for label, _, _ in drawn] == ["full (full, gamma=1.0; mean of 2 seeds)", "single (max_only, gamma=1.0)"]
+    assert drawn[0][2] == pytest.approx([0.65, 0.85], abs=1e-12) and drawn[1][2] == [0.1, None]

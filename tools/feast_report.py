@@ -201,6 +201,25 @@ def extraction_table(run, extractions, low_end: float = 52e6) -> str:
     return "\n".join(lines)
 
 
+def curves(runs) -> list:
+    """``(label, MACs, accuracies)`` to draw: one curve per run, except that the seeds of a row
+    (runs named ``<row>_s<seed>`` with the same cache) are drawn as their mean."""
+    groups = defaultdict(list)
+    for run in runs:
+        match = re.fullmatch(r"(.+)_s(\d+)", run["name"])
+        groups[(match.group(1) if match else run["name"], tuple(run["macs"]))].append(run)
+    out = []
+    for (row, macs), members in groups.items():
+        first = members[0]
+        if len(members) == 1:
+            out.append((f"{first['name']} ({first['rule']}, gamma={first['gamma']})", list(macs), first["accs"]))
+            continue
+        columns = zip(*(member["accs"] for member in members))
+        means = [None if None in column else sum(column) / len(column) for column in columns]
+        out.append((f"{row} ({first['rule']}, gamma={first['gamma']}; mean of {len(members)} seeds)", list(macs), means))
+    return out
+
+
 def plot(runs, out: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -209,11 +228,10 @@ def plot(runs, out: Path) -> None:
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for run in runs:
-        points = [(m, a) for m, a in zip(run["macs"], run["accs"]) if a is not None]
+    for label, macs, accs in curves(runs):
+        points = [(m, a) for m, a in zip(macs, accs) if a is not None]
         if points:
-            ax.plot([m / 1e6 for m, _ in points], [100 * a for _, a in points], marker="o", markersize=3,
-                    label=f"{run['name']} ({run['rule']}, gamma={run['gamma']})")
+            ax.plot([m / 1e6 for m, _ in points], [100 * a for _, a in points], marker="o", markersize=3, label=label)
     mac_log_axis(ax, "inference MACs (millions)", "top-1 test accuracy (%)")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
