@@ -63,7 +63,7 @@ def test_only_routed_positions_are_aggregated(spec_factory, tmp_path):
     after = load_checkpoint(Path(spec.out_dir) / spec.name / "checkpoints" / "last.ckpt")["model"]
     covered = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in before.items() if v.is_floating_point()}
     for client in sample_clients(spec.seed, 0, 6, 3):
-        for _, (key, region) in route_envelope(algorithm.ctx.model, algorithm.variants_of(client)).regions.items():
+        for _, (key, region) in route_envelope(algorithm.ctx.model, algorithm.variants.specs_of(client)).regions.items():
             if key in covered:
                 region.fill_add(covered[key], 1.0)
     assert any((c == 0).any() for c in covered.values()), "the test needs some unrouted positions"
@@ -96,8 +96,8 @@ def test_nested_affordability_and_routing(spec_factory, tmp_path):
     order = sorted(range(len(budgets)), key=lambda i: budgets[i])
     for lo, hi in zip(order, order[1:]):
         assert set(algorithm.sets[lo]) <= set(algorithm.sets[hi])
-        small = route_envelope(algorithm.ctx.model, algorithm.variants_of(lo)).regions
-        large = route_envelope(algorithm.ctx.model, algorithm.variants_of(hi)).regions
+        small = route_envelope(algorithm.ctx.model, algorithm.variants.specs_of(lo)).regions
+        large = route_envelope(algorithm.ctx.model, algorithm.variants.specs_of(hi)).regions
         for key, (_, region) in small.items():
             assert large[key][1].contains(region), key
     assert all(algorithm.cache.global_min() in s for s in algorithm.sets)
@@ -118,10 +118,10 @@ def test_bn_recalibration_matches_an_independent_estimate(spec_factory, tmp_path
     hook = bn.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
     subnet.eval()
     with torch.no_grad():
-        for x in algorithm.calibration.batches():
+        for x in algorithm.variants.calibration.batches():
             subnet(x)
     hook.remove()
-    assert len(inputs) == len(algorithm.calibration.batches()) >= 1
+    assert len(inputs) == len(algorithm.variants.calibration.batches()) >= 1
     means = torch.stack([h.mean(dim=(0, 2, 3)) for h in inputs]).mean(0)
     variances = torch.stack([h.transpose(0, 1).flatten(1).var(dim=1, unbiased=True) for h in inputs]).mean(0)
     torch.testing.assert_close(bn.running_mean, means, rtol=1e-4, atol=1e-5)
@@ -367,8 +367,8 @@ def test_trained_and_routed_data_mass_per_round(spec_factory, tmp_path, rule):
     algorithm = spec.algorithm
     rows = [json.loads(line) for line in (Path(spec.out_dir) / spec.name / "metrics.jsonl").read_text().splitlines()]
     model, sizes = algorithm.ctx.model, algorithm.ctx.client_sizes
-    routed = sum(sizes[c] * routed_param_count(model, algorithm.variants_of(c)) for c in range(6))
-    largest = sum(sizes[c] * count_params(model.extract(algorithm.variants_of(c)[-1]).module) for c in range(6))
+    routed = sum(sizes[c] * routed_param_count(model, algorithm.variants.specs_of(c)) for c in range(6))
+    largest = sum(sizes[c] * count_params(model.extract(algorithm.variants.specs_of(c)[-1]).module) for c in range(6))
     assert largest < routed, "the test needs envelopes larger than their largest variant"
     for row in rows:
         share = row["mass/trained_frac"]

@@ -33,3 +33,22 @@ def test_layer_does_not_import_above_itself(layer, forbidden):
                  for name in sorted(imported_modules(path))
                  if any(name == f or name.startswith(f + ".") for f in forbidden)]
     assert not offenders, "; ".join(offenders)
+
+
+# the rounds other methods build on: FedAvg's (base) and split learning's (splitfed)
+FAMILY_BASES = {"fl_lightning.algorithms.base", "fl_lightning.algorithms.splitfed"}
+
+
+def test_no_method_file_imports_another_method_file():
+    """Methods share code through components (levels, cached variants, calibration, ...) and
+    the family bases, never by importing another method's module."""
+    import fl_lightning.algorithms as algorithms
+
+    methods = {getattr(algorithms, name).__module__ for name in algorithms.__all__
+               if isinstance(getattr(algorithms, name), type)
+               and issubclass(getattr(algorithms, name), algorithms.Algorithm)} - FAMILY_BASES
+    assert "fl_lightning.algorithms.feast" in methods and "fl_lightning.algorithms.fednas" in methods
+    offenders = [f"{module} imports {name}" for module in sorted(methods)
+                 for name in sorted(imported_modules(PACKAGE / "algorithms" / f"{module.rsplit('.', 1)[1]}.py"))
+                 if any(name == other or name.startswith(other + ".") for other in methods - {module})]
+    assert not offenders, "; ".join(offenders)

@@ -156,7 +156,7 @@ def offline_width(source_path: str) -> dict:
     """The narrowed substrate of an offline family: the k/64 whose full-width ResNet-18 MACs
     (fvcore) are nearest in log to the largest variant of the FEAST config's cache (its shipped
     file, or else the one its search builds)."""
-    from fl_lightning.algorithms.feast import CacheSearch
+    from fl_lightning.algorithms.cached_variants import CacheSearch
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.search.cache import VariantCache, build_cache

@@ -9,7 +9,8 @@ from fl_lightning.algorithms.fednas import DeepFedNAS, SuperFedNAS
 from fl_lightning.algorithms.fedopt import FedOpt
 from fl_lightning.algorithms.fiarse import FIARSE
 from fl_lightning.algorithms.fedprox import FedProx
-from fl_lightning.algorithms.feast import CacheSearch, Feast
+from fl_lightning.algorithms.cached_variants import CacheSearch
+from fl_lightning.algorithms.feast import Feast
 from fl_lightning.algorithms.fedsga import FedSGA
 from fl_lightning.algorithms.mergesfl import MergeSFL
 from fl_lightning.algorithms.multisfl import MultiSFL

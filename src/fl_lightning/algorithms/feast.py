@@ -11,45 +11,22 @@ population accuracy under largest-affordable serving (Supp. E.1, Table 1).
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.analysis.level_report import variant_report
-from fl_lightning.feast_protocol import (CACHE_SEGMENTS, CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS,
-                                         SEARCH_MUTATION, SEARCH_POPULATION)
+from fl_lightning.algorithms.cached_variants import CachedVariants, CacheSearch, check_cache_options
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE, KAPPA_FB
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import (ClosedUnitInterval, FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat,
-                                       PositiveInt, number_type)
-from fl_lightning.runtime.calibration import ServerCalibration
-from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
+from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
 from fl_lightning.runtime.seeding import derive_seed
 
 Rule = Literal["full", "min_max_kd", "min_max", "min_only", "max_only"]
 MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
 # seed streams of the random intermediate, of Mixup/CutMix and of the calibration augmentation
 INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # 13: the server calibration's (runtime/calibration.py)
-
-
-@dataclass
-class CacheSearch:
-    """How the variant cache is built when no cache file is given (Supp. B.1, Table 1)."""
-
-    segments: List[List[FiniteFloat]] = field(default_factory=lambda: [list(s) for s in CACHE_SEGMENTS])
-    """[lowest MACs, highest MACs, number of targets, effectiveness ceiling rho_0] per segment."""
-    population: number_type(int, ge=2) = SEARCH_POPULATION
-    """Genetic-search population per target."""
-    generations: PositiveInt = SEARCH_GENERATIONS
-    """Genetic-search generations per target."""
-    mutation: ClosedUnitInterval = SEARCH_MUTATION
-    """Mutation probability."""
-    seed: NonNegativeInt = 0
-    """Search seed (the cache is built once, before federation)."""
 
 
 class Feast(Algorithm):
@@ -94,7 +71,6 @@ class Feast(Algorithm):
 
     # -- set-up ---------------------------------------------------------------------------------
     def check(self, train) -> None:
-        s = self.search
         checks = [
             ("mixup_alpha", self.mix_schedule != "mixup" or self.mixup_alpha > 0, "must be > 0 for mix_schedule mixup"),
             ("cutmix_alpha", self.mix_schedule != "cutmix" or self.cutmix_alpha > 0,
@@ -104,17 +80,8 @@ class Feast(Algorithm):
         ]
         for key, ok, problem in checks:
             if not ok:
-                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr_path(self, key)!r}")
-        if not s.segments:
-            raise ConfigError("algorithm.search.segments", "must list at least one segment [low MACs, high MACs, "
-                                                           "count, rho_0]; the cache is searched per segment")
-        for i, seg in enumerate(s.segments):
-            if len(seg) != 4 or not all(math.isfinite(v) for v in seg) or not 0 < seg[0] <= seg[1] \
-                    or int(seg[2]) < 1 or not 0 < seg[3] <= 1:
-                raise ConfigError(f"algorithm.search.segments[{i}]",
-                                  f"must be [low MACs, high MACs >= low, count >= 1, rho_0 in (0, 1]], got {seg}")
-        if self.cache_path is not None:
-            check_cache_file(self.cache_path)
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
+        check_cache_options(self.cache_path, self.search)
 
     def setup(self, ctx) -> None:
         from fl_lightning.analysis import feast_accounting as accounting
@@ -123,18 +90,9 @@ class Feast(Algorithm):
         if not isinstance(ctx.model, OFAResNet):
             raise ConfigError("model", "FEAST trains an OFAResNet supernet")
         super().setup(ctx)
-        data = ctx.data
-        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform,
-                                             required_by="FEAST recalibrates BN")
-        self.input_shape = tuple(data.bundle.input_shape)
-        self.cache = self._load_or_build_cache(ctx)
-        self.sets = accounting.affordable_sets(self.cache, ctx.budgets.tolist())
-        for client, s in enumerate(self.sets):
-            if not s:
-                raise ConfigError("partition.budgets.b_min",
-                                  f"client {client}'s budget {float(ctx.budgets[client]) / 1e6:.1f}M MACs affords no "
-                                  f"cached variant (smallest: {self.cache.macs[0] / 1e6:.1f}M)")
-        self.served = sorted({s[-1] for s in self.sets})
+        self.variants = CachedVariants(ctx, self.cache_path, self.retarget, self.search, self.calib_batch_size,
+                                       self.calib_transform, method="FEAST", required_by="FEAST recalibrates BN")
+        self.cache, self.sets = self.variants.cache, self.variants.sets
         self.routed_params = accounting.client_routed_params(ctx.model, self.cache, self.sets)
         self.pass_macs = [accounting.pass_macs_per_example(self.cache, s, self.rule) for s in self.sets]
         self.start_round_sums(ctx)
@@ -152,28 +110,7 @@ class Feast(Algorithm):
     def artifacts(self) -> Dict[str, str]:
         """The cache the run trains (so a resumed or re-scored run uses the same one) and the
         population's accounting."""
-        return {"cache.json": json.dumps(self.cache.to_dict(), indent=2),
-                "accounting.json": json.dumps(self.accounting, indent=2)}
-
-    def _load_or_build_cache(self, ctx):
-        from fl_lightning.elastic.search.cache import VariantCache, build_cache
-        from fl_lightning.elastic.search.genetic import InfeasibleError
-
-        saved = Path(ctx.run_dir) / "cache.json"
-        if ctx.resuming and saved.is_file():  # a resumed or re-scored run keeps the cache it started with
-            return VariantCache.load(saved, ctx.model)
-        if self.cache_path is not None:
-            if self.retarget:
-                return VariantCache.load(self.cache_path).retarget(ctx.model, self.input_shape)
-            return VariantCache.load(self.cache_path, ctx.model)
-        s = self.search
-        try:
-            cache = build_cache(ctx.model, self.input_shape, segments=[tuple(seg) for seg in s.segments],
-                                population=s.population, generations=s.generations, mutation=s.mutation,
-                                seed=s.seed)
-        except InfeasibleError as error:
-            raise ConfigError("algorithm.search.segments", str(error)) from None
-        return cache
+        return {**self.variants.artifact(), "accounting.json": json.dumps(self.accounting, indent=2)}
 
     def describe_population(self) -> str:
         from fl_lightning.analysis import feast_accounting as accounting
@@ -193,9 +130,6 @@ class Feast(Algorithm):
         return head + "\n" + accounting.format_accounting(summary, comm, compute, footprints)
 
     # -- one client -----------------------------------------------------------------------------
-    def variants_of(self, client: int) -> list:
-        return [self.cache.specs[j] for j in self.sets[client]]
-
     def work(self, task) -> float:
         return super().work(task) * self.pass_macs[task.client]
 
@@ -203,7 +137,7 @@ class Feast(Algorithm):
         from fl_lightning.elastic.envelope import route_envelope
 
         if self.routing:
-            return route_envelope(self.ctx.model, self.variants_of(task.client))
+            return route_envelope(self.ctx.model, self.variants.specs_of(task.client))
         return super().route(task, plan)
 
     def client_module(self, routed, task, plan):
@@ -262,27 +196,14 @@ class Feast(Algorithm):
 
     # -- evaluation -----------------------------------------------------------------------------
     def calibrated_subnet(self, spec) -> torch.nn.Module:
-        """The plain subnet of ``spec`` with its BN statistics re-estimated on the calibration
-        split (fixed order, no mixing)."""
-        return self.calibration.subnet(spec)
-
-    def evaluate_variant(self, index: int, split: str, batch_size: int) -> Dict[str, float]:
-        """Extract one cached variant, recalibrate its BN, and score it."""
-        data = self.ctx.data
-        subnet = self.calibrated_subnet(self.cache.specs[index])
-        dataset, indices = data.split(split)
-        return evaluate(self.ctx.fabric, subnet, dataset, indices, data.bundle.num_classes, batch_size)
+        """The plain subnet of ``spec``, BN recalibrated (post-hoc extraction scores it)."""
+        return self.variants.calibrated_subnet(spec)
 
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
-        """Validation scores the served variants (enough for the population figure that selects
-        checkpoints); the test set scores every cached variant."""
-        variants = self.served if split == "val" else range(len(self.cache.specs))
-        return evaluate_levels(lambda j: self.evaluate_variant(j, split, batch_size), variants,
-                               [s[-1] for s in self.sets], lambda j: f"variant{j:02d}", "mean_variant_acc")
+        return self.variants.evaluate(split, batch_size)
 
     def report(self, summary: dict) -> str:
-        """Accuracy against MACs of every cached variant and the population accuracy (Fig. 3, Table 1)."""
-        return variant_report(summary, self.cache.specs, self.cache.macs, self.cache.params)
+        return self.variants.report(summary)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {}
@@ -304,22 +225,3 @@ def parameter_groups(model) -> Tuple[List[str], Dict[str, int]]:
 
 def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
-
-
-def getattr_path(obj, dotted: str):
-    for name in dotted.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
-def check_cache_file(path: str) -> None:
-    """A variant cache must be a readable JSON file (checked before any work)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError("algorithm.cache", f"no cache file at {path}")
-    try:
-        content = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError("algorithm.cache", f"{path} is not a JSON variant cache ({type(error).__name__})") from None
-    if not isinstance(content, dict):
-        raise ConfigError("algorithm.cache", f"{path} is not a JSON variant cache (expected an object)")

@@ -18,8 +18,8 @@ Both keep their originals' round structure (SuperFedNAS's ``TS_all_random`` and 
   ``c(t)`` (cosine from 0.9 to 0.125) and the others ``(1 - c(t)) / (K - 1)``
   (``elastic/maxnet.py``).
 
-Evaluation is FEAST's (inherited from :class:`~fl_lightning.algorithms.feast.Feast`): every
-cached variant extracted, BN-recalibrated on the server's calibration split and scored, and
+Evaluation is FEAST's (the :class:`~fl_lightning.algorithms.cached_variants.CachedVariants`
+component FEAST is scored through): every cached variant extracted, BN-recalibrated on the server's calibration split and scored, and
 the population accuracy under largest-affordable serving, so the numbers sit next to FEAST's.
 docs/fednas_transfers.md gives the originals' rules, how each is realized, and the doubts.
 """
@@ -35,11 +35,10 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.algorithms.feast import CacheSearch, Feast
+from fl_lightning.algorithms.cached_variants import CachedVariants, CacheSearch, check_cache_options
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
-from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION,
                                          SEARCH_POPULATION, extraction_rho)
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
@@ -178,7 +177,7 @@ def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
 
 
-class _FedNASTransfer(Feast):
+class _FedNASTransfer(Algorithm):
     """The shared round of the SuperFedNAS / DeepFedNAS transfers; subclasses choose the
     architectures (:meth:`architecture`, :meth:`global_extremes`)."""
 
@@ -219,39 +218,40 @@ class _FedNASTransfer(Feast):
                 once with a fixed seed, as FEAST) or eval (none).
             kappa: forward-plus-backward factor of the reported training MACs (FEAST Eq. 26).
         """
-        super().__init__(cache=cache, retarget=retarget, search=search, routing=False, rule="max_only",
-                         mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, mix_schedule=mix_schedule,
-                         calib_batch_size=calib_batch_size, calib_transform=calib_transform, kappa=kappa)
+        self.cache_path, self.retarget, self.search = cache, retarget, search
+        self.mixup_alpha, self.cutmix_alpha, self.mix_schedule = mixup_alpha, cutmix_alpha, mix_schedule
+        self.calib_batch_size, self.calib_transform, self.kappa = calib_batch_size, calib_transform, kappa
         self.constrained = constrained
         self.maxnet_init, self.maxnet_final, self.maxnet_steps = maxnet_init, maxnet_final, maxnet_steps
 
     # -- set-up ---------------------------------------------------------------------------------
+    def check(self, train) -> None:
+        from fl_lightning.modules.mixing import mixing_checks
+
+        for key, ok, problem in mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha):
+            if not ok:
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
+        check_cache_options(self.cache_path, self.search)
+
     def setup(self, ctx) -> None:
-        from fl_lightning.analysis import feast_accounting as accounting
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
         from fl_lightning.elastic.search.cost import cost_model
 
         if not isinstance(ctx.model, OFAResNet):
             raise ConfigError("model", f"{self.method} trains an OFAResNet supernet")
-        Algorithm.setup(self, ctx)
-        self.calibration = ServerCalibration(ctx, self.calib_batch_size, self.calib_transform,
-                                             required_by=f"{self.method} is evaluated as FEAST, recalibrating BN")
-        self.input_shape = tuple(ctx.data.bundle.input_shape)
-        self.cache = self._load_or_build_cache(ctx)
-        self.cost = cost_model(ctx.model, self.input_shape)  # the cache's (and budgets') MAC convention
+        super().setup(ctx)
+        self.variants = CachedVariants(ctx, self.cache_path, self.retarget, self.search, self.calib_batch_size,
+                                       self.calib_transform, method=self.method,
+                                       required_by=f"{self.method} is evaluated as FEAST, recalibrating BN")
+        self.cache, self.sets = self.variants.cache, self.variants.sets
+        # the cache's (and budgets') MAC convention
+        self.cost = cost_model(ctx.model, self.variants.input_shape)
         self.budgets = [float(b) for b in ctx.budgets.tolist()]
-        self.sets = accounting.affordable_sets(self.cache, self.budgets)
-        for client, s in enumerate(self.sets):
-            if not s:  # the population accuracy serves every client a cached variant (as FEAST)
-                raise ConfigError("partition.budgets.b_min",
-                                  f"client {client}'s budget {self.budgets[client] / 1e6:.1f}M MACs affords no "
-                                  f"cached variant (smallest: {self.cache.macs[0] / 1e6:.1f}M)")
-        self.served = sorted({s[-1] for s in self.sets})
         self.check_population()
         self.steps = self.maxnet_steps if self.maxnet_steps is not None else max(ctx.rounds - 1, 1)
         self.largest = torch.zeros(ctx.num_clients, dtype=torch.int64)
         self.smallest = torch.zeros(ctx.num_clients, dtype=torch.int64)
-        self.start_round_sums(ctx)
+        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
         self._round_c = float("nan")
         description = self.describe_population()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
@@ -338,7 +338,7 @@ class _FedNASTransfer(Feast):
                                         macs=task.choice.macs, mixer=mixer)
 
     def work(self, task: ClientTask) -> float:
-        return Algorithm.work(self, task) * task.choice.macs
+        return super().work(task) * task.choice.macs
 
     def client_figures(self, task: ClientTask, result, plan: RoundPlan) -> Dict[str, float]:
         o = task.choice
@@ -365,13 +365,28 @@ class _FedNASTransfer(Feast):
             elif task.choice.track == "smallest":
                 self.smallest[task.client] += 1
 
+    def round_tensors(self) -> Dict[str, torch.Tensor]:
+        out = {"fednas/forward_macs": self._forward_macs.clone()}
+        self._forward_macs.zero_()
+        return out
+
     def round_metrics(self, sums) -> Dict[str, float]:
-        return {**super().round_metrics(sums), "maxnet_coefficient": self._round_c}
+        return {"train_macs": float(sums["fednas/forward_macs"]) * self.kappa, "maxnet_coefficient": self._round_c}
 
     # -- evaluation and state -------------------------------------------------------------------
+    def artifacts(self) -> Dict[str, str]:
+        """The cache the run serves and the population's accounting."""
+        return {**self.variants.artifact(), "accounting.json": json.dumps(self.accounting, indent=2)}
+
+    def calibrated_subnet(self, spec) -> torch.nn.Module:
+        """The plain subnet of ``spec``, BN recalibrated (post-hoc extraction scores it)."""
+        return self.variants.calibrated_subnet(spec)
+
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        return self.variants.evaluate(split, batch_size)
+
     def report(self, summary: dict) -> str:
-        text = super().report(summary)
-        return text.replace("FEAST test accuracy", f"{self.method} test accuracy", 1) if text else text
+        return self.variants.report(summary)
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The tracking counts (how often each client trained the largest / smallest

@@ -62,12 +62,14 @@ def scalefl_report(summary: dict, specs: Sequence, macs: Sequence[float], params
     return level_table(summary, "ScaleFL test accuracy ({which}):", header, cells, population)
 
 
-def variant_report(summary: dict, specs: Sequence, macs: Sequence[int], params: Sequence[int]) -> str:
-    """FEAST's cached variants: accuracy against MACs (Fig. 3) and the population accuracy (Table 1)."""
+def variant_report(summary: dict, specs: Sequence, macs: Sequence[int], params: Sequence[int],
+                   method: str = "FEAST") -> str:
+    """A supernet's cached variants: accuracy against MACs (FEAST Fig. 3) and the population
+    accuracy (Table 1); ``method`` names the algorithm that trained it."""
     block, which = report_block(summary)
     if not block:
         return ""
-    lines = [f"FEAST test accuracy ({which}):", f"{'variant':>7}  {'MACs':>9}  {'params':>8}  {'acc %':>6}  spec"]
+    lines = [f"{method} test accuracy ({which}):", f"{'variant':>7}  {'MACs':>9}  {'params':>8}  {'acc %':>6}  spec"]
     for j, spec in enumerate(specs):
         acc = block.get(f"test_variant{j:02d}_acc")
         if acc is not None:
