@@ -75,3 +75,24 @@ def test_tables_refuse_a_missing_root_or_an_unknown_reference_before_printing(tm
     out, err = capsys.readouterr()
     assert missing.value.code == unknown.value.code == 2 and out == ""
     assert "root: no folder at" in err and "--reference: no runs named fjord_s<seed>" in err
+
+
+def test_table4_without_the_runs_data_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Table 4's label-skew column loads each run's data again from the path in its config; run
+    from another folder, the tool says so in one line instead of a traceback."""
+    import submodel_tables
+
+    from fl_lightning.errors import ConfigError
+
+    def no_data(run):
+        raise ConfigError("data.root", "no Shakespeare data under 'data'")
+
+    monkeypatch.setattr(submodel_tables, "collect", lambda root: {"hasfl": {0: None, 1: None}})
+    monkeypatch.setattr(submodel_tables, "run_figures", lambda run: {"best": 0.4, "final": 0.4, "p": 0.6})
+    monkeypatch.setattr(submodel_tables, "table4_row", no_data)
+    with pytest.raises(SystemExit) as refused:
+        submodel_tables.main([str(tmp_path), "--table4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert refused.value.code == 2
+    assert err.endswith("--table4: data.root: no Shakespeare data under 'data' (run the tool from the folder the runs "
+                        "were made in)")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fl_lightning.analysis.heterogeneity import load_run, table4_row
+from fl_lightning.errors import ConfigError
 
 
 def run_figures(run) -> dict:
@@ -204,7 +205,11 @@ def main(argv=None) -> int:
         print_table3(figures, reference)
     if args.table4:
         for policy in [p for p in runs if p.startswith("hasfl")]:
-            print_table4(policy, {s: table4_row(r) for s, r in sorted(runs[policy].items())})
+            try:  # the label-skew column reads each run's data again, where its config points
+                rows = {s: table4_row(r) for s, r in sorted(runs[policy].items())}
+            except ConfigError as error:
+                parser.error(f"--table4: {error} (run the tool from the folder the runs were made in)")
+            print_table4(policy, rows)
     return 0
 
 
