@@ -134,3 +134,43 @@ def test_a_rows_seeds_are_drawn_as_their_mean():
     drawn = tool.curves(runs)
     assert [label for label, _, _ in drawn] == ["full (full, gamma=1.0; mean of 2 seeds)", "single (max_only, gamma=1.0)"]
     assert drawn[0][2] == pytest.approx([0.65, 0.85], abs=1e-12) and drawn[1][2] == [0.1, None]
+
+
+def test_extractions_go_to_the_run_of_their_checkpoint_and_are_summarized_over_runs(tmp_path, capsys):
+    """Two runs with the toy curve; each extraction names its run's checkpoint (a repeated budget
+    counts once). Per run mean |gap|, then over runs the mean ± scipy's 95% t interval."""
+    from scipy import stats
+
+    paths = []
+    for name in ("toy_s0", "toy_s1"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"final": {
+            "test_acc": 0.6, **{f"test_variant{j:02d}_acc": a for j, a in enumerate(RUN["accs"]) if a is not None}}}))
+        (run / "cache.json").write_text(json.dumps({"variants": [{"macs": m} for m in RUN["macs"]]}))
+        (run / "config.yaml").write_text(yaml.safe_dump({"partition": {"gamma": 1.0}}))
+        paths.append(run)
+    ckpt = [str(p / "checkpoints" / "best.ckpt") for p in paths]
+    # s0: gaps +2 (16M) and -4 (30M), the 30M budget given twice with the same result; s1: -6 at 30M
+    found = [{**EXTRACTIONS[1], "checkpoint": ckpt[0]}, {**EXTRACTIONS[2], "checkpoint": ckpt[0]},
+             {**EXTRACTIONS[2], "checkpoint": ckpt[0]}, {**EXTRACTIONS[2], "test_acc": 0.64, "checkpoint": ckpt[1]}]
+    lines = tmp_path / "all.jsonl"
+    lines.write_text("\n".join(json.dumps(e) for e in found))
+    tool.main([str(p) for p in paths] + ["--plot", str(tmp_path / "plot.png"), "--extractions", str(lines),
+                                          "--low_end", "20e6"])
+    out = capsys.readouterr().out
+    assert "| toy_s0 | 2 | 2.00 | 3.00 |" in out and "| toy_s1 | 1 | - | 6.00 |" in out
+    interval = stats.t.interval(0.95, 1, loc=4.5, scale=stats.sem([3.0, 6.0]))
+    assert f"mean |gap| full range over 2 runs: 4.50 ± {(interval[1] - interval[0]) / 2:.2f} pp" in out
+    assert "low end (budget <= 20M) over" not in out  # one run has a low-end subnet: no interval
+
+
+def test_an_extraction_of_a_moved_run_is_found_by_its_folder_name(tmp_path):
+    """Archived runs live elsewhere than where ``extract`` ran: the checkpoint's run folder name
+    decides; no match (or an unnamed checkpoint) falls back to the first run."""
+    paths = [tmp_path / "a_s0", tmp_path / "a_s1"]
+    found = [{"budget": 1, "checkpoint": "/elsewhere/a_s1/checkpoints/best.ckpt"},
+             {"budget": 2, "checkpoint": str(paths[0] / "checkpoints" / "best.ckpt")},
+             {"budget": 3, "checkpoint": "/elsewhere/b_s9/checkpoints/best.ckpt"}, {"budget": 4}]
+    per_run = tool.extractions_by_run(paths, found)
+    assert [[e["budget"] for e in run] for run in per_run] == [[2, 3, 4], [1]]
