@@ -45,14 +45,18 @@ def test_rule_table_serves_the_largest_variant_within_each_anchor():
     assert row[2:] == ["-", "50.00", "50.00", "80.00", "70.00", "0.00"]  # 50, 60, (30M unscored), 80: no fall
 
 
-def test_report_prints_table_6_from_saved_files(tmp_path, capsys):
-    run = tmp_path / "toy"
+def write_toy_run(run: Path, config: dict = None) -> Path:
+    """A finished run folder holding RUN's cached curve (population 60%)."""
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"final": {
         "test_acc": 0.6, **{f"test_variant{j:02d}_acc": a for j, a in enumerate(RUN["accs"]) if a is not None}}}))
     (run / "cache.json").write_text(json.dumps({"variants": [{"macs": m} for m in RUN["macs"]]}))
-    (run / "config.yaml").write_text(yaml.safe_dump({"partition": {"gamma": 1.0},
-                                                     "algorithm": {"init_args": {"rule": "full"}}}))
+    (run / "config.yaml").write_text(yaml.safe_dump(config or {"partition": {"gamma": 1.0}}))
+    return run
+
+
+def test_report_prints_table_6_from_saved_files(tmp_path, capsys):
+    run = write_toy_run(tmp_path / "toy", {"partition": {"gamma": 1.0}, "algorithm": {"init_args": {"rule": "full"}}})
     single = tmp_path / "e0.json"
     single.write_text(json.dumps(EXTRACTIONS[0], indent=2))  # extract's own output
     lines = tmp_path / "rest.jsonl"
@@ -141,15 +145,7 @@ def test_extractions_go_to_the_run_of_their_checkpoint_and_are_summarized_over_r
     counts once). Per run mean |gap|, then over runs the mean ± scipy's 95% t interval."""
     from scipy import stats
 
-    paths = []
-    for name in ("toy_s0", "toy_s1"):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "summary.json").write_text(json.dumps({"final": {
-            "test_acc": 0.6, **{f"test_variant{j:02d}_acc": a for j, a in enumerate(RUN["accs"]) if a is not None}}}))
-        (run / "cache.json").write_text(json.dumps({"variants": [{"macs": m} for m in RUN["macs"]]}))
-        (run / "config.yaml").write_text(yaml.safe_dump({"partition": {"gamma": 1.0}}))
-        paths.append(run)
+    paths = [write_toy_run(tmp_path / name) for name in ("toy_s0", "toy_s1")]
     ckpt = [str(p / "checkpoints" / "best.ckpt") for p in paths]
     # s0: gaps +2 (16M) and -4 (30M), the 30M budget given twice with the same result; s1: -6 at 30M
     found = [{**EXTRACTIONS[1], "checkpoint": ckpt[0]}, {**EXTRACTIONS[2], "checkpoint": ckpt[0]},
@@ -174,3 +170,21 @@ def test_an_extraction_of_a_moved_run_is_found_by_its_folder_name(tmp_path):
              {"budget": 3, "checkpoint": "/elsewhere/b_s9/checkpoints/best.ckpt"}, {"budget": 4}]
     per_run = tool.extractions_by_run(paths, found)
     assert [[e["budget"] for e in run] for run in per_run] == [[2, 3, 4], [1]]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--extractions", "{tmp}/nowhere.jsonl"], "--extractions: no file at"),
+    (["--extractions", "{tmp}/partial.json"], "every result needs budget, macs and test_acc"),
+    (["--extractions", "{tmp}/text.json"], "is neither extract's JSON nor JSON lines"),
+    (["--low_end", "-5"], "--low_end: must be a MAC count > 0, got -5"),
+])
+def test_bad_extraction_inputs_stop_before_anything_is_printed(tmp_path, capsys, extra, expected):
+    run = write_toy_run(tmp_path / "toy")
+    (tmp_path / "partial.json").write_text(json.dumps({"budget": 1e6}))
+    (tmp_path / "text.json").write_text("not json\n")
+    plot = tmp_path / "plot.png"
+    with pytest.raises(SystemExit) as refused:
+        tool.main([str(run), "--plot", str(plot)] + [a.format(tmp=tmp_path) for a in extra])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and not plot.exists()
+    assert expected in err.strip().splitlines()[-1]

@@ -148,14 +148,24 @@ def noise_table(runs, others) -> str:
 
 
 def load_extractions(paths) -> list:
-    """Extraction results: each file one JSON object (``extract``'s output) or JSON lines."""
+    """Extraction results: each file one JSON object (``extract``'s output) or JSON lines.
+    A file that is missing or holds anything else raises ConfigError naming it."""
     out = []
     for path in paths:
+        if not Path(path).is_file():
+            raise ConfigError("--extractions", f"no file at {path}")
         text = Path(path).read_text().strip()
         try:
             items = [json.loads(text)]
         except json.JSONDecodeError:
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            try:
+                items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError:
+                raise ConfigError("--extractions", f"{path} is neither extract's JSON nor JSON lines") from None
+        for item in items:
+            if not isinstance(item, dict) or not {"budget", "macs", "test_acc"} <= set(item):
+                raise ConfigError("--extractions", f"{path}: every result needs budget, macs and test_acc "
+                                                   "(the JSON `extract` prints)")
         out.extend(items)
     return out
 
@@ -342,6 +352,12 @@ def main(argv=None) -> None:
     missing = [path for path in args.noise or [] if not path.exists()]
     if missing:
         parser.error(f"--noise: no run at {missing[0]}")
+    if not args.low_end > 0:
+        parser.error(f"--low_end: must be a MAC count > 0, got {args.low_end:g}")
+    try:
+        extractions = load_extractions(args.extractions) if args.extractions else []
+    except ConfigError as error:
+        parser.error(str(error))
     for option, out in (("plot", args.plot), ("mass", args.mass)):
         try:
             if out is not None:
@@ -369,7 +385,7 @@ def main(argv=None) -> None:
         print()
         print(noise_table(runs, [load_run(path) for path in args.noise if (path / "summary.json").is_file()]))
     if args.extractions:
-        per_run = extractions_by_run(finished, load_extractions(args.extractions))
+        per_run = extractions_by_run(finished, extractions)
         for run, extractions in zip(runs, per_run):
             if extractions:
                 print()

@@ -137,7 +137,7 @@ def models_command(args, config_yaml: str) -> list:
 
 def extract_command(args, config_yaml: str) -> dict:
     """Search, extract, recalibrate and score a subnet of a trained FEAST supernet."""
-    from fl_lightning.algorithms import DeepFedNAS, Feast, SuperFedNAS
+    from fl_lightning.algorithms.cached_variants import ServesCachedVariants
     from fl_lightning.algorithms.feast_extraction import extract_subnet, parse_macs
     from fl_lightning.saved_runs import load_run_spec, open_saved_run
 
@@ -148,7 +148,7 @@ def extract_command(args, config_yaml: str) -> dict:
         check_writable(Path(args.out), "out", folder=False)
     check_fabric_available(args.fabric)
     run = Path(args.run)
-    if not isinstance(load_run_spec(run).algorithm, (Feast, SuperFedNAS, DeepFedNAS)):
+    if not isinstance(load_run_spec(run).algorithm, ServesCachedVariants):
         raise ConfigError("run", "post-hoc extraction needs a supernet trained with FEAST, SuperFedNAS or DeepFedNAS")
     saved = open_saved_run(run, args.checkpoint, args.fabric)
     result = extract_subnet(saved.spec.algorithm, budget, args.rho, args.population, args.generations, args.seed,

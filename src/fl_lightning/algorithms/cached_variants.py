@@ -139,3 +139,27 @@ class CachedVariants:
     def report(self, summary: dict) -> str:
         """Accuracy against MACs of every cached variant and the population accuracy (Fig. 3, Table 1)."""
         return variant_report(summary, self.cache.specs, self.cache.macs, self.cache.params, self.method)
+
+
+class ServesCachedVariants:
+    """What a method whose ``setup`` builds ``self.variants`` (a :class:`CachedVariants`) and
+    ``self.accounting`` gets: evaluation, the end-of-run report, the run-folder files and the
+    recalibrated subnets of post-hoc extraction, all FEAST's. List it before ``Algorithm``."""
+
+    variants: CachedVariants
+    accounting: dict
+
+    def calibrated_subnet(self, spec) -> torch.nn.Module:
+        """The plain subnet of ``spec``, BN recalibrated (post-hoc extraction scores it)."""
+        return self.variants.calibrated_subnet(spec)
+
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        return self.variants.evaluate(split, batch_size)
+
+    def report(self, summary: dict) -> str:
+        return self.variants.report(summary)
+
+    def artifacts(self) -> Dict[str, str]:
+        """The cache the run trains (so a resumed or re-scored run uses the same one) and the
+        population's accounting."""
+        return {**self.variants.artifact(), "accounting.json": json.dumps(self.accounting, indent=2)}

@@ -10,13 +10,13 @@ population accuracy under largest-affordable serving (Supp. E.1, Table 1).
 
 from __future__ import annotations
 
-import json
 from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.algorithms.cached_variants import CachedVariants, CacheSearch, check_cache_options
+from fl_lightning.algorithms.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
+                                                     check_cache_options)
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE, KAPPA_FB
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
@@ -29,7 +29,7 @@ MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
 INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # 13: the server calibration's (runtime/calibration.py)
 
 
-class Feast(Algorithm):
+class Feast(ServesCachedVariants, Algorithm):
     """FEAST: min / random-intermediate / local-max co-training with in-place distillation,
     budget-tailored sub-supernet routing and sparse aggregation."""
 
@@ -106,11 +106,6 @@ class Feast(Algorithm):
         self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
         self.mass_group_names, self.mass_groups = parameter_groups(ctx.model)
         self._mass = torch.zeros(2, len(self.mass_group_names), dtype=torch.float64, device=ctx.fabric.device)
-
-    def artifacts(self) -> Dict[str, str]:
-        """The cache the run trains (so a resumed or re-scored run uses the same one) and the
-        population's accounting."""
-        return {**self.variants.artifact(), "accounting.json": json.dumps(self.accounting, indent=2)}
 
     def describe_population(self) -> str:
         from fl_lightning.analysis import feast_accounting as accounting
@@ -194,17 +189,7 @@ class Feast(Algorithm):
                     out[f"mass/trained_frac/{name}"] = t / r
         return out
 
-    # -- evaluation -----------------------------------------------------------------------------
-    def calibrated_subnet(self, spec) -> torch.nn.Module:
-        """The plain subnet of ``spec``, BN recalibrated (post-hoc extraction scores it)."""
-        return self.variants.calibrated_subnet(spec)
-
-    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
-        return self.variants.evaluate(split, batch_size)
-
-    def report(self, summary: dict) -> str:
-        return self.variants.report(summary)
-
+    # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {}
 

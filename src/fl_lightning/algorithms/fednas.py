@@ -18,9 +18,9 @@ Both keep their originals' round structure (SuperFedNAS's ``TS_all_random`` and 
   ``c(t)`` (cosine from 0.9 to 0.125) and the others ``(1 - c(t)) / (K - 1)``
   (``elastic/maxnet.py``).
 
-Evaluation is FEAST's (the :class:`~fl_lightning.algorithms.cached_variants.CachedVariants`
-component FEAST is scored through): every cached variant extracted, BN-recalibrated on the server's calibration split and scored, and
-the population accuracy under largest-affordable serving, so the numbers sit next to FEAST's.
+Evaluation is FEAST's (through :class:`~fl_lightning.algorithms.cached_variants.CachedVariants`,
+as FEAST's own): every cached variant extracted, BN-recalibrated on the server's calibration
+split and scored, and the population accuracy under largest-affordable serving, so the numbers sit next to FEAST's.
 docs/fednas_transfers.md gives the originals' rules, how each is realized, and the doubts.
 """
 
@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.algorithms.cached_variants import CachedVariants, CacheSearch, check_cache_options
+from fl_lightning.algorithms.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
+                                                     check_cache_options)
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
@@ -177,7 +178,7 @@ def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
 
 
-class _FedNASTransfer(Algorithm):
+class _FedNASTransfer(ServesCachedVariants, Algorithm):
     """The shared round of the SuperFedNAS / DeepFedNAS transfers; subclasses choose the
     architectures (:meth:`architecture`, :meth:`global_extremes`)."""
 
@@ -373,21 +374,7 @@ class _FedNASTransfer(Algorithm):
     def round_metrics(self, sums) -> Dict[str, float]:
         return {"train_macs": float(sums["fednas/forward_macs"]) * self.kappa, "maxnet_coefficient": self._round_c}
 
-    # -- evaluation and state -------------------------------------------------------------------
-    def artifacts(self) -> Dict[str, str]:
-        """The cache the run serves and the population's accounting."""
-        return {**self.variants.artifact(), "accounting.json": json.dumps(self.accounting, indent=2)}
-
-    def calibrated_subnet(self, spec) -> torch.nn.Module:
-        """The plain subnet of ``spec``, BN recalibrated (post-hoc extraction scores it)."""
-        return self.variants.calibrated_subnet(spec)
-
-    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
-        return self.variants.evaluate(split, batch_size)
-
-    def report(self, summary: dict) -> str:
-        return self.variants.report(summary)
-
+    # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The tracking counts (how often each client trained the largest / smallest
         architecture), which decide the next rounds' roles."""
