@@ -45,6 +45,27 @@ def test_rule_table_serves_the_largest_variant_within_each_anchor():
     assert row[2:] == ["-", "50.00", "50.00", "80.00", "70.00", "0.00"]  # 50, 60, (30M unscored), 80: no fall
 
 
+def test_default_anchors_are_the_papers_placed_in_the_runs_cache_span(tmp_path, capsys):
+    """Without --anchors, Table 2 takes the anchors Tables 1, 3, 11 and 12 take: the paper's 25,
+    50, 229, 408, 596M at their relative log-MAC positions in the caches' span (here 10M-40M,
+    by hand: 10M x 4^t, t = log(a / 25M) / log(596M / 25M)); the per-variant table lists every
+    cached variant in MAC order."""
+    import math
+
+    run = write_toy_run(tmp_path / "toy")
+    tool.main([str(run), "--plot", str(tmp_path / "plot.png")])
+    out = capsys.readouterr().out.splitlines()
+    expected = [10e6 * 4 ** (math.log(a / 25) / math.log(596 / 25)) for a in (25, 50, 229, 408, 596)]
+    header = next(line for line in out if line.startswith("run ") and "population" in line).split()
+    assert [float(h.rstrip("M")) for h in header[2:7]] == pytest.approx([a / 1e6 for a in expected], abs=0.006)
+    row = out[out.index(next(line for line in out if line.startswith("Training rule"))) + 2].split()
+    # 13.5M serves the 10M variant, 26.3M the 20M one, 33.8M the unscored 30M one
+    assert row[2:7] == ["50.00", "50.00", "60.00", "-", "80.00"]
+    variants = out[out.index("Per cached variant: test accuracy %") + 1:][:2]
+    assert variants[0].split()[2:] == ["10.00M", "20.00M", "30.00M", "40.00M"]
+    assert variants[1].split()[2:] == ["50.00", "60.00", "-", "80.00"]
+
+
 def write_toy_run(run: Path, config: dict = None) -> Path:
     """A finished run folder holding RUN's cached curve (population 60%)."""
     run.mkdir()

@@ -392,3 +392,100 @@ def test_table8_reads_a_matched_horizon_rerun_and_pairs_it_with_feast(tiny_runs,
     margin = 100 * (load_run(feast).population_acc - load_run(rerun).population_acc)
     assert f"| {r_new} |" in row and f"{margin:+.1f} ± nan (too few seeds)" in row
     assert "Matched-horizon reruns still to run" not in table8
+
+
+def _anchor_run(method, seed, accs, macs=(1e6, 2e6, 4e6), **setting):
+    """A hand-made run: ``accs`` at the points ``macs`` of one population setting."""
+    from types import SimpleNamespace
+
+    config = {"partition": {"num_clients": 20, "gamma": setting.get("gamma", 1.0), "alpha_eff": setting.get("alpha", 0.45),
+                            "budgets": {"b_min": 1e6, "b_max": 4e6, "zipf_s": setting.get("s", 1.2)}}}
+    run = SimpleNamespace(method=method, seed=seed, rounds=30, kind="feast", dataset="synthetic",
+                          point_macs=np.array(macs), point_accs=np.array(accs), path=Path(f"{method}_{seed}"),
+                          config=config)
+    run.get = lambda dotted, default=None: ServingRun.get(run, dotted, default)
+    return run
+
+
+def _t_interval(differences):
+    from scipy import stats
+
+    d = np.asarray(differences, dtype=np.float64)
+    low, high = stats.ttest_1samp(d, 0.0).confidence_interval(0.95)
+    return (low + high) / 2, (high - low) / 2
+
+
+def _cells(line):
+    return [c.strip() for c in line.split("|")[1:-1]]
+
+
+def test_sweep_paired_intervals_steps_and_the_feast_margin_by_hand():
+    """Table 12's paired block on hand-made curves: FEAST - FIARSE at every anchor and in the
+    change, each value against the first, and the anchor-to-anchor steps whose interval below zero
+    is a curve inversion; every interval recomputed with scipy's one-sample t interval."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+    feast = {0.45: [[0.80, 0.70, 0.85], [0.78, 0.69, 0.86], [0.82, 0.74, 0.88]],
+             1.35: [[0.90, 0.91, 0.93], [0.88, 0.90, 0.95], [0.91, 0.93, 0.94]]}
+    fiarse = {0.45: [[0.10, 0.40, 0.80], [0.12, 0.45, 0.79], [0.11, 0.38, 0.84]],
+              1.35: [[0.10, 0.60, 0.90], [0.11, 0.55, 0.96], [0.09, 0.62, 0.91]]}
+    runs = [_anchor_run(m, seed, accs, alpha=alpha) for m, curves in (("FEAST", feast), ("FIARSE", fiarse))
+            for alpha, seeds in curves.items() for seed, accs in enumerate(seeds)]
+    text = supernet_tables.sweep_table(runs, "alpha", ("FEAST", "FIARSE"), "Table 12: t", [1e6, 2e6, 4e6])
+    rows = {_cells(line)[0]: _cells(line)[1:] for line in text.splitlines() if line.startswith("| FEAST")
+            or line.startswith("| FIARSE")}
+
+    def expect(row, differences):
+        """``row``'s anchor cells, change and verdict count against the per-seed differences
+        (fractions; the first column None for no value)."""
+        counts = {"above": 0, "below": 0, "not detectable": 0}
+        for j, (cell, column) in enumerate(zip(row[1:5], zip(*differences))):
+            if column[0] is None:
+                assert cell == "–"
+                continue
+            mean, half = (float(x) for x in cell.split(" ± "))
+            m, h = _t_interval(100 * np.array(column))
+            assert mean == pytest.approx(m, abs=0.051) and half == pytest.approx(h, abs=0.051)
+            if j < 3:  # the change column is not an anchor
+                counts["above" if m - h > 0 else "below" if m + h < 0 else "not detectable"] += 1
+        assert row[-1] == f"{counts['above']} above, {counts['below']} below, {counts['not detectable']} not detectable"
+
+    def with_change(curve):
+        return [*curve, curve[-1] - curve[0]]
+
+    margin = [[a - b for a, b in zip(with_change(f), with_change(g))] for f, g in zip(feast[0.45], fiarse[0.45])]
+    row = rows["FEAST - FIARSE at alpha_eff=0.45"]
+    assert row[0] == "3"
+    expect(row, margin)
+    assert row[-1] == "3 above, 0 below, 0 not detectable"
+    skew = [[a - b for a, b in zip(with_change(f), with_change(g))] for f, g in zip(feast[1.35], feast[0.45])]
+    expect(rows["FEAST alpha_eff=1.35 - alpha_eff=0.45"], skew)
+    expect(rows["FIARSE alpha_eff=1.35 - alpha_eff=0.45"],
+           [[a - b for a, b in zip(with_change(f), with_change(g))] for f, g in zip(fiarse[1.35], fiarse[0.45])])
+    steps = rows["FEAST alpha_eff=0.45: step from the previous anchor"]
+    expect(steps, [[None, f[1] - f[0], f[2] - f[1], f[2] - f[0]] for f in feast[0.45]])
+    assert steps[-1] == "1 above, 1 below, 0 not detectable"  # 1M -> 2M falls on every seed: an inversion
+
+
+def test_table3_pairs_feast_with_each_transfer_on_the_same_seed():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+    feast = [[0.70, 0.75, 0.80], [0.72, 0.71, 0.79], [0.68, 0.77, 0.83]]
+    dfn = [[0.10, 0.12, 0.11], [0.09, 0.10, 0.15], [0.12, 0.09, 0.10]]
+    runs = [_anchor_run("FEAST", s, a) for s, a in enumerate(feast)]
+    runs += [_anchor_run("DFN, unconstrained", s, a, gamma=0.0) for s, a in enumerate(dfn)]
+    runs[-1].kind = runs[-2].kind = runs[-3].kind = "transfer"
+    text = supernet_tables.table3(runs, [1e6, 2e6, 4e6])
+    row = next(_cells(line) for line in text.splitlines() if line.startswith("| FEAST - DFN"))
+    assert row[0] == "FEAST - DFN, unconstrained (gamma=0)" and row[1] == "3"
+    for cell, column in zip(row[2:5], zip(*[[a - b for a, b in zip(f, d)] for f, d in zip(feast, dfn)])):
+        mean, half = (float(x) for x in cell.split(" ± "))
+        m, h = _t_interval(100 * np.array(column))
+        assert mean == pytest.approx(m, abs=0.051) and half == pytest.approx(h, abs=0.051)
+    assert row[-1] == "3 above, 0 below, 0 not detectable"

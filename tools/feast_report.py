@@ -9,7 +9,10 @@ For each run it reads ``summary.json`` (test accuracies of the best-validation c
 - the training-rule table (Table 2): at each MAC anchor, the accuracy of the largest cached
   variant whose MACs are at most the anchor (the variant a client of that budget is served; the
   same rule as ``tools/supernet_tables.py``'s Tables 1 and 3), per run, with the run's rule,
-  and its worst step (the largest fall from one cached variant to the next larger);
+  and its worst step (the largest fall from one cached variant to the next larger); the default
+  anchors are the paper's, placed in a CPU-sized cache as every table places them
+  (``feast_accounting.default_anchors``);
+- every cached variant's accuracy per run, when the runs share one cache;
 - the gamma table (Table 13): population accuracy and accuracy at the largest variant, per
   run, with the run's gamma;
 
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import yaml
 
+from fl_lightning.analysis.feast_accounting import default_anchors
 from fl_lightning.analysis.serving_controls import anchor_accuracy
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.run_dir import check_writable
@@ -78,6 +82,19 @@ def rule_table(runs, anchors) -> str:
         cells = "".join(f"{pct(anchor_accuracy(run['macs'], accs, a)):>10}" for a in anchors)
         lines.append(f"{run['name']:<32} {run['rule']:<11}{cells}  {pct(run['population']):>10}"
                      f"  {pct(worst_step(run)):>10}")
+    return "\n".join(lines)
+
+
+def variant_table(runs) -> str:
+    """Every cached variant's accuracy, when the runs share one cache (the anchors can skip a
+    variant of a small cache, or show one twice)."""
+    macs = sorted(runs[0]["macs"])
+    if any(sorted(run["macs"]) != macs for run in runs):
+        return "Per cached variant: skipped, the runs have different caches"
+    lines = ["Per cached variant: test accuracy %",
+             f"{'run':<32} {'rule':<11}" + "".join(f"{m / 1e6:>9.2f}M" for m in macs)]
+    for run in runs:
+        lines.append(f"{run['name']:<32} {run['rule']:<11}" + "".join(f"{pct(acc):>10}" for acc in by_macs(run)))
     return "\n".join(lines)
 
 
@@ -336,7 +353,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--anchors", nargs="*", type=float, default=None,
-                        help="MAC anchors (default: five points across the first run's cache)")
+                        help="MAC anchors (default: the paper's 25, 50, 229, 408, 596M, scaled to the span "
+                             "of the runs' caches when it does not reach them)")
     parser.add_argument("--plot", type=Path, default=Path("runs/feast_accuracy_vs_macs.png"))
     parser.add_argument("--extractions", nargs="*", type=Path, default=None,
                         help="extract results (JSON or JSON lines), each of the run its checkpoint lies in: Supp. Table 6")
@@ -370,11 +388,10 @@ def main(argv=None) -> None:
     if not finished:
         parser.error("runs: no finished FEAST run among the given paths")
     runs = [load_run(path) for path in finished]
-    anchors = args.anchors
-    if not anchors:
-        macs = sorted(runs[0]["macs"])
-        anchors = [macs[round(q * (len(macs) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
+    anchors = args.anchors or default_anchors([m for run in runs for m in run["macs"]])
     print(rule_table(runs, anchors))
+    print()
+    print(variant_table(runs))
     print()
     print(gamma_table(runs))
     if args.reference:

@@ -42,12 +42,11 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fl_lightning.analysis.feast_accounting import human
+from fl_lightning.analysis.feast_accounting import default_anchors, human
 from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
-                                                   horizon_command, matched_rounds, range_ends, same_population,
-                                                   scaled_anchors)
-from submodel_tables import noise_cells, paired_cells, verdict
+                                                   horizon_command, matched_rounds, range_ends, same_population)
+from submodel_tables import noise_cells, paired_cells, paired_interval, verdict
 
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
 TIERED = ("HeteroFL", "ScaleFL")
@@ -164,9 +163,7 @@ def anchors_for(runs: List[ServingRun], given: Optional[List[float]]) -> List[fl
     if given:
         return list(given)
     cached = [r for r in runs if r.kind in ("feast", "transfer")] or runs
-    lo = min(float(r.point_macs.min()) for r in cached)
-    hi = max(float(r.point_macs.max()) for r in cached)
-    return scaled_anchors(lo, hi)
+    return default_anchors([float(m) for r in cached for m in r.point_macs])
 
 
 def anchor_header(anchors) -> List[str]:
@@ -316,6 +313,18 @@ def table3(runs: List[ServingRun], given_anchors) -> str:
                 rows.append([f"{method} (gamma={gamma:g}, {len(rs)} seed{'s' * (len(rs) > 1)})"]
                             + [pm([c[i] for c in cells]) for i in range(len(anchors))])
         parts.append(f"{label(setting)}\n\n" + table(["method", *anchor_header(anchors)], rows))
+        feast = rows_by_seed([r for r in members if r.method == "FEAST" and r.get("partition.gamma") == 1.0], anchors)
+        paired = []
+        for method in present if feast else ():
+            for gamma in sorted({r.get("partition.gamma") for r in members if r.method == method}):
+                rs = [r for r in members if r.method == method and r.get("partition.gamma") == gamma]
+                cells = paired_anchor_cells(feast, rows_by_seed(rs, anchors))
+                if cells:
+                    paired.append([f"FEAST - {method} (gamma={gamma:g})", str(cells[0]), *cells[1],
+                                   findings_text(cells[2])])
+        if paired:
+            parts.append(paired_anchor_table("Paired: FEAST (gamma=1) minus each transfer on the same seed, points, "
+                                             "mean ± 95% Student-t interval", paired, anchors))
     if not parts:
         return "Table 3 skipped: no SuperFedNAS / DeepFedNAS transfer runs."
     return "Table 3: transfers at the budget anchors, test accuracy (%) of the largest point within each anchor\n\n" \
@@ -442,6 +451,62 @@ def one_per_seed(runs: List[ServingRun]) -> List[ServingRun]:
     return kept
 
 
+def rows_by_seed(runs: List[ServingRun], anchors) -> Dict[int, List[Optional[float]]]:
+    """Each seed's accuracies at the anchors and, last, its first-to-last change."""
+    out = {}
+    for r in one_per_seed(runs):
+        row = anchor_row(r, anchors)
+        out[r.seed] = row + [end_to_end_change(row)]
+    return out
+
+
+def paired_anchor_cells(these: Dict[int, list], reference: Dict[int, list]) -> Optional[tuple]:
+    """``these - reference`` seed by seed at every column (the anchors, then the change), on the
+    seeds where both have a value: ``(seeds, cells, findings)`` with each cell ``mean ± 95% CI``
+    in points and each finding ``+`` (interval above zero), ``-`` (below), ``0`` (spans zero, or
+    fewer than two seeds) or None (no value); None without a common seed."""
+    common = sorted(set(these) & set(reference))
+    if not common:
+        return None
+    cells, findings = [], []
+    for j in range(len(these[common[0]])):
+        d = [100 * (these[s][j] - reference[s][j]) for s in common
+             if these[s][j] is not None and reference[s][j] is not None]
+        if not d:
+            cells.append("–")
+            findings.append(None)
+            continue
+        mean, half = paired_interval(d)
+        cells.append(f"{mean:+.1f} ± {half:.1f}" if np.isfinite(half) else f"{mean:+.1f}")
+        findings.append("0" if not np.isfinite(half) else "+" if mean - half > 0 else "-" if mean + half < 0 else "0")
+    return len(common), cells, findings
+
+
+def findings_text(findings: List[str]) -> str:
+    """How many anchors' intervals lie above zero, below it, or span it (the change column aside)."""
+    anchors = [f for f in findings[:-1] if f is not None]
+    return f"{anchors.count('+')} above, {anchors.count('-')} below, {anchors.count('0')} not detectable"
+
+
+def anchor_steps(by_seed: Dict[int, list]) -> Dict[int, list]:
+    """Each seed's step from one anchor to the next (None at the first anchor) and its change:
+    paired against zero, a step whose interval lies below zero is a curve inversion."""
+    out = {}
+    for seed, row in by_seed.items():
+        accs = row[:-1]
+        steps = [None] + [b - a if a is not None and b is not None else None for a, b in zip(accs, accs[1:])]
+        out[seed] = steps + [row[-1]]
+    return out
+
+
+def zeros_like(by_seed: Dict[int, list]) -> Dict[int, list]:
+    return {seed: [0.0] * len(row) for seed, row in by_seed.items()}
+
+
+def paired_anchor_table(title: str, rows: List[List[str]], anchors) -> str:
+    return "\n".join([title, "", table(["comparison", "seeds", *anchor_header(anchors), "change", "anchors"], rows)])
+
+
 def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anchors) -> str:
     """Anchors and first-to-last change per value of ``key`` ('s' or 'alpha') and method, for
     every family of settings that differ only in ``key``; next to FEAST, the anchors at which it
@@ -454,7 +519,8 @@ def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anc
             continue
         horizon = min(r.rounds for r in members)
         anchors = anchors_for(members, given_anchors)
-        rows, comparisons = [], []
+        rows, comparisons, paired = [], [], []
+        seeds = {}  # (method, value) -> {seed: anchor accuracies + change}
         for value in values:
             means = {}
             for method in methods:
@@ -464,12 +530,33 @@ def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anc
                     continue
                 cells = [anchor_row(r, anchors) for r in rs]
                 means[method] = mean_cells(cells)
+                seeds[method, value] = rows_by_seed(rs, anchors)
                 rows.append([str(value), method, str(len(rs)), *(pm(column) for column in zip(*cells)),
                              pm([end_to_end_change(c) for c in cells])])
             comparisons += [anchor_comparison(value, m, means["FEAST"], means[m]) for m in means
                             if m != "FEAST" and "FEAST" in means]
+        name = (lambda v: f"s={v:g}") if key == "s" else str
+        for (method, value), by_seed in seeds.items():  # inversions: a step below zero
+            cells = paired_anchor_cells(anchor_steps(by_seed), zeros_like(by_seed))
+            paired.append([f"{method} {name(value)}: step from the previous anchor", str(cells[0]), *cells[1],
+                           findings_text(cells[2])])
+        for (method, value), by_seed in seeds.items():  # the sweep's effect: against its first value
+            first = seeds.get((method, values[0]))
+            cells = paired_anchor_cells(by_seed, first) if value != values[0] and first else None
+            if cells:
+                paired.append([f"{method} {name(value)} - {name(values[0])}", str(cells[0]), *cells[1],
+                               findings_text(cells[2])])
+        for (method, value), by_seed in seeds.items():  # FEAST against the other methods
+            feast = seeds.get(("FEAST", value))
+            cells = paired_anchor_cells(feast, by_seed) if method != "FEAST" and feast else None
+            if cells:
+                paired.append([f"FEAST - {method} at {name(value)}", str(cells[0]), *cells[1],
+                               findings_text(cells[2])])
         parts.append(f"{label(setting)}\n\n" + table([key, "method", "seeds", *anchor_header(anchors), "change"], rows)
-                     + ("\n\n" + "\n".join(comparisons) if comparisons else ""))
+                     + ("\n\n" + "\n".join(comparisons) if comparisons else "")
+                     + "\n\n" + paired_anchor_table("Paired on the same seed, points, mean ± 95% Student-t interval; "
+                                                    "anchors: intervals above zero, below, spanning it", paired,
+                                                    anchors))
     if not parts:
         return f"{title.split(':')[0]} skipped: no family of runs with two or more values of {key}."
     return f"{title}\n\n" + "\n\n".join(parts)

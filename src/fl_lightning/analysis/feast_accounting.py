@@ -12,6 +12,7 @@ over many population seeds (mean +- std); :data:`PAPER` holds the published figu
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -256,12 +257,30 @@ def format_paper_comparison(comm: Dict[str, float], footprints: Sequence[Dict[st
     return "\n".join(lines)
 
 
-def default_anchors(cache_macs: Sequence[int]) -> List[float]:
-    """The paper's anchors when the cache spans them, else five points across the cache."""
-    lo, hi = min(cache_macs), max(cache_macs)
-    if lo <= PAPER_ANCHORS[0] * 1.05 and hi >= PAPER_ANCHORS[-1] * 0.95:
-        return list(PAPER_ANCHORS)
-    return [float(v) for v in np.quantile(np.asarray(cache_macs, dtype=float), [0, 0.25, 0.5, 0.75, 1])]
+SPAN_TOLERANCE = 0.05
+"""A cache spans the paper's anchors when its cheapest point is within 5% above 25M and its
+largest within 5% below 596M."""
+
+
+def spans_paper(lo: float, hi: float, anchors: Sequence[float] = PAPER_ANCHORS) -> bool:
+    return lo <= anchors[0] * (1 + SPAN_TOLERANCE) and hi >= anchors[-1] * (1 - SPAN_TOLERANCE)
+
+
+def scaled_anchors(lo: float, hi: float, anchors: Sequence[float] = PAPER_ANCHORS) -> List[float]:
+    """The paper's anchors (25, 50, 229, 408, 596M) where the FEAST cache spans them; for a
+    CPU-sized cache spanning ``[lo, hi]`` instead, each anchor keeps its relative position in
+    log MACs between the first and last: ``a' = lo (hi / lo)^t`` with ``t = log(a / 25M) /
+    log(596M / 25M)``, so 25M maps to ``lo`` and 596M to ``hi``."""
+    if spans_paper(lo, hi, anchors):
+        return list(anchors)
+    first, last = anchors[0], anchors[-1]
+    return [lo * (hi / lo) ** (math.log(a / first) / math.log(last / first)) for a in anchors]
+
+
+def default_anchors(cache_macs: Sequence[float]) -> List[float]:
+    """The anchors every table and footprint uses unless given: the paper's, scaled to the
+    span of ``cache_macs`` when it does not reach them (``scaled_anchors``)."""
+    return scaled_anchors(float(min(cache_macs)), float(max(cache_macs)))
 
 
 def human(value: float) -> str:

@@ -14,12 +14,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fl_lightning.analysis.feast_accounting import PAPER_ANCHORS
+from fl_lightning.analysis.feast_accounting import scaled_anchors, spans_paper
 from fl_lightning.analysis.serving import ServingRun, largest_affordable
-
-SPAN_TOLERANCE = 0.05
-"""A run's points span the paper's anchors when its cheapest point is within 5% above 25M
-and its largest within 5% below 596M (``feast_accounting.default_anchors``'s test)."""
 
 
 # -- population accuracy and client wins ------------------------------------------------------
@@ -129,22 +125,7 @@ def horizon_command(run: ServingRun, new_rounds: int) -> str:
             f"--out_dir {run.path.parent} --name {run.name}_r{new_rounds}")
 
 
-# -- anchors (Tables 3, 11, 12) ------------------------------------------------------------------
-
-def spans_paper(lo: float, hi: float, anchors: Sequence[float] = PAPER_ANCHORS) -> bool:
-    return lo <= anchors[0] * (1 + SPAN_TOLERANCE) and hi >= anchors[-1] * (1 - SPAN_TOLERANCE)
-
-
-def scaled_anchors(lo: float, hi: float, anchors: Sequence[float] = PAPER_ANCHORS) -> List[float]:
-    """The paper's anchors (25, 50, 229, 408, 596M) where the FEAST cache spans them; for a
-    CPU-sized cache spanning ``[lo, hi]`` instead, each anchor keeps its relative position in
-    log MACs between the first and last: ``a' = lo (hi / lo)^t`` with ``t = log(a / 25M) /
-    log(596M / 25M)``, so 25M maps to ``lo`` and 596M to ``hi``."""
-    if spans_paper(lo, hi, anchors):
-        return list(anchors)
-    first, last = anchors[0], anchors[-1]
-    return [lo * (hi / lo) ** (math.log(a / first) / math.log(last / first)) for a in anchors]
-
+# -- anchors (Tables 2, 3, 11, 12; ``feast_accounting.default_anchors`` places them) ---------
 
 def anchor_accuracy(point_macs: Sequence[float], point_accs: Sequence[float], anchor: float) -> Optional[float]:
     """Accuracy of the largest measured point whose MACs are at most ``anchor`` (a relative
