@@ -419,10 +419,10 @@ def _cells(line):
     return [c.strip() for c in line.split("|")[1:-1]]
 
 
-def test_sweep_paired_intervals_steps_and_the_feast_margin_by_hand():
+def test_sweep_paired_intervals_gains_and_the_feast_margin_by_hand():
     """Table 12's paired block on hand-made curves: FEAST - FIARSE at every anchor and in the
-    change, each value against the first, and the anchor-to-anchor steps whose interval below zero
-    is a curve inversion; every interval recomputed with scipy's one-sample t interval."""
+    change, each value against the first, and each anchor's gain over the first, whose interval
+    below zero is a curve inversion; every interval recomputed with scipy's one-sample t interval."""
     sys.path.insert(0, str(TOOLS))
     try:
         import supernet_tables
@@ -465,9 +465,9 @@ def test_sweep_paired_intervals_steps_and_the_feast_margin_by_hand():
     expect(rows["FEAST alpha_eff=1.35 - alpha_eff=0.45"], skew)
     expect(rows["FIARSE alpha_eff=1.35 - alpha_eff=0.45"],
            [[a - b for a, b in zip(with_change(f), with_change(g))] for f, g in zip(fiarse[1.35], fiarse[0.45])])
-    steps = rows["FEAST alpha_eff=0.45: step from the previous anchor"]
-    expect(steps, [[None, f[1] - f[0], f[2] - f[1], f[2] - f[0]] for f in feast[0.45]])
-    assert steps[-1] == "1 above, 1 below, 0 not detectable"  # 1M -> 2M falls on every seed: an inversion
+    gains = rows["FEAST alpha_eff=0.45: gain over the first anchor"]
+    expect(gains, [[None, f[1] - f[0], f[2] - f[0], f[2] - f[0]] for f in feast[0.45]])
+    assert gains[-1] == "1 above, 1 below, 0 not detectable"  # 2M below 1M on every seed: an inversion
 
 
 def test_table3_pairs_feast_with_each_transfer_on_the_same_seed():

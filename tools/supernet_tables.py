@@ -21,13 +21,16 @@ Prints, where the runs exist (otherwise one line saying what is missing):
   arithmetic (e.g. ``--fabric.threads_per_rank 2``), the population accuracy's absolute change;
 - Sec. 4.2's ranges: per method, the accuracy change from its smallest to its largest point
   across the shared range (points of at least the first anchor, the paper's 25M);
-- Table 3: the transfers and FEAST at the budget anchors;
+- Table 3: the transfers and FEAST at the budget anchors, and FEAST minus each transfer on the
+  same seed at every anchor (95% interval);
 - Table 5: the serving-density control against each fixed-tier baseline;
 - Tables 7-8: the training proxies, the matched horizon R' and, once the reruns exist, their
   accuracy, FEAST's margin (mean ± std and the paired 95% interval over seeds) and client wins
   (with the commands that produce the reruns);
 - Tables 11-12: the Zipf-s and alpha sweeps at the anchors with the first-to-last change (FEAST
-  against FIARSE in Table 12);
+  against FIARSE in Table 12), and paired on the same seed (95% intervals): each anchor's gain
+  over the first (below zero: an inverted curve), each value against the sweep's first, and
+  FEAST minus FIARSE;
 
 and with ``--figure`` draws accuracy against served MACs for every method (log x).
 docs/supernet_comparison.md defines every number.
@@ -488,14 +491,15 @@ def findings_text(findings: List[str]) -> str:
     return f"{anchors.count('+')} above, {anchors.count('-')} below, {anchors.count('0')} not detectable"
 
 
-def anchor_steps(by_seed: Dict[int, list]) -> Dict[int, list]:
-    """Each seed's step from one anchor to the next (None at the first anchor) and its change:
-    paired against zero, a step whose interval lies below zero is a curve inversion."""
+def anchor_gains(by_seed: Dict[int, list]) -> Dict[int, list]:
+    """Each seed's accuracy at every anchor above the first minus at the first (None at the
+    first) and its change: paired against zero, an anchor whose interval lies below zero inverts
+    the curve (Table 11: "every higher-budget anchor exceeds the 25M result")."""
     out = {}
     for seed, row in by_seed.items():
-        accs = row[:-1]
-        steps = [None] + [b - a if a is not None and b is not None else None for a, b in zip(accs, accs[1:])]
-        out[seed] = steps + [row[-1]]
+        first = row[0]
+        gains = [None] + [a - first if a is not None and first is not None else None for a in row[1:-1]]
+        out[seed] = gains + [row[-1]]
     return out
 
 
@@ -536,9 +540,9 @@ def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anc
             comparisons += [anchor_comparison(value, m, means["FEAST"], means[m]) for m in means
                             if m != "FEAST" and "FEAST" in means]
         name = (lambda v: f"s={v:g}") if key == "s" else str
-        for (method, value), by_seed in seeds.items():  # inversions: a step below zero
-            cells = paired_anchor_cells(anchor_steps(by_seed), zeros_like(by_seed))
-            paired.append([f"{method} {name(value)}: step from the previous anchor", str(cells[0]), *cells[1],
+        for (method, value), by_seed in seeds.items():  # inversions: an anchor below the first
+            cells = paired_anchor_cells(anchor_gains(by_seed), zeros_like(by_seed))
+            paired.append([f"{method} {name(value)}: gain over the first anchor", str(cells[0]), *cells[1],
                            findings_text(cells[2])])
         for (method, value), by_seed in seeds.items():  # the sweep's effect: against its first value
             first = seeds.get((method, values[0]))
