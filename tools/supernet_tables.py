@@ -532,11 +532,11 @@ def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anc
                                    and r.rounds == horizon])
                 if not rs:
                     continue
-                cells = [anchor_row(r, anchors) for r in rs]
+                seeds[method, value] = by_seed = rows_by_seed(rs, anchors)
+                cells = [row[:-1] for row in by_seed.values()]
                 means[method] = mean_cells(cells)
-                seeds[method, value] = rows_by_seed(rs, anchors)
                 rows.append([str(value), method, str(len(rs)), *(pm(column) for column in zip(*cells)),
-                             pm([end_to_end_change(c) for c in cells])])
+                             pm([row[-1] for row in by_seed.values()])])
             comparisons += [anchor_comparison(value, m, means["FEAST"], means[m]) for m in means
                             if m != "FEAST" and "FEAST" in means]
         name = (lambda v: f"s={v:g}") if key == "s" else str
