@@ -535,7 +535,7 @@ def sweep_table(runs: List[ServingRun], key: str, methods, title: str, given_anc
                 seeds[method, value] = by_seed = rows_by_seed(rs, anchors)
                 cells = [row[:-1] for row in by_seed.values()]
                 means[method] = mean_cells(cells)
-                rows.append([str(value), method, str(len(rs)), *(pm(column) for column in zip(*cells)),
+                rows.append([str(value), method, str(len(by_seed)), *(pm(column) for column in zip(*cells)),
                              pm([row[-1] for row in by_seed.values()])])
             comparisons += [anchor_comparison(value, m, means["FEAST"], means[m]) for m in means
                             if m != "FEAST" and "FEAST" in means]
