@@ -489,3 +489,19 @@ def test_table3_pairs_feast_with_each_transfer_on_the_same_seed():
         m, h = _t_interval(100 * np.array(column))
         assert mean == pytest.approx(m, abs=0.051) and half == pytest.approx(h, abs=0.051)
     assert row[-1] == "3 above, 0 below, 0 not detectable"
+
+
+@pytest.mark.parametrize("argv, key", [(["{tmp}/absent"], "runs: no run at"),
+                                       (["{tmp}"], "runs: no readable run"),
+                                       (["{tmp}", "--noise", "{tmp}/absent"], "--noise: no run at")])
+def test_a_missing_or_empty_run_path_stops_with_one_line_naming_it(tmp_path, capsys, argv, key):
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import supernet_tables
+    finally:
+        sys.path.remove(str(TOOLS))
+    with pytest.raises(SystemExit) as stop:
+        supernet_tables.main([a.format(tmp=tmp_path) for a in argv])
+    assert stop.value.code == 2
+    assert key in capsys.readouterr().err.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []

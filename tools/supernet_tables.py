@@ -626,13 +626,13 @@ def main(argv=None) -> int:
     parser.add_argument("--noise", type=Path, nargs="+", default=None,
                         help="the same methods and seeds under other arithmetic (noise floor)")
     args = parser.parse_args(argv)
-    missing = [path for path in args.noise or [] if not path.exists()]
-    if missing:
-        parser.error(f"--noise: no run at {missing[0]}")
+    for option, paths in (("runs", args.runs), ("--noise", args.noise or [])):
+        missing = [path for path in paths if not path.exists()]
+        if missing:
+            parser.error(f"{option}: no run at {missing[0]}")
     runs = load_all(args.runs)
     if not runs:
-        print("no readable runs")
-        return 1
+        parser.error("runs: no readable run among the paths given")
     groups = {s: Group(rs) for s, rs in group_runs(runs).items()}
     for r in runs:
         for note in r.notes:
