@@ -503,5 +503,6 @@ def test_a_missing_or_empty_run_path_stops_with_one_line_naming_it(tmp_path, cap
     with pytest.raises(SystemExit) as stop:
         supernet_tables.main([a.format(tmp=tmp_path) for a in argv])
     assert stop.value.code == 2
-    assert key in capsys.readouterr().err.splitlines()[-1]
+    (line,) = capsys.readouterr().err.splitlines()  # one line: no usage block before it
+    assert key in line
     assert list(tmp_path.iterdir()) == []

@@ -20,7 +20,6 @@ or a JSON list of ``[low, high, count, rho0]``. Prints the cache as a table and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,6 +31,7 @@ from fl_lightning.elastic.search import DeepFedNASArch, FitnessConfig, build_cac
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CACHE_SEGMENTS, SEARCH_GENERATIONS, SEARCH_POPULATION
 from fl_lightning.elastic.models import OFAResNet
+from fl_lightning.tool_parser import ToolParser
 
 
 def parse_segments(text: str) -> list[tuple[float, float, int, float]]:
@@ -49,7 +49,7 @@ def parse_segments(text: str) -> list[tuple[float, float, int, float]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("--construction", choices=("ofa_resnet", "deepfednas"), default="ofa_resnet",
                         help="supernet construction and its MAC convention (fvcore / DeepFedNAS's)")
     parser.add_argument("--model-kwargs", default="{}",

@@ -19,10 +19,11 @@ Exits 1 naming the first differing figure of each run that differs, 0 when all a
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from fl_lightning.tool_parser import ToolParser
 
 TIMES = ("seconds", "round_seconds", "client_seconds", "server_seconds", "client_seconds_max")
 
@@ -77,7 +78,7 @@ def runs(folder: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--ignore", nargs="+", default=[], metavar="KEY",

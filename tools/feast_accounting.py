@@ -20,7 +20,6 @@ and std of the mean routed parameters and the traffic reduction over population 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -34,12 +33,13 @@ from fl_lightning.elastic.envelope import full_param_count
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.elastic.search.cost import FEAST_DEEPFEDNAS, cost_model
+from fl_lightning.tool_parser import ToolParser
 
 DEEPFEDNAS_CACHE = Path(__file__).resolve().parent.parent / "tests" / "data" / "feast_cifar100_deepfednas_cache.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("--pool", type=int, default=45000, help="client-training examples")
     parser.add_argument("--classes", type=int, default=100)

@@ -38,7 +38,6 @@ one file per budget, or JSON lines) it also prints
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -51,6 +50,7 @@ from fl_lightning.analysis.feast_accounting import default_anchors
 from fl_lightning.analysis.serving_controls import anchor_accuracy
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.run_dir import check_writable
+from fl_lightning.tool_parser import ToolParser
 from submodel_tables import noise_cells, paired_cells, paired_interval, verdict
 
 
@@ -350,7 +350,7 @@ def plot_mass(runs, fractions, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--anchors", nargs="*", type=float, default=None,
                         help="MAC anchors (default: the paper's 25, 50, 229, 408, 596M, scaled to the span "

@@ -14,11 +14,12 @@ Prints one row per run and the mean gaps.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
+
+from fl_lightning.tool_parser import ToolParser
 
 
 def client_batches(ctx, client: int, batches: int, batch_size: int, seed: int):
@@ -73,7 +74,7 @@ def diagnose(run: Path, batches: int, batch_size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument("--batches", type=int, default=2, help="batches per client for each re-estimation")
     parser.add_argument("--batch-size", type=int, default=32)

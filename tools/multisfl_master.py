@@ -15,7 +15,6 @@ branches have drifted apart. This prints, on the run's own data (its config and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from fl_lightning.cli import load_fit_config  # noqa: E402
 from fl_lightning.data.federated import build_federated_data  # noqa: E402
 from fl_lightning.elastic.models import build_model  # noqa: E402
 from fl_lightning.runtime.client_data import eval_batches  # noqa: E402
+from fl_lightning.tool_parser import ToolParser
 
 
 def predictions(model, dataset, indices):
@@ -55,7 +55,7 @@ def reestimate(model, batches):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = ToolParser()
     ap.add_argument("run")
     ap.add_argument("--checkpoint", default="last")
     ap.add_argument("--out", default=None)

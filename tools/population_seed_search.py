@@ -23,7 +23,6 @@ docs/variant_cache.md); only its three cheapest variants matter for the counts.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -37,6 +36,7 @@ from fl_lightning.data.budgets import PAPER_CIFAR100_POPULATION, search_populati
 from fl_lightning.elastic.models.ofa_resnet import OFAResNet
 from fl_lightning.elastic.search.cache import OPTION_DEFAULTS, VariantCache
 from fl_lightning.elastic.search.cost import DeepFedNASArch, cost_model
+from fl_lightning.tool_parser import ToolParser
 
 DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "tests" / "data" / "feast_cifar100_deepfednas_cache.json"
 
@@ -59,7 +59,7 @@ def load_cache(path: Path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cache JSON or CSV with a macs column")
     parser.add_argument("--seeds", type=int, nargs=2, default=(0, 200000), metavar=("FIRST", "LAST"),
                         help="scan seeds FIRST..LAST-1")

@@ -25,6 +25,7 @@ import yaml
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.saved_configs import dataset_of
+from fl_lightning.tool_parser import ToolParser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def run_name(config: Path) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for the run folders")
     parser.add_argument("--root", type=Path, default=ROOT, help="checkout whose src/ and configs/ run (default: this one)")
     parser.add_argument("--configs", nargs="+", help="config files or folders relative to the root (default: every offline config)")

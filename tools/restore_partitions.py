@@ -10,13 +10,13 @@ A folder that already holds ``partition.pt`` is left as it is.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.runtime.checkpoint import save_checkpoint
 from fl_lightning.saved_runs import load_run_spec
+from fl_lightning.tool_parser import ToolParser
 
 
 def restore(run: Path) -> bool:
@@ -30,7 +30,7 @@ def restore(run: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     args = parser.parse_args(argv)
     for run in args.runs:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from fl_lightning.tool_parser import ToolParser
+
 METHODS = {
     "splitfed": ("SplitFed", {}),
     "splitfed_v2": ("SplitFed", {"version": "v2"}),
@@ -173,4 +175,5 @@ def main(out: str = "configs/split") -> None:
 
 
 if __name__ == "__main__":
+    ToolParser(description=__doc__.splitlines()[0]).parse_args()  # no options: refuse stray ones
     main()

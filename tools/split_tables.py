@@ -17,12 +17,13 @@ names a root of the same methods and seeds run under other arithmetic (e.g.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 from submodel_tables import collect, print_noise_floor, print_paired, run_figures
 from submodel_tables import pm as _pm
+
+from fl_lightning.tool_parser import ToolParser
 
 
 def pm(values, scale=100.0, digits=1) -> str:
@@ -119,7 +120,7 @@ def root_tables(root: Path, reference: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("roots", type=Path, nargs="+", help="one folder of <method>_s<seed> runs per setting")
     parser.add_argument("--reference", default="fedsga")
     parser.add_argument("--noise", type=Path, default=None,

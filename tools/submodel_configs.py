@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from fl_lightning.tool_parser import ToolParser
+
 POLICIES = {
     "hasfl": ("HASFL", {}),
     "hasfl_nocov": ("HASFL", {"coverage": False}),
@@ -126,4 +128,5 @@ def main(out="configs/submodel"):
 
 
 if __name__ == "__main__":
+    ToolParser(description=__doc__.splitlines()[0]).parse_args()  # no options: refuse stray ones
     main()

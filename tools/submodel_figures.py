@@ -13,7 +13,6 @@ rounds, mean and seeds per policy), and with ``--widths`` ``fig2_cost.png``
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from fl_lightning.tool_parser import ToolParser
 
 
 def fig_widths(out: Path) -> None:
@@ -133,7 +134,7 @@ def fig8_test_loss(runs: dict, out: Path) -> None:
     fig.tight_layout(), fig.savefig(out / "fig8_test_loss.png", dpi=120), plt.close(fig)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, nargs="?")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--widths", action="store_true", help="Fig. 2: parameters and MACs per width")

@@ -17,11 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fl_lightning.tool_parser import ToolParser
+
 ORDER = ["hasfl", "hasfl_nocov", "heterofl", "fjord", "uniform", "random_budget", "fedavg", "fedprox", "scaffold"]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", required=True, help="folder of <policy>.yaml")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -14,7 +14,6 @@ other arithmetic, the noise floor of one run.
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 
 from fl_lightning.analysis.heterogeneity import load_run, table4_row
 from fl_lightning.errors import ConfigError
+from fl_lightning.tool_parser import ToolParser
 
 
 def run_figures(run) -> dict:
@@ -174,7 +174,7 @@ def print_noise_floor(figures: dict, other: dict, label: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("--reference", default=None, help="the policy the others are paired with (default: hasfl)")
     parser.add_argument("--table3", action="store_true")

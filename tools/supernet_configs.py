@@ -24,7 +24,6 @@ dataset's loader.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
 import math
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import yaml
 from fl_lightning.elastic.models import ResNet18
+from fl_lightning.tool_parser import ToolParser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,7 +259,7 @@ def dump(cfg: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "configs" / "supernet"))
     args = parser.parse_args(argv)
     written = 0

@@ -38,7 +38,6 @@ docs/supernet_comparison.md defines every number.
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -49,6 +48,7 @@ from fl_lightning.analysis.feast_accounting import default_anchors, human
 from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
                                                    horizon_command, matched_rounds, range_ends, same_population)
+from fl_lightning.tool_parser import ToolParser
 from submodel_tables import noise_cells, paired_cells, paired_interval, verdict
 
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
@@ -618,7 +618,7 @@ def load_all(paths: List[Path]) -> List[ServingRun]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (or folders of them)")
     parser.add_argument("--figure", type=Path, default=None, help="write accuracy against MACs here (PNG)")
     parser.add_argument("--anchors", type=float, nargs="+", default=None,
