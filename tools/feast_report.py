@@ -50,7 +50,7 @@ from fl_lightning.analysis.feast_accounting import default_anchors
 from fl_lightning.analysis.serving_controls import anchor_accuracy
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.run_dir import check_writable
-from fl_lightning.tool_parser import ToolParser
+from fl_lightning.tool_parser import ToolParser, existing_run
 from submodel_tables import noise_cells, paired_cells, paired_interval, verdict
 
 
@@ -362,14 +362,11 @@ def main(argv=None) -> None:
                         help="largest requested budget of Supp. Table 6's low end (MACs)")
     parser.add_argument("--reference", default=None,
                         help="row (runs named <row>_s<seed>) the others are compared with, seed by seed")
-    parser.add_argument("--noise", nargs="*", type=Path, default=None,
+    parser.add_argument("--noise", nargs="*", type=existing_run, default=None,
                         help="the same rows and seeds under other arithmetic (noise floor)")
     parser.add_argument("--mass", type=Path, default=None,
                         help="plot each run's trained share of the routed data mass per round here")
     args = parser.parse_args(argv)
-    missing = [path for path in args.noise or [] if not path.exists()]
-    if missing:
-        parser.error(f"--noise: no run at {missing[0]}")
     if not args.low_end > 0:
         parser.error(f"--low_end: must be a MAC count > 0, got {args.low_end:g}")
     try:

@@ -48,7 +48,7 @@ from fl_lightning.analysis.feast_accounting import default_anchors, human
 from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
                                                    horizon_command, matched_rounds, range_ends, same_population)
-from fl_lightning.tool_parser import ToolParser
+from fl_lightning.tool_parser import ToolParser, existing_run
 from submodel_tables import noise_cells, paired_cells, paired_interval, verdict
 
 BASELINES = ("HeteroFL", "ScaleFL", "FIARSE")
@@ -619,17 +619,13 @@ def load_all(paths: List[Path]) -> List[ServingRun]:
 
 def main(argv=None) -> int:
     parser = ToolParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (or folders of them)")
+    parser.add_argument("runs", nargs="+", type=existing_run, help="run directories (or folders of them)")
     parser.add_argument("--figure", type=Path, default=None, help="write accuracy against MACs here (PNG)")
     parser.add_argument("--anchors", type=float, nargs="+", default=None,
                         help="budget anchors in MACs (default: 25, 50, 229, 408, 596M, scaled to a CPU-sized cache)")
-    parser.add_argument("--noise", type=Path, nargs="+", default=None,
+    parser.add_argument("--noise", type=existing_run, nargs="+", default=None,
                         help="the same methods and seeds under other arithmetic (noise floor)")
     args = parser.parse_args(argv)
-    for option, paths in (("runs", args.runs), ("--noise", args.noise or [])):
-        missing = [path for path in paths if not path.exists()]
-        if missing:
-            parser.error(f"{option}: no run at {missing[0]}")
     runs = load_all(args.runs)
     if not runs:
         parser.error("runs: no readable run among the paths given")
