@@ -21,6 +21,8 @@ VIT = {"class_path": "fl_lightning.elastic.models.ViT", "init_args": {"patch_siz
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 
 
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
 def rows(spec, name):
     return [json.loads(line) for line in (Path(spec.out_dir) / spec.name / name).read_text().splitlines()]
 
@@ -43,10 +45,12 @@ def assert_same_model(a, b):
 @pytest.mark.parametrize("model", [RESNET, VIT], ids=["resnet", "vit"])
 def test_splitfed_v1_is_fedavg_with_a_cut(spec_factory, model):
     """Both halves step SGD on the gradients of the unsplit model, so a V1 round is a FedAvg
-    round (an independent code path): only the traffic differs."""
+    round (an independent code path): only the traffic differs (running statistics tracked and
+    averaged on both sides, so they are compared too)."""
     fed = FederationConfig(rounds=2, clients_per_round=3)
     cut = "layer2.1" if model is RESNET else "block1"
-    split = spec_factory(name="split", algorithm=SplitFed(cut=cut), model=model, train=TRAIN, federation=fed)
+    split = spec_factory(name="split", algorithm=SplitFed(cut=cut, bn="aggregated"), model=model, train=TRAIN,
+                         federation=fed)
     plain = spec_factory(name="plain", algorithm=FedAvg(), model=model, train=TRAIN, federation=fed)
     run_fit(split)
     run_fit(plain)
@@ -67,7 +71,7 @@ def test_splitfed_v2_steps_one_server_half_client_by_client(spec_factory):
     from fl_lightning.runtime.seeding import client_generator
 
     cut, lr = "layer2.0", 0.1
-    spec = spec_factory(name="v2", algorithm=SplitFed(cut=cut, version="v2"), model=RESNET,
+    spec = spec_factory(name="v2", algorithm=SplitFed(cut=cut, version="v2", bn="aggregated"), model=RESNET,
                         train=LocalTrainConfig(steps=1, batch_size=8, lr=lr),
                         federation=FederationConfig(rounds=1, clients_per_round=4))
     fed = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name))
@@ -106,8 +110,8 @@ def test_splitfed_v2_steps_one_server_half_client_by_client(spec_factory):
 
 def test_v2_round_zero_with_one_client_matches_fedavg(spec_factory):
     fed = FederationConfig(rounds=1, clients_per_round=1)
-    v2 = spec_factory(name="v2", algorithm=SplitFed(cut="layer3.0", version="v2"), model=RESNET, train=TRAIN,
-                      federation=fed)
+    v2 = spec_factory(name="v2", algorithm=SplitFed(cut="layer3.0", version="v2", bn="aggregated"), model=RESNET,
+                      train=TRAIN, federation=fed)
     plain = spec_factory(name="plain", model=RESNET, train=TRAIN, federation=fed)
     run_fit(v2)
     run_fit(plain)
@@ -122,8 +126,9 @@ def test_bytes_at_the_cut_are_the_tensor_sizes(spec_factory):
     model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
     activation = model.forward_until(torch.zeros(1, 1, 8, 8), "layer2.0")
     per_example = activation.numel() * 4
+    # the front's tensors but its BN statistics (static BN, the default: tracked by nobody, never sent)
     front = [k for k, v in model.state_dict().items()
-             if k.startswith(("stem.", "layer1.", "layer2.0."))]
+             if k.startswith(("stem.", "layer1.", "layer2.0.")) and not k.endswith(STATISTICS)]
     model_bytes = sum(model.state_dict()[k].numel() * model.state_dict()[k].element_size() for k in front)
     for row in rows(spec, "clients.jsonl"):
         examples = 2 * row["samples"]

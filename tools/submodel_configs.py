@@ -45,6 +45,11 @@ POLICIES = {
     "scaffold": ("Scaffold", {}),
 }
 
+STUDY_BN = {"bn": "sbn"}
+"""Every policy of the study serves its model with static BN (HeteroFL's sBN: statistics from one
+pass over the union of the client shards), so no policy is scored with statistics averaged over
+clients of other widths (docs/submodel.md, "Served statistics")."""
+
 IMAGE_TRAIN = {"epochs": 5, "batch_size": 32, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4,
                "grad_clip": 10.0, "lr_schedule": "exponential", "lr_decay": 0.995}
 
@@ -107,9 +112,8 @@ def config_for(where, dataset, policy):
     cfg = copy.deepcopy(SETTINGS[(where, dataset)])
     cls, args = POLICIES[policy]
     cfg["name"] = f"{policy}_{dataset}" + ("" if where == "paper" else "_offline")
-    cfg["algorithm"] = {"class_path": f"fl_lightning.algorithms.{cls}"}
-    if args:
-        cfg["algorithm"]["init_args"] = dict(args)
+    # one population-correct served-statistics protocol for every policy (docs/submodel.md)
+    cfg["algorithm"] = {"class_path": f"fl_lightning.algorithms.{cls}", "init_args": {**args, **STUDY_BN}}
     if policy == "scaffold":  # vanilla SGD (Sec. 4.1)
         cfg["train"].update({"momentum": 0.0, "weight_decay": 0.0})
     return cfg

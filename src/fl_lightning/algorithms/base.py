@@ -35,14 +35,17 @@ them, so that the command line can list and parse algorithms in about a second.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Literal, Tuple
 
 import torch
 
+from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.algorithms.client import Client, LocalClient
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.option_types import PositiveInt
 from fl_lightning.runtime.channel import DOWN, UP, Channel
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.evaluation import evaluate
@@ -60,6 +63,10 @@ class Algorithm:
 
     dense = True
     """Every client returns every tensor (a plain average); False: position-wise counts."""
+    bn = "aggregated"
+    """Where served models get their BN statistics (``bn_protocol.ServedStatistics``); the
+    families that expose it as an option set it in their constructor."""
+    sbn_data, calib_batch_size, calib_transform = "train", CALIB_BATCH_SIZE, "train"
     sequential_clients = False
     """True when a round's clients must train one after another against shared server state
     (SplitFed V2's single server model): the whole cohort then runs on rank 0, in plan order,
@@ -75,6 +82,13 @@ class Algorithm:
         # global tensors into it copies values without allocating a model per client.
         self.worker = ctx.make_model().to(ctx.fabric.device)
         self.worker_regions = full_region_map(self.worker.state_dict())
+        self.statistics = self.served_statistics(ctx)
+
+    def served_statistics(self, ctx: RunContext):
+        """The method's served-statistics part, per its ``bn`` options."""
+        from fl_lightning.algorithms.bn_protocol import ServedStatistics
+
+        return ServedStatistics(ctx, self.bn, self.sbn_data, self.calib_batch_size, self.calib_transform)
 
     def artifacts(self) -> Dict[str, str]:
         """Files (name -> text) written into the run folder once it is created."""
@@ -124,7 +138,7 @@ class Algorithm:
 
     def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
         load_routed_state(self.worker, self.global_state, self.worker_regions)
-        return Routed(self.worker, self.worker_regions)
+        return self.statistics.route(Routed(self.worker, self.worker_regions))
 
     def client_module(self, routed: Routed, task: ClientTask, plan: RoundPlan):
         """The LightningModule that trains ``routed.module`` (plain cross-entropy and SGD)."""
@@ -134,7 +148,8 @@ class Algorithm:
         return SupervisedClient(routed.module, plan.lr, t.momentum, t.weight_decay)
 
     def new_accumulator(self) -> SparseAccumulator:
-        return SparseAccumulator(self.global_state, dense=self.dense)
+        return SparseAccumulator(self.global_state, dense=self.dense,
+                                 pooled_variances=self.statistics.pooled_variances)
 
     def commit(self, acc: SparseAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
         """Merge a finite result into the round's accumulators (weighted by its examples)."""
@@ -165,7 +180,8 @@ class Algorithm:
         figure that selects checkpoints on 'val'."""
         data = self.ctx.data
         dataset, indices = data.split(split)
-        return evaluate(self.ctx.fabric, self.ctx.model, dataset, indices, data.bundle.num_classes, batch_size)
+        model = self.statistics.served(self.ctx.model)
+        return evaluate(self.ctx.fabric, model, dataset, indices, data.bundle.num_classes, batch_size)
 
     def client_models(self, split: str):
         """The clients' own models to score on ``split`` (a ``ClientModels``), or None: the
@@ -185,4 +201,27 @@ class Algorithm:
 
 
 class FedAvg(Algorithm):
-    """Federated averaging (McMahan et al., 2017): dense models, sample-weighted mean."""
+    """Federated averaging (McMahan et al., 2017): dense models, sample-weighted mean.
+
+    Served BN statistics (``bn``): by default the clients' running statistics, averaged with
+    everything else, as the original protocol; ``sbn``, ``recalibrate`` and ``client`` serve
+    statistics of the population instead (``docs/served_statistics.md``).
+    """
+
+    def __init__(self, bn: Protocol = "aggregated", sbn_data: SbnData = "train",
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train"):
+        """
+        Args:
+            bn: where served models get their BN statistics: aggregated (the clients' tracked
+                statistics, averaged), sbn (static BN: clients track none, one pass over
+                ``sbn_data`` before evaluation), recalibrate (tracked, then re-estimated on the
+                server's calibration split) or client (the pooled statistics of the batches
+                the clients normalized in the round).
+            sbn_data: the sBN pass's data: train (the union of the client shards, as HeteroFL's
+                code) or calib (the server's calibration split).
+            calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
+            calib_transform: images of that pass through the training augmentation (train,
+                drawn once from a fixed seed) or none (eval).
+        """
+        self.bn, self.sbn_data = bn, sbn_data
+        self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform

@@ -1,43 +1,58 @@
-"""Where an evaluated sub-model's batch-norm statistics come from.
+"""Where a served model's batch-norm statistics come from: one part for every method family.
 
-Three protocols (``docs/heterofl_supernet.md``):
+A model that is scored or served normalizes with running statistics, and those must describe
+the population it is scored on. Four protocols (``docs/served_statistics.md``):
 
-- ``aggregated``: the running statistics the clients tracked, averaged position-wise with the
-  weights (the sub-model study's evaluation).
+- ``aggregated``: the running statistics the clients (and a split method's server half)
+  tracked with momentum, averaged position-wise with the examples as weights. FedAvg's
+  original protocol; kept for comparison. Under heterogeneity it is wrong twice over: a
+  narrow sub-model computes its leading channels from fewer inputs (their statistics are not
+  the full width's), and a momentum average mostly remembers the last batches, i.e. one
+  client's few classes.
 - ``sbn``: HeteroFL's static batch norm. Clients normalize with batch statistics and track
-  nothing, so no statistics are sent or aggregated (:func:`without_statistics`); before
-  evaluation every served model gets its statistics from one pass over data. The authors' code
-  passes the whole training set (``sbn_data: train``: the union of the client shards here);
-  ``sbn_data: calib`` uses the server's calibration split instead.
-- ``recalibrate``: FEAST's protocol (Supp. E.1): running statistics are tracked and aggregated
-  as usual, and every evaluated operating point is reset and re-estimated on the server's
-  calibration split, with FEAST's own images, order and augmentation draw.
+  nothing, so no statistics are sent or aggregated; before evaluation every served model gets
+  its statistics from one pass over data: the union of the client shards in a seeded order
+  (``sbn_data: train``, the authors' code) or the server's calibration split (``calib``).
+- ``recalibrate``: FEAST's protocol (Supp. E.1): statistics are tracked and aggregated as
+  usual, and every served model is reset and re-estimated on the server's calibration split.
+- ``client``: the pooled statistics of every batch the clients normalized in the round:
+  each client's model pools its own batches (:class:`fl_lightning.elastic.bn.BatchMoments`),
+  the round's accumulator pools the clients by their examples through second moments (the law
+  of total variance: ``SparseAccumulator(pooled_variances=True)``), so no data leaves a client
+  and no server data is needed.
 
-Every pass averages per-batch statistics (``momentum=None``), as both the authors' BN layers
-and :func:`fl_lightning.elastic.bn.recalibrate_bn` do.
+Every estimation pass averages per-batch statistics (``momentum=None``), as both the authors'
+BN layers and :func:`fl_lightning.elastic.bn.recalibrate_bn` do.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Literal, Sequence
 
 import torch
 from torch import nn
 
-from fl_lightning.elastic.bn import recalibrate_bn, statistics_keys, use_batch_statistics
+from fl_lightning.elastic.bn import batch_moments, batch_norms, recalibrate_bn, statistics_keys, use_batch_statistics
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.seeding import derive_seed
 
+Protocol = Literal["aggregated", "sbn", "recalibrate", "client"]
+SbnData = Literal["train", "calib"]
 SBN_STREAM = 14  # seed stream of the sBN pass over the client data: its order and augmentation draw
 
 
 def without_statistics(routed: Routed) -> Routed:
     """The routed model training with batch statistics only, its BN statistics neither sent
     nor returned (the aggregate keeps the global values, which no protocol reads)."""
-    dropped = statistics_keys(routed.module)
     use_batch_statistics(routed.module)
+    return drop_statistics(routed)
+
+
+def drop_statistics(routed: Routed) -> Routed:
+    """``routed`` without its BN statistics' regions: they neither cross nor enter the aggregate."""
+    dropped = statistics_keys(routed.module)
     return Routed(routed.module, {k: v for k, v in routed.regions.items() if k not in dropped})
 
 
@@ -53,11 +68,12 @@ def estimate_statistics(models: Sequence[nn.Module], batches: Iterable) -> int:
 
 
 class ServedStatistics:
-    """Builds the served models of a list of specs with BN statistics per ``protocol``.
+    """One method's served-statistics protocol: what its clients track and send, how the server
+    pools it, and the statistics of every model it serves.
 
     Args:
         ctx: the run context (global model, data, seed, device).
-        protocol: aggregated, sbn or recalibrate (above).
+        protocol: aggregated, sbn, recalibrate or client (above).
         sbn_data: the data of the sBN pass: train (the union of the client shards, as the
             authors' code) or calib (the server's calibration split, then the same images as
             ``recalibrate``).
@@ -65,19 +81,59 @@ class ServedStatistics:
         transform: train (the training augmentation, drawn once from a fixed seed) or eval.
     """
 
-    def __init__(self, ctx, protocol: str, sbn_data: str, batch_size: int, transform: str):
+    def __init__(self, ctx, protocol: Protocol, sbn_data: SbnData, batch_size: int, transform: str):
         self.ctx, self.protocol, self.sbn_data = ctx, protocol, sbn_data
+        self.estimated = protocol == "recalibrate" or protocol == "sbn"
         needs_calib = protocol == "recalibrate" or (protocol == "sbn" and sbn_data == "calib")
         self.calibration = ServerCalibration(ctx, batch_size, transform,
                                              required_by=f"BN protocol {protocol} passes" if needs_calib else None)
+
+    # -- the client side ------------------------------------------------------------------------
+    def prepare(self, module: nn.Module) -> None:
+        """Set up a model a client (or a server half) is about to train: sbn tracks nothing;
+        client pools the statistics of the batches from here on."""
+        if self.protocol == "sbn":
+            use_batch_statistics(module)
+        elif self.protocol == "client":
+            batch_moments(module)
+
+    def exchanged(self, routed: Routed) -> Routed:
+        """What of a routed model crosses the channel and enters the aggregate: under sbn,
+        everything but the BN statistics."""
+        return drop_statistics(routed) if self.protocol == "sbn" else routed
+
+    def route(self, routed: Routed) -> Routed:
+        """:meth:`prepare` then :meth:`exchanged`: a client's routed model under the protocol."""
+        self.prepare(routed.module)
+        return self.exchanged(routed)
+
+    # -- the server side ------------------------------------------------------------------------
+    @property
+    def pooled_variances(self) -> bool:
+        """Whether the round's accumulator pools variances as populations (client)."""
+        return self.protocol == "client"
+
+    def served(self, model: nn.Module) -> nn.Module:
+        """The model to score for a global ``model``: a full-width copy with estimated
+        statistics under sbn and recalibrate, the model itself otherwise."""
+        if not self.estimated or not batch_norms(model):
+            return model
+        return self.models([model.max_spec()])[0]
 
     def models(self, specs: Sequence) -> List[nn.Module]:
         """The plain extracted model of every spec, on the device, statistics per protocol."""
         device = self.ctx.fabric.device
         models = [self.ctx.model.extract(spec).module.to(device) for spec in specs]
-        if self.protocol == "recalibrate" or (self.protocol == "sbn" and self.sbn_data == "calib"):
+        return self.estimate(models)
+
+    def estimate(self, models: List[nn.Module]) -> List[nn.Module]:
+        """``models`` (served networks over copies of the global model) with their BN statistics
+        estimated in one pass per the protocol; unchanged under aggregated and client."""
+        if not self.estimated or not any(batch_norms(m) for m in models):
+            return models
+        if self.protocol == "recalibrate" or self.sbn_data == "calib":
             estimate_statistics(models, self.calibration.batches())
-        elif self.protocol == "sbn":
+        else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(self.ctx.seed, SBN_STREAM))
                 estimate_statistics(models, self.client_batches())

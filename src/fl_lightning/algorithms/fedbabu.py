@@ -40,7 +40,7 @@ class FedBABU(FedAvg):
 
     def __init__(self, finetune_epochs: NonNegativeInt = 5, finetune_part: FinetunePart = "full",
                  finetune_lr: Optional[PositiveFloat] = None, finetune_lr_scale: PositiveFloat = 0.01,
-                 finetune_weight_decay: Optional[NonNegativeFloat] = 0.0):
+                 finetune_weight_decay: Optional[NonNegativeFloat] = 0.0, **kwargs):
         """
         Args:
             finetune_epochs: personalization epochs tau_f of each client's fine-tuning before
@@ -53,7 +53,9 @@ class FedBABU(FedAvg):
                 training at 0.1). Momentum is always train.momentum.
             finetune_weight_decay: weight decay while fine-tuning (0.0, as the authors' fine-tuning
                 optimizer; None: train.weight_decay).
+            **kwargs: FedAvg's served-statistics options of the global model (``bn``, ...).
         """
+        super().__init__(**kwargs)
         self.finetune_epochs = finetune_epochs
         self.finetune_part = finetune_part
         self.finetune_lr = finetune_lr

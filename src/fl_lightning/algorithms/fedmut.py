@@ -62,7 +62,7 @@ class FedMut(FedAvg):
 
     def __init__(self, alpha: NonNegativeFloat = 4.0, acc_rate: number_type(float, ge=0, lt=1) = 0.0,
                  acc_rounds: PositiveInt = 50,
-                 mutate_buffers: bool = False, weighting: Weighting = "uniform"):
+                 mutate_buffers: bool = False, weighting: Weighting = "uniform", **kwargs):
         """
         Args:
             alpha: mutation radius (the official code's ``--radius``, default 4.0).
@@ -77,7 +77,9 @@ class FedMut(FedAvg):
                 official code's plain mean, under which the balanced mutations cancel) or
                 samples (FedAvg's n_i: the mutations then leave ``alpha sum_i n_i v_i / n``
                 times the last update in the aggregate).
+            **kwargs: FedAvg's served-statistics options (``bn``, ...).
         """
+        super().__init__(**kwargs)
         self.alpha = alpha
         self.acc_rate = acc_rate
         self.acc_rounds = acc_rounds
@@ -119,7 +121,7 @@ class FedMut(FedAvg):
             for key, sign in zip(self.mutated_keys, signs):
                 if sign != 0:
                     local[key].add_(self._delta[key], alpha=self.alpha * sign)
-        return Routed(self.worker, self.worker_regions)
+        return self.statistics.route(Routed(self.worker, self.worker_regions))
 
     def aggregation_weight(self, num_samples: int) -> float:
         """A returned model's weight in the mean: 1 (uniform) or its sample count."""

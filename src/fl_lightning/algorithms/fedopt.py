@@ -14,11 +14,13 @@ class FedOpt(FedAvg):
     the default (sgd, rate 1, no momentum) is FedAvg to the bit.
     """
 
-    def __init__(self, server: ServerOptimizer = ServerOptimizer()):
+    def __init__(self, server: ServerOptimizer = ServerOptimizer(), **kwargs):
         """
         Args:
             server: the server optimiser and its settings (Reddi et al., 2021, Algorithm 2).
+            **kwargs: FedAvg's served-statistics options (``bn``, ...).
         """
+        super().__init__(**kwargs)
         self.server = server
 
     def check(self, train):

@@ -9,11 +9,13 @@ from fl_lightning.option_types import NonNegativeFloat
 class FedProx(FedAvg):
     """FedAvg whose clients minimize ``loss + (mu / 2) ||w - w_global||^2``."""
 
-    def __init__(self, mu: NonNegativeFloat = 0.01):
+    def __init__(self, mu: NonNegativeFloat = 0.01, **kwargs):
         """
         Args:
             mu: proximal coefficient; 0 gives FedAvg exactly.
+            **kwargs: FedAvg's served-statistics options (``bn``, ...).
         """
+        super().__init__(**kwargs)
         self.mu = mu
 
     def client_module(self, routed, task, plan):

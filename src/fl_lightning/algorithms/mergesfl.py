@@ -101,7 +101,7 @@ class MergeSFL(SplitFed):
     def __init__(self, cut: Optional[str] = None, speeds: Literal["budget", "shard", "uniform"] = "budget",
                  total_batch: Optional[PositiveInt] = None, min_batch: PositiveInt = 2,
                  selection: Literal["kl", "uniform"] = "kl", selection_trials: PositiveInt = 64,
-                 rescale_gradients: bool = True, server_lr: Optional[PositiveFloat] = None):
+                 rescale_gradients: bool = True, server_lr: Optional[PositiveFloat] = None, **kwargs):
         """
         Args:
             cut: block name after which the model is split (None: the middle block boundary).
@@ -118,8 +118,9 @@ class MergeSFL(SplitFed):
             rescale_gradients: send each client its gradient slice times B / b_i, the gradient
                 of the mean loss over its own rows (false: the raw slice of the merged mean).
             server_lr: learning rate of the server half (None: the clients' round rate).
+            **kwargs: SplitFed's served-statistics options (``bn``, ...).
         """
-        super().__init__(cut=cut, version="v2", server_lr=server_lr)
+        super().__init__(cut=cut, version="v2", server_lr=server_lr, **kwargs)
         self.speeds = speeds
         self.total_batch = total_batch
         self.min_batch = min_batch

@@ -141,7 +141,7 @@ class MultiSFL(SplitFed):
     def __init__(self, cut: Optional[str] = None, pull: ClosedUnitInterval = WEAK_PULL, replay: bool = True,
                  replay_budget: ClosedUnitInterval = 0.01, replay_decay: ClosedUnitInterval = 0.5,
                  adaptive_split: bool = False, candidates: Optional[List[str]] = None,
-                 server_lr: Optional[PositiveFloat] = None):
+                 server_lr: Optional[PositiveFloat] = None, **kwargs):
         """
         Args:
             cut: block name after which the model is split (None: the middle block boundary).
@@ -158,8 +158,9 @@ class MultiSFL(SplitFed):
             candidates: the cuts adaptive_split chooses from, shallowest first (None: the stage
                 ends as for FedSGA).
             server_lr: learning rate of the server portion (None: the clients' round rate).
+            **kwargs: SplitFed's served-statistics options of the master (``bn``, ...).
         """
-        super().__init__(cut=cut, version="v1", server_lr=server_lr)
+        super().__init__(cut=cut, version="v1", server_lr=server_lr, **kwargs)
         self.pull = pull
         self.replay = replay
         self.replay_budget = replay_budget
@@ -268,7 +269,8 @@ class MultiSFL(SplitFed):
         for branch in range(self.num_branches):
             trained = self._trained.get(branch)
             for key, value in self.branches[branch].items():
-                out[f"branch/{branch}/{key}"] = trained[key] if trained is not None else torch.zeros_like(value)
+                # a key the branch did not send (BN statistics under sbn) keeps its value
+                out[f"branch/{branch}/{key}"] = trained.get(key, value) if trained is not None else torch.zeros_like(value)
             out[f"branch/{branch}/trained"] = torch.tensor(float(trained is not None), dtype=torch.float64,
                                                            device=self.ctx.fabric.device)
         return out

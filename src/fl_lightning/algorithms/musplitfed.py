@@ -26,7 +26,7 @@ class MUSplitFed(SplitFed):
     def __init__(self, cut: Optional[str] = None, tau: PositiveInt = 2,
                  feedback_at: Literal["start", "last_step", "end"] = "end",
                  estimator: Literal["fo", "zo"] = "fo", zo_smoothing: PositiveFloat = 1e-3,
-                 version: Literal["v1", "v2"] = "v1", server_lr: Optional[PositiveFloat] = None):
+                 version: Literal["v1", "v2"] = "v1", server_lr: Optional[PositiveFloat] = None, **kwargs):
         """
         Args:
             cut: block name after which the model is split (None: the middle block boundary).
@@ -41,8 +41,9 @@ class MUSplitFed(SplitFed):
             version: v1 (a server copy per client, averaged) or v2 (one server half trained
                 client by client).
             server_lr: learning rate of the server half (None: the clients' round rate).
+            **kwargs: SplitFed's served-statistics options (``bn``, ...).
         """
-        super().__init__(cut=cut, version=version, server_lr=server_lr)
+        super().__init__(cut=cut, version=version, server_lr=server_lr, **kwargs)
         self.tau = tau
         self.feedback_at = feedback_at
         self.estimator = estimator

@@ -21,11 +21,13 @@ class Scaffold(FedAvg):
     ``server_lr``; ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)``.
     """
 
-    def __init__(self, server_lr: PositiveFloat = 1.0):
+    def __init__(self, server_lr: PositiveFloat = 1.0, **kwargs):
         """
         Args:
             server_lr: global step size eta_g applied to the aggregated model change.
+            **kwargs: FedAvg's served-statistics options (``bn``, ...).
         """
+        super().__init__(**kwargs)
         self.server_lr = server_lr
 
     def check(self, train):

@@ -22,10 +22,13 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.algorithms.split_common import SplitClient, key_regions, split_metrics
+from fl_lightning.elastic.bn import statistics_keys
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import PositiveFloat
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -62,7 +65,8 @@ class SplitFed(FedAvg):
     dense = True  # every global key is trained by every client, on one side of the cut or the other
 
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
-                 server_lr: Optional[PositiveFloat] = None):
+                 server_lr: Optional[PositiveFloat] = None, bn: Protocol = "sbn", sbn_data: SbnData = "train",
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train"):
         """
         Args:
             cut: block name after which the model is split (the last block the client runs);
@@ -70,7 +74,20 @@ class SplitFed(FedAvg):
             version: v1 (a server copy per client, averaged) or v2 (one server half trained
                 client by client, in a shuffled order).
             server_lr: learning rate of the server half (None: the clients' round rate).
+            bn: where the served model (front and server half) gets its BN statistics: sbn
+                (static BN: both halves train on batch statistics and track none; one pass
+                over ``sbn_data`` through the served model before evaluation), recalibrate (the
+                server's calibration split), client (the pooled statistics of every batch the
+                fronts and the server half normalized in the round) or aggregated (the tracked
+                running statistics: V2's server half then holds those of the round's last
+                clients; for comparison only). docs/served_statistics.md.
+            sbn_data: the sBN pass's data: train (the union of the client shards) or calib.
+            calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
+            calib_transform: images of that pass through the training augmentation (train,
+                drawn once from a fixed seed) or none (eval).
         """
+        super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
+                         calib_transform=calib_transform)
         self.cut = cut
         self.version = version
         self.server_lr = server_lr
@@ -108,6 +125,8 @@ class SplitFed(FedAvg):
         self.client_worker = ctx.make_model().to(device)
         self.server_worker = ctx.make_model().to(device)
         self.pair = nn.ModuleDict({"front": self.client_worker, "back": self.server_worker})
+        self.statistics = self.served_statistics(ctx)
+        self.unsent = statistics_keys(ctx.model) if self.statistics.protocol == "sbn" else set()
         self._server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
         self._server_weight: Dict[str, float] = {}  # V2: per back key, the committed clients' examples
 
@@ -137,11 +156,6 @@ class SplitFed(FedAvg):
         """Server-side tensors trained with the back, by name (FedSGA: the harmonizer)."""
         return {}
 
-    def server_probes(self) -> Dict[str, torch.Tensor]:
-        """Server-side tensors trained beside the back on detached inputs, by name, in a
-        parameter group of their own (FedSGA without harmonization: the estimator's probe)."""
-        return {}
-
     def fit_split_client(self, client: SplitClient) -> ClientResult:
         """Build the client's pair, train it over the client's shard, and return the result."""
         pair = self.make_pair(client)
@@ -168,23 +182,25 @@ class SplitFed(FedAvg):
         source = state if state is not None else self.global_state
         worker = client_worker if client_worker is not None else self.client_worker
         load_routed_state(worker, source, key_regions(source, self.halves.front(cut)))
+        self.statistics.prepare(worker)
         if load_server is None:
             load_server = self.version == "v1" or task is plan.tasks[0]
         if load_server:  # V2: everything any client of the run may train on the server
             back_keys = self.halves.back(cut if self.version == "v1" else self.cuts[0])
             load_routed_state(self.server_worker, source, key_regions(source, back_keys))
+            self.statistics.prepare(self.server_worker)  # V2: statistics pooled over the round
         worker.train()
         self.server_worker.train()
         front, _ = worker.split(cut)
         _, back = self.server_worker.split(cut)
-        extra, probes = self.server_trainables(), self.server_probes()
+        extra = self.server_trainables()
         server_params = list(back.parameters()) + list(extra.values())
         names = {id(p): name for name, p in self.server_worker.named_parameters()}
-        names.update({id(p): name for name, p in {**extra, **probes}.items()})
+        names.update({id(p): name for name, p in extra.items()})
         self._server_names = names
         momentum = None
         if self.version == "v2":
-            momentum = {id(p): self._server_momentum[names[id(p)]] for p in server_params + list(probes.values())
+            momentum = {id(p): self._server_momentum[names[id(p)]] for p in server_params
                         if names.get(id(p)) in self._server_momentum}
         return make_pair(ctx.fabric, ctx.train, client_forward=client.forward(front),
                          server_loss=lambda zs, y: client.server_loss(back, zs, y), client_module=front,
@@ -192,8 +208,7 @@ class SplitFed(FedAvg):
                          server_params=server_params, lr=plan.lr,
                          server_lr=self.server_lr if self.server_lr is not None else plan.lr,
                          server_momentum=momentum, after_client_backward=client.after_backward,
-                         server_optimizer=server_optimizer, probe_params=list(probes.values()),
-                         client_backward=client.backward)
+                         server_optimizer=server_optimizer, client_backward=client.backward)
 
     def train_pass(self, client: SplitClient, pair):
         """One client's split training over its shard with the standard step and the client's
@@ -211,7 +226,7 @@ class SplitFed(FedAvg):
         server copy) of ``state`` (default: the global model), or the front held by ``module``."""
         cut = task.cut
         state = state if state is not None else self.global_state
-        front_keys, back_keys = self.halves.front(cut), self.halves.back(cut)
+        front_keys, back_keys = self.exchanged(self.halves.front(cut)), self.exchanged(self.halves.back(cut))
         if module is None:
             module = self.pair
             regions = key_regions(state, front_keys, "front.")
@@ -229,6 +244,10 @@ class SplitFed(FedAvg):
         return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(module, regions),
                             module=module, metrics=metrics, channel=fit.channel)
 
+    def exchanged(self, keys: List[str]) -> List[str]:
+        """The keys of a half that are sent and aggregated (under sbn, no BN statistics)."""
+        return [k for k in keys if k not in self.unsent]
+
     def _stash_momentum(self, optimizer: torch.optim.Optimizer) -> None:
         from fl_lightning.modules.split import momentum_buffers
 
@@ -240,7 +259,7 @@ class SplitFed(FedAvg):
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)
         if self.version == "v2":  # the server half holds this client's share of its back
-            for key in self.halves.back(task.cut):
+            for key in self.exchanged(self.halves.back(task.cut)):
                 self._server_weight[key] = self._server_weight.get(key, 0.0) + float(result.num_samples)
 
     def close_cohort(self, acc, plan: RoundPlan, owned: List[int]) -> None:
@@ -266,7 +285,6 @@ class SplitFed(FedAvg):
         behind = set(self.halves.back(self.cuts[0]))
         out = {name: p for name, p in self.server_worker.named_parameters() if name in behind}
         out.update(self.server_trainables())
-        out.update(self.server_probes())
         return out
 
     def _publish_server_momentum(self, owned: List[int]) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
@@ -81,14 +82,29 @@ class SubmodelAlgorithm(FedAvg):
     dense = False
 
     def __init__(self, tiers: List[UnitFraction] = list(TIERS), tier_probs: List[NonNegativeFloat] = list(TIER_PROBS),
-                 caps: Optional[List[UnitFraction]] = None, log_layers: bool = True):
+                 caps: Optional[List[UnitFraction]] = None, log_layers: bool = True, bn: Protocol = "sbn",
+                 sbn_data: SbnData = "train", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
+                 calib_transform: Literal["train", "eval"] = "train"):
         """
         Args:
             tiers: capacity tiers (width ratios in (0, 1]) a client's cap is drawn from.
             tier_probs: probability of each tier (normalised); defaults favour small devices.
             caps: explicit per-client caps instead of a draw (length = number of clients).
             log_layers: log the per-layer coverage fractions (besides their totals).
+            bn: where the served model gets its BN statistics: sbn (static BN, HeteroFL's: clients
+                track none, one pass over ``sbn_data`` through the served model before
+                evaluation; the study's protocol for every policy), recalibrate (the server's
+                calibration split), client (the pooled statistics of the batches the clients
+                normalized in the round) or aggregated (the clients' running statistics,
+                averaged across widths: for comparison only, docs/submodel.md).
+            sbn_data: the sBN pass's data: train (the union of the client shards, as HeteroFL's
+                code) or calib (the server's calibration split).
+            calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
+            calib_transform: images of that pass through the training augmentation (train,
+                drawn once from a fixed seed) or none (eval).
         """
+        super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
+                         calib_transform=calib_transform)
         self.tiers = [float(t) for t in tiers]
         self.tier_probs = [float(p) for p in tier_probs]
         self.caps_given = None if caps is None else [float(c) for c in caps]
@@ -122,6 +138,7 @@ class SubmodelAlgorithm(FedAvg):
         self.last_widths: Dict[int, float] = {}
         self._round_figures: Dict[str, float] = {}
         self._costs: Dict[object, tuple] = {}
+        self.statistics = self.served_statistics(ctx)
 
     # -- the plan ---------------------------------------------------------------------------
     def widths_for(self, round_idx: int, cohort: List[int]) -> Dict[int, float]:
@@ -141,7 +158,7 @@ class SubmodelAlgorithm(FedAvg):
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def route(self, task, plan):
-        return self.ctx.model.extract(task.spec)
+        return self.statistics.route(self.ctx.model.extract(task.spec))
 
     def cost(self, spec) -> tuple:
         """(parameters, forward MACs per example) of the sub-model ``spec``, memoized."""
@@ -204,8 +221,9 @@ class SubmodelAlgorithm(FedAvg):
 class HeteroFL(SubmodelAlgorithm):
     """HeteroFL (Diao et al., 2021) with coordinate-wise averaging: every client at its cap.
 
-    The defaults are the sub-model study's (caps drawn per seed, aggregated BN statistics, the
-    global model evaluated). FEAST's supernet baseline (``docs/heterofl_supernet.md``) sets
+    The defaults are the sub-model study's (caps drawn per seed, the global model evaluated)
+    with the authors' static batch norm (``bn: sbn``: clients track no statistics; the served
+    model's come from one pass over the union of the client shards, as HeteroFL's ``stats``). FEAST's supernet baseline (``docs/heterofl_supernet.md``) sets
     ``assign: budget``: the cap is the largest of HeteroFL's five tiers that the client's MAC
     budget affords (the smallest as a counted fallback), and evaluation scores every tier and
     the population under largest-affordable serving. Either way ``bn`` chooses where evaluated
@@ -214,9 +232,7 @@ class HeteroFL(SubmodelAlgorithm):
     """
 
     def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[UnitFraction]] = None,
-                 tier_probs: Optional[List[NonNegativeFloat]] = None, bn: Literal["aggregated", "sbn", "recalibrate"] = "aggregated",
-                 sbn_data: Literal["train", "calib"] = "train", scaler: bool = False,
-                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 tier_probs: Optional[List[NonNegativeFloat]] = None, scaler: bool = False,
                  mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
                  mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0, **kwargs):
         """
@@ -228,17 +244,8 @@ class HeteroFL(SubmodelAlgorithm):
                 (1/16, 1/8, 1/4, 1/2, 1) with budget (distinct, smallest first).
             tier_probs: probability of each tier with caps; default favours small devices.
                 Unused (and refused) with budget.
-            bn: where evaluated models get their BN statistics: aggregated (the clients'
-                tracked statistics, averaged), sbn (HeteroFL's static BN: clients track none,
-                one pass over ``sbn_data`` before evaluation) or recalibrate (FEAST's protocol:
-                the server's calibration split, per evaluated model).
-            sbn_data: the sBN pass's data: train (the union of the client shards, as HeteroFL's
-                code) or calib (the server's calibration split).
             scaler: HeteroFL's Scaler: a width-p client divides every conv output by p in
                 training (identity at evaluation). Needs bn sbn or recalibrate.
-            calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
-            calib_transform: images of that pass through the training augmentation (train,
-                drawn once from a fixed seed) or none (eval).
             mix_schedule: Mixup / CutMix on client batches: none (HeteroFL), alternate
                 (FEAST's protocol for every method), random, mixup or cutmix.
             mixup_alpha: Mixup's Beta parameter.
@@ -253,8 +260,7 @@ class HeteroFL(SubmodelAlgorithm):
         if tier_probs is None:  # unused with budget: a placeholder the shared checks accept
             tier_probs = [1.0] * len(tiers) if assign == "budget" else TIER_PROBS
         super().__init__(tiers=tiers, tier_probs=tier_probs, **kwargs)
-        self.bn, self.sbn_data, self.scaler = bn, sbn_data, scaler
-        self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform
+        self.scaler = scaler
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
         self.assignment = None
 
@@ -264,8 +270,8 @@ class HeteroFL(SubmodelAlgorithm):
         budget = self.assign == "budget"
         checks = [
             # tracked statistics would see conv outputs divided by p, evaluation undivided ones
-            ("scaler", not (self.scaler and self.bn == "aggregated"),
-             "needs bn sbn or recalibrate (aggregated statistics would be tracked on scaled activations)"),
+            ("scaler", not (self.scaler and self.bn in ("aggregated", "client")),
+             "needs bn sbn or recalibrate (tracked statistics would be of scaled activations)"),
             *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
             ("tier_probs", not (budget and self.tier_probs_given is not None),
              "is unused with assign budget (tiers follow the MAC budgets); remove it"),
@@ -281,12 +287,10 @@ class HeteroFL(SubmodelAlgorithm):
         super().check(train)
 
     def setup(self, ctx) -> None:
-        from fl_lightning.algorithms.bn_protocol import ServedStatistics
         from fl_lightning.algorithms.heterofl_tiers import TierAssignment
 
         self.check(ctx.train)
         super().setup(ctx)
-        self.statistics = ServedStatistics(ctx, self.bn, self.sbn_data, self.calib_batch_size, self.calib_transform)
         self.tier_specs = [self.spec_of(t) for t in self.tiers]
         if self.assign == "budget":
             if ctx.budgets is None:
@@ -306,14 +310,6 @@ class HeteroFL(SubmodelAlgorithm):
         return {c: float(self.caps[c]) for c in cohort}
 
     # -- one client -----------------------------------------------------------------------------
-    def route(self, task, plan):
-        routed = super().route(task, plan)
-        if self.bn == "sbn":
-            from fl_lightning.algorithms.bn_protocol import without_statistics
-
-            routed = without_statistics(routed)
-        return routed
-
     def client_module(self, routed, task, plan):
         p = task.choice.p
         if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
@@ -344,13 +340,10 @@ class HeteroFL(SubmodelAlgorithm):
         every tier and the population under largest-affordable serving."""
         from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 
-        if self.assignment is None and self.bn == "aggregated":
+        if self.assignment is None:
             return super().evaluate(split, batch_size)
         data = self.ctx.data
         dataset, indices = data.split(split)
-        if self.assignment is None:
-            model = self.statistics.models([self.ctx.model.max_spec()])[0]
-            return evaluate(self.ctx.fabric, model, dataset, indices, data.bundle.num_classes, batch_size)
         models = self.statistics.models(self.tier_specs)
         out = evaluate_levels(lambda k: evaluate(self.ctx.fabric, models[k], dataset, indices, data.bundle.num_classes,
                                                  batch_size),
@@ -420,9 +413,15 @@ class FjORD(SubmodelAlgorithm):
     """
 
     def __init__(self, distill: bool = False, distill_weight: NonNegativeFloat = 1.0,
-                 sample: Literal["round", "step"] = "round", distill_alpha: ClosedUnitInterval = 1.0, **kwargs):
+                 sample: Literal["round", "step"] = "round", distill_alpha: ClosedUnitInterval = 1.0,
+                 bn: Literal["per_width", "sbn", "recalibrate", "client", "aggregated"] = "per_width", **kwargs):
         """
         Args:
+            bn: where the served (full-width) model gets its BN statistics: per_width (the
+                Flower baseline by FjORD's authors: statistics are kept per width, so the served
+                width's are averaged over the clients that trained at it, its cap with ``sample:
+                step``; the others' are not sent), or one of the sub-model study's protocols
+                (sbn, recalibrate, client, aggregated: ``SubmodelAlgorithm``).
             distill: add FjORD's self-distillation (elastic local model, in-place distillation).
             distill_weight: weight of the distillation term (``sample: round``).
             sample: when a client's width is drawn: round (once per round, the HAS-FL paper's
@@ -431,7 +430,7 @@ class FjORD(SubmodelAlgorithm):
             distill_alpha: with ``sample: step`` and ``distill``, the weight of the distillation
                 term in the sampled width's loss (the label term gets ``1 - distill_alpha``).
         """
-        super().__init__(**kwargs)
+        super().__init__(bn=bn, **kwargs)
         self.distill = distill
         self.distill_weight = float(distill_weight)
         self.sample = sample
@@ -453,7 +452,16 @@ class FjORD(SubmodelAlgorithm):
         return out
 
     def route(self, task, plan):
-        return self.ctx.model.extract(task.spec, elastic=self.distill or self.sample == "step")
+        return self.statistics.route(self.ctx.model.extract(task.spec, elastic=self.distill or self.sample == "step"))
+
+    def commit(self, acc, task, result, plan):
+        """Under ``per_width``, a client that did not train the served width keeps its BN
+        statistics out of the aggregate (they describe another width)."""
+        if self.bn == "per_width" and task.choice.p < 1.0 - 1e-9 and result.update is not None:
+            from fl_lightning.algorithms.bn_protocol import drop_statistics
+
+            result.update = drop_statistics(result.update)
+        super().commit(acc, task, result, plan)
 
     def client_module(self, routed, task, plan):
         from fl_lightning.elastic.specs import WidthSpec

@@ -16,6 +16,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
+from fl_lightning.elastic.bn import variance_keys
 from fl_lightning.elastic.regions import LeadingSlice, Region
 from fl_lightning.elastic.routing import RegionMap
 
@@ -33,12 +34,18 @@ class SparseAccumulator:
         dense: every client returns whole tensors, so counts are scalars (FedAvg).
         dtype: accumulator precision (float64 keeps sums of many clients exact enough that
             the order of clients across ranks does not matter in float32 results).
+        pooled_variances: batch-norm running variances are pooled as populations: each enters
+            as its second moment ``var + mean^2`` and the result is ``E[x^2] - mean^2`` (the law
+            of total variance), so the spread between the clients' means counts. Otherwise a
+            variance is averaged like any other value.
     """
 
     def __init__(self, global_state: Mapping[str, torch.Tensor], dense: bool = False,
-                 dtype: torch.dtype = torch.float64):
+                 dtype: torch.dtype = torch.float64, pooled_variances: bool = False):
         self.global_state = global_state
         self.dense = dense
+        self.variances = dict(variance_keys(global_state)) if pooled_variances else {}
+        """running-variance key -> its running-mean key, for the pooled variances"""
         self.keys = aggregated_keys(global_state)
         self.values: Dict[str, torch.Tensor] = {
             k: torch.zeros(global_state[k].shape, dtype=dtype, device=global_state[k].device) for k in self.keys
@@ -54,7 +61,11 @@ class SparseAccumulator:
                 continue
             if self.dense and not region.covers_all():
                 raise ValueError(f"dense aggregation got a partial region for {global_key}")
-            region.scatter_add(self.values[global_key], local_state[local_key], alpha=weight)
+            value = local_state[local_key]
+            if global_key in self.variances:  # its mean shares its region and local prefix
+                mean = local_state[local_key[:-len("running_var")] + "running_mean"]
+                value = value + mean.square()
+            region.scatter_add(self.values[global_key], value, alpha=weight)
             entry = self._pending[global_key].setdefault(_region_key(region), [region, 0.0])
             entry[1] += weight
 
@@ -98,6 +109,11 @@ class SparseAccumulator:
                 continue
             # 0/0 where nobody covered: where() keeps the old value there
             out[key] = torch.where(count > 0, value / count, old.to(value.dtype)).to(old.dtype)
+        for var, mean in self.variances.items():  # second moments back to variances
+            covered = self.counts[var] > 0
+            pooled = self.values[var] / self.counts[var] - out[mean].to(self.values[var].dtype).square()
+            out[var] = torch.where(covered, pooled.clamp_min(0.0), self.global_state[var].to(pooled.dtype)).to(
+                self.global_state[var].dtype)
         return out
 
 

@@ -107,3 +107,53 @@ def batch_statistics(model: nn.Module) -> Iterator[nn.Module]:
             module.training = mode
         for norm, track in tracking.items():
             norm.track_running_stats = track
+
+
+class BatchMoments:
+    """Pools the statistics of every batch a model's batch norms normalize in training.
+
+    Forward hooks on each tracking batch norm add the batch's per-channel sums of ``x`` and
+    ``x^2`` (float64) to a running total and overwrite the running buffers with the pooled
+    mean and (biased) variance of every value seen since :meth:`reset`: the statistics of the
+    whole population of training activations, not a momentum average dominated by the last
+    batches. A layer that normalizes a leading slice of its channels (an elastic width) pools
+    into that slice only. Install once per module with :func:`batch_moments`.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.sums: dict = {}
+        self.handles = [bn.register_forward_hook(self._hook) for bn in batch_norms(model)]
+
+    def reset(self) -> None:
+        self.sums = {}
+
+    @torch.no_grad()
+    def _hook(self, bn: _BatchNorm, args, output) -> None:
+        if not bn.training:
+            return
+        x = args[0].detach().to(torch.float64)
+        dims = [d for d in range(x.dim()) if d != 1]
+        n = x.numel() // x.shape[1]
+        total, square, count = self.sums.get(bn, (0.0, 0.0, 0))
+        total, square, count = total + x.sum(dims), square + x.square().sum(dims), count + n
+        self.sums[bn] = (total, square, count)
+        channels = x.shape[1]
+        mean = total / count
+        bn.running_mean[:channels].copy_(mean)
+        bn.running_var[:channels].copy_((square / count - mean.square()).clamp_min(0.0))
+
+
+def batch_moments(model: nn.Module) -> BatchMoments:
+    """The model's :class:`BatchMoments`, installed on first use and reset on every call."""
+    tracker = model.__dict__.get("_batch_moments")
+    if tracker is None:
+        tracker = BatchMoments(model)
+        model.__dict__["_batch_moments"] = tracker
+    tracker.reset()
+    return tracker
+
+
+def variance_keys(state) -> list[tuple[str, str]]:
+    """(running-mean key, running-variance key) of every batch norm in a state dict."""
+    return [(key[:-len("running_var")] + "running_mean", key) for key in state if key.endswith("running_var")]
+
