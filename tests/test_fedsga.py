@@ -93,10 +93,11 @@ def test_logged_cut_is_psi_of_the_logged_r_within_the_budget(spec_factory):
 
 
 def hand_projection(harmonizer, z, depth):
-    """The harmonizer's projection written out: pooled, standardized with the batch's own
-    (biased) statistics, zero-padded, joined with the depth embedding, two linear layers, unit norm."""
+    """The harmonizer's projection written out: pooled, each example standardized over its own
+    channels (biased variance), zero-padded, joined with the depth embedding, two linear layers,
+    unit norm."""
     pooled = z.mean(dim=(2, 3)).double()
-    pooled = (pooled - pooled.mean(0)) / torch.sqrt(pooled.var(0, unbiased=False) + 1e-5)
+    pooled = (pooled - pooled.mean(1, keepdim=True)) / torch.sqrt(pooled.var(1, unbiased=False, keepdim=True) + 1e-5)
     padded = torch.cat([pooled, torch.zeros(len(z), harmonizer.in_width - pooled.shape[1], dtype=torch.float64)], 1)
     x = torch.cat([padded, harmonizer.depth_embedding.weight[depth].double().expand(len(z), -1)], 1)
     first, second = harmonizer.projector[0], harmonizer.projector[2]
@@ -107,10 +108,11 @@ def hand_projection(harmonizer, z, depth):
 
 @pytest.mark.parametrize("prompt_gradient", ["all", "task"])
 def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_prompt(spec_factory, prompt_gradient):
-    """One batch through a client pair at p1 (prototypes not yet set, so the batch's class means
-    become them): the server loss equals CE(back(z) + W Z) + lambda CE(Z C^T / tau_a), in
-    float64 by hand; the front's gradient holds the alignment term, and the prompt's holds it
-    with ``prompt_gradient: all`` (the default) and not with ``task``."""
+    """One batch through a client pair at p1, prototypes of the previous rounds set for every
+    class but one: the server loss equals CE(back(z) + W Z) + lambda CE(Z C^T / tau_a) over the
+    examples whose class has a prototype, in float64 by hand; the front's gradient holds the
+    alignment term, and the prompt's holds it with ``prompt_gradient: all`` (the default) and
+    not with ``task``."""
     spec = spec_factory(name="loss", algorithm=fedsga(lambda_align=0.5, prompt_gradient=prompt_gradient),
                         model=RESNET, train=TRAIN,
                         federation=FederationConfig(rounds=1, clients_per_round=2))
@@ -118,6 +120,9 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     algorithm, ctx = fed.algorithm, fed.ctx
     with torch.no_grad():
         algorithm.harmonizer.head.weight.normal_(0, 0.1)  # a head that is not zero, so W Z counts
+        prototypes = F.normalize(torch.randn(10, algorithm.harmonizer.prototypes.shape[1]), dim=1)
+        algorithm.harmonizer.prototypes.copy_(prototypes)
+        algorithm.harmonizer.has_prototype.fill_(1.0)
     plan = algorithm.plan(0)
     task = plan.tasks[0]
     task.choice, task.cut = dataclasses.replace(task.choice, index=0), "layer1.1"
@@ -127,6 +132,8 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
     pair = algorithm.make_pair(algorithm.new_client(task, plan))
     x, y = next(ctx.shards[task.client].steps(1, torch.Generator().manual_seed(0)))
+    unknown = int(y[0])  # one class without a prototype: its examples are left out of the alignment
+    algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
     z = pair.client_forward(x)
     sent = z.detach().requires_grad_()
     h = algorithm.harmonizer_worker
@@ -134,11 +141,10 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     with torch.no_grad():
         features = hand_projection(h, sent, 0)
         logits = back(sent).double() + features @ h.head.weight.double().t() + h.head.bias.double()
-        present = torch.unique(y)
-        means = torch.stack([features[y == c].mean(0) for c in present])
-        prototypes = means / means.norm(dim=1, keepdim=True)
-        align_logits = features @ prototypes.t() / 0.5
-        targets = torch.searchsorted(present, y)
+        known = torch.tensor([c for c in range(10) if c != unknown])
+        scored = y != unknown
+        align_logits = features[scored] @ prototypes[known].double().t() / 0.5
+        targets = torch.searchsorted(known, y[scored])
         expected = F.cross_entropy(logits, y) + 0.5 * F.cross_entropy(align_logits, targets)
     loss = pair.server_loss(sent, y)
     assert abs(float(loss.detach()) - float(expected)) <= 1e-5 * max(1.0, abs(float(expected)))
@@ -150,6 +156,7 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
 
     def fresh_pair():  # both halves, the harmonizer and the prompt (from the store) as the round starts
         algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
+        algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
         client = algorithm.new_client(task, plan)
         return client, algorithm.make_pair(client)
 
@@ -183,8 +190,9 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
 
 
 def test_copied_harmonizers_average_by_hand(spec_factory):
-    """server_model: copy: the projector (and its normalization statistics) is the sample-weighted
-    mean of the clients' copies, each prototype the class-count-weighted mean, renormalized."""
+    """server_model: copy: the projector is the sample-weighted mean of the clients' copies; each
+    prototype (the first round: no EMA yet) is the normalized mean projected feature of its class
+    over every client's examples, i.e. the clients' class sums over their class counts."""
     spec = spec_factory(name="avg", algorithm=fedsga(server_model="copy"), model=RESNET, train=TRAIN,
                         federation=FederationConfig(rounds=1, clients_per_round=3))
     fed = open_federation(spec)
@@ -194,27 +202,32 @@ def test_copied_harmonizers_average_by_hand(spec_factory):
 
     def recording(acc, task, result, plan):
         seen.append((float(result.num_samples), result.payload.class_counts.clone(),
-                     {k: v.detach().double().clone() for k, v in algorithm.harmonizer_worker.state_dict().items()}))
+                     {k: v.detach().double().clone() for k, v in algorithm.harmonizer_worker.state_dict().items()},
+                     result.payload.class_sums.clone()))
         commit(acc, task, result, plan)
     algorithm.commit = recording
     fed.run_round(0)
     assert len(seen) == 3
-    total = sum(n for n, _, _ in seen)
+    total = sum(n for n, _, _, _ in seen)
     h = algorithm.harmonizer.state_dict()
     for key in h:
         if key in ("prototypes", "has_prototype") or not h[key].is_floating_point():
             continue
-        expected = sum(n * s[key] for n, _, s in seen) / total
+        expected = sum(n * s[key] for n, _, s, _ in seen) / total
         assert torch.allclose(h[key].double(), expected, rtol=1e-5, atol=1e-6), key
-    counts = sum(c for _, c, _ in seen)
-    for k in torch.nonzero(counts > 0).flatten().tolist():
-        mean = sum(c[k] * s["prototypes"][k] for _, c, s in seen) / counts[k]
+    counts = sum(c for _, c, _, _ in seen)
+    assert len({tuple(c.tolist()) for _, c, _, _ in seen}) == 3  # unequal class counts
+    for k in range(len(counts)):
+        if counts[k] == 0:
+            assert h["has_prototype"][k] == 0
+            continue
+        mean = sum(sums[k] for _, _, _, sums in seen) / counts[k]
         assert torch.allclose(h["prototypes"][k].double(), mean / mean.norm(), atol=1e-5), k
 
 
 def test_without_harmonization_the_probe_learns_and_labels_vary(spec_factory):
-    """The w/o Harmon. row keeps the estimator's signal: the probe's prototypes separate the
-    classes, so the calibration probe losses are not the uniform guess log C at every depth."""
+    """The w/o Harmon. row keeps the estimator's signal: the depth probes separate the classes,
+    so the calibration probe losses are not the uniform guess log C at every depth."""
     import math
 
     spec = spec_factory(name="probe", algorithm=fedsga(harmonizer=False), model=RESNET, train=TRAIN,
@@ -238,13 +251,12 @@ def test_calibration_and_descriptor_uploads_are_counted(spec_factory):
     p1 = model.forward_until(x, "layer1.1").numel() * 4
     ref = model.forward_until(x, "layer2.1").numel() * 4
     for r in rows(spec, "clients.jsonl"):
-        assert r["probe_bytes_up"] == 8 * (p1 + 8)  # the probe batch's shallow interface and labels
+        # every round: the received model's probe-batch interfaces at p1 and p_ref and the labels
+        # (the probes' data, and in calibration rounds the probe losses' too), then the trained
+        # front's shallow interface (the descriptors)
+        assert r["probe_bytes_up"] == 8 * (p1 + ref + 8) + 8 * p1
+        assert "calibration_bytes_up" not in r
         extra = r["probe_bytes_up"]
-        if r["round"] == 1:  # a calibration round: interfaces at p1 and p_ref, and the labels
-            assert r["calibration_bytes_up"] == 8 * (p1 + ref + 8)
-            extra += r["calibration_bytes_up"]
-        else:
-            assert "calibration_bytes_up" not in r
         assert r["model_bytes_up"] == r["model_bytes_down"] > 0
         assert r["bytes_up"] == r["cut_bytes_up"] + r["model_bytes_up"] + extra
         # with the prompt kept from the alignment term, its gradient at the cut goes down beside

@@ -10,7 +10,7 @@ from torch import nn
 from fl_lightning.algorithms.split_common import default_candidates
 from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
 from fl_lightning.modules.prompts import PromptChannel, border_order
-from fl_lightning.modules.sufficiency import (SufficiencyEstimator, handcrafted_score, prompt_variation,
+from fl_lightning.modules.sufficiency import (DepthProbes, SufficiencyEstimator, handcrafted_score, prompt_variation,
                                               split_index, sufficiency_label, temporal_stability)
 
 
@@ -80,45 +80,90 @@ def test_depth_embedding_changes_the_projection():
     assert torch.allclose(h.project(z, 0), h.project(z, 2))
 
 
-def test_narrow_interfaces_are_standardized_then_zero_padded():
-    """Each channel of the pooled interface standardized with the batch's (biased) statistics of
-    its depth, then zero-padded to the widest depth; read in evaluation mode, the running ones."""
+def test_narrow_interfaces_are_standardized_per_example_then_zero_padded():
+    """Each example's pooled interface standardized over its own channels (biased variance,
+    eps 1e-5), then zero-padded to the widest depth; the same in evaluation mode."""
     torch.manual_seed(0)
     h = InterfaceHarmonizer([2, 6], num_classes=3, projection_dim=4)
     z = torch.randn(4, 2, 3, 3) + 3.0
     pooled = pool_interface(z)
-    standard = (pooled - pooled.mean(0)) / torch.sqrt(pooled.var(0, unbiased=False) + 1e-5)
+    mean = pooled.mean(1, keepdim=True)
+    standard = (pooled - mean) / torch.sqrt(pooled.var(1, unbiased=False, keepdim=True) + 1e-5)
     wide = torch.cat([standard, torch.zeros(4, 4)], dim=1)
     embedding = h.depth_embedding.weight[0].expand(4, -1)
     expected = F.normalize(h.projector(torch.cat([wide, embedding], 1)), dim=1)
-    # the same float32 operations up to the order of a few sums over 4-6 terms: a few ulps of
-    # outputs of unit norm (~1e-7), inside 1e-6; a wrong statistic moves them by ~1e-1
+    # the same float32 operations up to the order of a few sums over 2-6 terms: a few ulps of
+    # outputs of unit norm (~1e-7), inside 1e-6; batch statistics instead move them by ~1e-1
     assert torch.allclose(h.project(z, 0), expected, atol=1e-6)
-    running_mean = 0.1 * pooled.mean(0)  # one batch of momentum 0.1 from zero mean, unit variance
-    running_var = 0.9 + 0.1 * pooled.var(0, unbiased=True)
-    h.eval()
-    read = torch.cat([(pooled - running_mean) / torch.sqrt(running_var + 1e-5), torch.zeros(4, 4)], dim=1)
-    assert torch.allclose(h.project(z, 0), F.normalize(h.projector(torch.cat([read, embedding], 1)), dim=1),
-                          atol=1e-6)
+    assert torch.allclose(h.eval().project(z, 0), expected, atol=1e-6)
     with pytest.raises(ValueError):
         h.project(torch.randn(4, 6), 0)
 
 
-def test_prototype_ema_and_alignment_loss_by_hand():
-    h = InterfaceHarmonizer([4], num_classes=3, projection_dim=2, tau=0.5, momentum=0.9)
-    f1 = F.normalize(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), dim=1)
-    counts = h.update_prototypes(f1, torch.tensor([0, 1, 0]))
-    assert counts.tolist() == [2, 1, 0]
-    first0 = F.normalize((f1[0] + f1[2]) / 2, dim=0)
-    assert torch.allclose(h.prototypes[0], first0) and h.has_prototype.tolist() == [1, 1, 0]
-    f2 = torch.tensor([[0.0, 1.0]])
-    h.update_prototypes(f2, torch.tensor([0]))
-    assert torch.allclose(h.prototypes[0], F.normalize(0.9 * first0 + 0.1 * f2[0], dim=0))
-    # class 2 has no prototype: excluded from the softmax
-    feats = F.normalize(torch.tensor([[0.3, 0.7]]), dim=1)
+@pytest.mark.parametrize("head", [False, True])
+def test_an_examples_harmonized_output_does_not_depend_on_its_batch(head):
+    """One example's projection (and harmonized logits) alone, in a batch of its own class and
+    in a batch of ten classes, in training and evaluation mode: equal in float64."""
+    torch.manual_seed(3)
+    h = InterfaceHarmonizer([8, 16], num_classes=10, projection_dim=6, head=head).double()
+    if head:
+        nn.init.normal_(h.head.weight)
+    example = torch.rand(1, 16, 4, 4, dtype=torch.float64) * 3
+    same_class = torch.cat([example, example + 0.1 * torch.rand(7, 16, 4, 4, dtype=torch.float64)])
+    ten_classes = torch.cat([example, torch.rand(9, 16, 4, 4, dtype=torch.float64) * torch.arange(
+        1, 10, dtype=torch.float64)[:, None, None, None]])
+    for mode in (True, False):
+        h.train(mode)
+        alone = h.project(example, 1)
+        for batch in (same_class, ten_classes):
+            assert torch.allclose(h.project(batch, 1)[:1], alone, rtol=0, atol=1e-12)
+            if head:
+                assert torch.allclose(h.head(h.project(batch, 1))[:1], h.head(alone), rtol=0, atol=1e-12)
+
+
+def test_prototypes_aggregate_once_per_round_weighted_by_class_counts():
+    """Two clients' batches with unequal class counts: the round's prototype of a class is the
+    normalized mean of every projected feature of that class over both clients (the first
+    round), then the EMA with the next round's mean; a class nobody sent keeps its prototype."""
+    h = InterfaceHarmonizer([4], num_classes=3, projection_dim=2, tau=0.5, momentum=0.9).double()
+    a = F.normalize(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 1.0]], dtype=torch.float64), dim=1)
+    b = F.normalize(torch.tensor([[1.0, -1.0]], dtype=torch.float64), dim=1)
+    sums_a, counts_a = h.class_sums(a, torch.tensor([0, 1, 0, 0]))
+    sums_b, counts_b = h.class_sums(b, torch.tensor([0]))
+    assert counts_a.tolist() == [3, 1, 0] and counts_b.tolist() == [1, 0, 0]
+    h.update_prototypes(sums_a + sums_b, counts_a + counts_b)
+    first0 = F.normalize((a[0] + a[2] + a[3] + b[0]) / 4, dim=0)  # 3 examples from one client, 1 from the other
+    assert torch.allclose(h.prototypes[0], first0) and torch.allclose(h.prototypes[1], a[1])
+    assert h.has_prototype.tolist() == [1, 1, 0]
+    later = torch.tensor([[0.0, 1.0], [0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)
+    h.update_prototypes(*h.class_sums(later, torch.tensor([0, 0, 2])))
+    assert torch.allclose(h.prototypes[0], F.normalize(0.9 * first0 + 0.1 * (later[0] + later[1]) / 2, dim=0))
+    assert torch.allclose(h.prototypes[1], a[1]) and torch.allclose(h.prototypes[2], later[2])
+    # the alignment loss reads only classes with a prototype
+    fresh = InterfaceHarmonizer([4], num_classes=3, projection_dim=2).double()
+    feats = F.normalize(torch.tensor([[0.3, 0.7]], dtype=torch.float64), dim=1).requires_grad_()
+    assert fresh.alignment_loss(feats, torch.tensor([1])).detach().item() == 0.0  # the first round: no prototype yet
+    h.prototypes[2] = 0.0
+    h.has_prototype[2] = 0.0
     sims = torch.stack([feats[0] @ h.prototypes[0], feats[0] @ h.prototypes[1]]) / 0.5
     expected = -torch.log_softmax(sims, dim=0)[1]
     assert torch.allclose(h.alignment_loss(feats, torch.tensor([1])), expected)
+
+
+def test_depth_probes_read_uniform_until_fitted_then_their_own_linear_classifier():
+    torch.manual_seed(0)
+    probes = DepthProbes({0: 3, 2: 5}, num_classes=4)
+    x0, x2, y = torch.randn(40, 3), torch.randn(40, 5), torch.randint(0, 4, (40,))
+    assert probes.loss(x0, y, 0) == pytest.approx(math.log(4))
+    assert probes.true_class_probability(x2, y, 2) == pytest.approx(0.25)
+    x0[:, 0] += 3 * y  # depth 0 separates the classes, depth 2 does not
+    fit = probes.fit({0: x0, 2: x2}, y, steps=200, lr=0.05)
+    for depth, x in ((0, x0), (2, x2)):
+        head = probes.heads[str(depth)]
+        expected = F.cross_entropy(x @ head.weight.t() + head.bias, y)
+        assert probes.loss(x, y, depth) == pytest.approx(float(expected), rel=1e-5)
+        assert fit[f"probe{depth}_loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert probes.loss(x0, y, 0) < 0.5 * probes.loss(x2, y, 2)
 
 
 # -- descriptors, labels, estimator, policy ------------------------------------------------------
@@ -192,19 +237,3 @@ def test_default_candidates():
     vit = [f"block{i}" for i in range(12)]
     assert default_candidates(vit) == ["block2", "block5", "block8"]
     assert default_candidates([f"block{i}" for i in range(4)]) == ["block0", "block1", "block2"]
-
-
-def test_probe_loss_is_the_prototype_classifier_cross_entropy():
-    torch.manual_seed(0)
-    h = InterfaceHarmonizer([6, 6], num_classes=4, projection_dim=3, tau=0.5)
-    z, y = torch.randn(5, 6), torch.tensor([0, 1, 1, 3, 0])
-    assert h.probe_loss(z, y, 1) == pytest.approx(math.log(4))  # no prototypes yet
-    h.update_prototypes(F.normalize(torch.randn(3, 3), dim=1), torch.tensor([0, 1, 2]))
-    with torch.no_grad():  # the probe reads the harmonizer as it is: running statistics
-        feats = h.eval().project(z, 1)
-    h.train()
-    sims = feats @ h.prototypes[:3].t() / 0.5
-    known = torch.tensor([0, 1, 2, 4])  # the example of class 3 has no prototype: not scored
-    expected = F.cross_entropy(sims[known], y[known])
-    assert h.probe_loss(z, y, 1) == pytest.approx(float(expected), rel=1e-5)
-    assert h.probe_loss(z, y, 0) != pytest.approx(float(expected), rel=1e-3)  # another depth, another probe

@@ -145,7 +145,7 @@ class FedSGA(SplitFed):
     def setup(self, ctx) -> None:
         from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
         from fl_lightning.modules.prompts import PromptChannel
-        from fl_lightning.modules.sufficiency import SufficiencyEstimator
+        from fl_lightning.modules.sufficiency import DepthProbes, SufficiencyEstimator
 
         super().setup(ctx)
         device = ctx.fabric.device
@@ -174,6 +174,8 @@ class FedSGA(SplitFed):
             torch.manual_seed(derive_seed(ctx.seed, INIT_STREAM))
             self.harmonizer = harmonizer()
             self.estimator = SufficiencyEstimator(self.estimator_hidden)
+            self.probed = sorted({0, self.ref_index})  # the depths the calibration and descriptor read
+            self.probes = DepthProbes({d: widths[d] for d in self.probed}, ctx.num_classes).to(device)
         self.harmonizer_worker = harmonizer()
         self.pairs = torch.zeros(0, 4, dtype=torch.float64)
         probe = min(self.probe_size, min(ctx.client_sizes))
@@ -213,11 +215,16 @@ class FedSGA(SplitFed):
 
     def _reset_round(self) -> None:
         h = self.harmonizer
+        device = h.prototypes.device
+        n = self.ctx.num_clients
         self._harm_sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in self._harmonizer_tensors(h).items()}
-        self._harm_weight = torch.zeros((), dtype=torch.float64, device=h.prototypes.device)
+        self._harm_weight = torch.zeros((), dtype=torch.float64, device=device)
         self._proto_sums = torch.zeros_like(h.prototypes, dtype=torch.float64)
-        self._proto_counts = torch.zeros(h.prototypes.shape[0], dtype=torch.float64, device=h.prototypes.device)
-        self._cal_pairs = torch.zeros(self.ctx.num_clients, 5, dtype=torch.float64, device=h.prototypes.device)
+        self._proto_counts = torch.zeros(h.prototypes.shape[0], dtype=torch.float64, device=device)
+        self._cal_pairs = torch.zeros(n, 5, dtype=torch.float64, device=device)
+        self._probe_rows = {d: torch.zeros(n, self._probe_count, self.widths[d], dtype=torch.float64, device=device)
+                            for d in self.probed}
+        self._probe_mask = torch.zeros(n, dtype=torch.float64, device=device)
         self._trained_here = False
 
     # -- the plan -------------------------------------------------------------------------------
@@ -267,31 +274,32 @@ class FedSGA(SplitFed):
         return self.prompts.apply(front, prompt) if self.adaptation_channel else front
 
     @torch.no_grad()
-    def probe_losses(self, client: int, prompt: torch.Tensor, channel: Channel) -> Tuple[float, float]:
-        """Probe losses of the received model's interfaces at p1 and p_ref on the probe batch;
-        what the client uploads for them (both interfaces and the labels) crosses ``channel``.
+    def probe_interfaces(self, client: int, prompt: torch.Tensor, channel: Channel) -> Dict[int, torch.Tensor]:
+        """The received model's interfaces at the probed depths (p1 and p_ref) on the client's
+        probe batch, standardized and pooled as the probes read them; what the client uploads for
+        them (the interfaces and the labels) crosses ``channel``.
 
         The network computes the same prediction wherever it is cut, so the probe is not the
-        task loss: it is the harmonizer's prototype classifier read at each depth (the
-        cross-entropy of ``softmax(Z C^T / tau_a)``), i.e. how well the interface at that depth
-        already separates the classes in the shared semantic space (docs/fedsga.md). The
-        interfaces are computed as training computes them, batch norm on the probe batch's own
-        statistics (running statistics untouched).
+        task loss: it is a linear classifier per depth (``DepthProbes``), i.e. how well the
+        interface at that depth already separates the classes (docs/fedsga.md). The interfaces
+        are computed as training computes them, batch norm on the probe batch's own statistics
+        (running statistics untouched).
         """
         from fl_lightning.elastic.bn import batch_statistics
+        from fl_lightning.modules.harmonizer import standardized
 
         model = self.ctx.model
         x, y = self.probe(client)
-        losses = []
-        channel.up("calibration", y)
+        out = {}
+        channel.up("probe", y)
         with batch_statistics(model):
-            for depth in (0, self.ref_index):
+            for depth in self.probed:
                 front, _ = model.split(self.cuts[depth])
                 with self.ctx.fabric.autocast():
                     interface = self.prompted(front, prompt)(x)
-                losses.append(self.harmonizer.probe_loss(interface, y, depth))
-                channel.up("calibration", interface)
-        return losses[0], losses[1]
+                channel.up("probe", interface)
+                out[depth] = standardized(interface)
+        return out
 
     def load_server_harmonizer(self, task: ClientTask, plan: RoundPlan) -> None:
         """The harmonizer the server half trains with for this client: a copy of the global one
@@ -310,11 +318,6 @@ class FedSGA(SplitFed):
             return {}
         return {f"harmonizer.{k}": v for k, v in self.harmonizer_worker.named_parameters()}
 
-    def server_probes(self) -> Dict[str, torch.Tensor]:
-        if self.use_harmonizer:
-            return {}
-        return {f"harmonizer.{k}": v for k, v in self.harmonizer_worker.named_parameters()}
-
     @property
     def blocks_alignment_from_prompt(self) -> bool:
         """``prompt_gradient: task`` with a prompt and an alignment term that reaches the model."""
@@ -324,12 +327,15 @@ class FedSGA(SplitFed):
         super().commit(acc, task, result, plan)
         pending = result.payload
         weight = float(result.num_samples)
-        if self.version == "v1":  # server copies: the projector and prototypes are averaged
+        if self.version == "v1" and self.use_harmonizer:  # server copies: the projector is averaged
             for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
                 self._harm_sums[name] += weight * value.detach().double()
             self._harm_weight += weight
-            self._proto_sums += pending.class_counts[:, None] * self.harmonizer_worker.prototypes.double()
-            self._proto_counts += pending.class_counts
+        self._proto_sums += pending.class_sums
+        self._proto_counts += pending.class_counts
+        for depth, rows in pending.probe_rows.items():
+            self._probe_rows[depth][task.client] = rows.double()
+        self._probe_mask[task.client] = 1.0
         if pending.sufficient is not None and pending.had_descriptor:
             self._cal_pairs[task.client, :3] = pending.old_descriptor.double()
             self._cal_pairs[task.client, 3] = pending.sufficient
@@ -338,21 +344,19 @@ class FedSGA(SplitFed):
 
     # -- the server's round end -----------------------------------------------------------------
     def round_tensors(self) -> Dict[str, torch.Tensor]:
-        if self.version == "v2" and self._trained_here:  # the shared harmonizer, from the rank that trained it
-            h = self.harmonizer_worker
-            for name, value in self._harmonizer_tensors(h).items():
+        if self.version == "v2" and self._trained_here and self.use_harmonizer:
+            # the shared harmonizer, from the rank that trained it
+            for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
                 self._harm_sums[name] = value.detach().double().clone()
             self._harm_weight = torch.ones_like(self._harm_weight)
-            self._proto_sums = h.prototypes.double() * h.has_prototype.double()[:, None]
-            self._proto_counts = h.has_prototype.double().clone()
         out = {f"harmonizer/{k}": v for k, v in self._harm_sums.items()}
         out.update({"harmonizer/weight": self._harm_weight, "prototypes/sums": self._proto_sums,
-                    "prototypes/counts": self._proto_counts, "calibration/pairs": self._cal_pairs})
+                    "prototypes/counts": self._proto_counts, "calibration/pairs": self._cal_pairs,
+                    "probe/mask": self._probe_mask})
+        out.update({f"probe/rows{d}": rows for d, rows in self._probe_rows.items()})
         return out
 
     def finish_round(self, new_state, sums, plan, owned) -> None:
-        import torch.nn.functional as F
-
         super().finish_round(new_state, sums, plan, owned)
         h = self.harmonizer
         with torch.no_grad():
@@ -360,18 +364,14 @@ class FedSGA(SplitFed):
             if weight > 0:
                 for name, value in self._harmonizer_tensors(h).items():
                     value.copy_((sums[f"harmonizer/{name}"] / weight).to(value.dtype))
-            counts = sums["prototypes/counts"]
-            seen = counts > 0
-            if seen.any():
-                means = sums["prototypes/sums"][seen] / counts[seen, None]
-                if self.version == "v1":  # a count-weighted mean of unit vectors, back onto the sphere
-                    means = F.normalize(means, dim=1)
-                h.prototypes[seen] = means.to(h.prototypes.dtype)
-                h.has_prototype[seen] = 1.0
+        if self.use_harmonizer:
+            h.update_prototypes(sums["prototypes/sums"], sums["prototypes/counts"])
+        probe_fit = self.fit_probes(sums)
         cuts = [t.choice.index for t in plan.tasks]
         figures = {"split/mean_index": sum(cuts) / len(cuts),
                    "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)}
         figures.update({f"split/frac_cut{k}": sum(c == k for c in cuts) / len(cuts) for k in range(len(self.cuts))})
+        figures.update(probe_fit)
         pairs = sums["calibration/pairs"].cpu()
         new_pairs = pairs[pairs[:, 4] > 0, :4]
         if len(new_pairs):
@@ -383,6 +383,16 @@ class FedSGA(SplitFed):
         self._round_figures = figures
         self.store.sync(self.ctx.fabric, plan.cohort, owned)
         self._reset_round()
+
+    def fit_probes(self, sums) -> Dict[str, float]:
+        """Refit every probed depth's probe on the round's probe interfaces of every committed
+        client, in client order (the same on every rank)."""
+        clients = [c for c in range(self.ctx.num_clients) if sums["probe/mask"][c] > 0]
+        if not clients:
+            return {}
+        labels = torch.cat([self.probe(c)[1] for c in clients])
+        features = {d: sums[f"probe/rows{d}"][clients].flatten(0, 1) for d in self.probed}
+        return {f"probe/{k}": v for k, v in self.probes.fit(features, labels).items()}
 
     def round_metrics(self, sums) -> Dict[str, float]:
         return dict(self._round_figures)
@@ -396,7 +406,8 @@ class FedSGA(SplitFed):
         from fl_lightning.modules.harmonizer import HarmonizedNetwork
         from fl_lightning.runtime.evaluation import evaluate
 
-        data, model = self.ctx.data, self.ctx.model
+        data = self.ctx.data
+        model = self.statistics.served(self.ctx.model)
         dataset, indices = data.split(split)
         out = {}
         for depth, cut in enumerate(self.cuts):
@@ -413,6 +424,7 @@ class FedSGA(SplitFed):
         state = super().state_dict()
         state.update({f"harmonizer/{k}": v for k, v in self.harmonizer.state_dict().items()})
         state.update({f"estimator/{k}": v for k, v in self.estimator.state_dict().items()})
+        state.update({f"probes/{k}": v for k, v in self.probes.state_dict().items()})
         state["calibration_pairs"] = self.pairs
         state.update(self.store.state_dict())
         return state
@@ -424,5 +436,6 @@ class FedSGA(SplitFed):
             return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         self.harmonizer.load_state_dict(part("harmonizer/"))
         self.estimator.load_state_dict(part("estimator/"))
+        self.probes.load_state_dict(part("probes/"))
         self.pairs = state["calibration_pairs"].to(torch.float64)
         self.store.load_state_dict(state)

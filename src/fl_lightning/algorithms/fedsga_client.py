@@ -44,8 +44,12 @@ class NextClientState:
     had_descriptor: bool
     sufficient: Optional[float]
     """The calibration label of this round (None outside calibration rounds)."""
+    class_sums: torch.Tensor
+    """Per class, the sum of the projected features of this client's examples (the round's prototype statistics)."""
     class_counts: torch.Tensor
-    """Examples of each class the server saw from this client (a server copy's prototype weights)."""
+    """Examples of each class the server saw from this client."""
+    probe_rows: Dict[int, torch.Tensor]
+    """The received model's standardized pooled probe interfaces at each probed depth (the probes' training data)."""
 
 
 class FedSGAClient(SplitClient):
@@ -60,24 +64,30 @@ class FedSGAClient(SplitClient):
         self.grad_norms = torch.zeros(method.num_prompts, dtype=torch.float64)
         self.grad_steps = 0
         prototypes = method.harmonizer.prototypes
+        self.class_sums = torch.zeros(prototypes.shape, dtype=torch.float64, device=prototypes.device)
         self.class_counts = torch.zeros(prototypes.shape[0], dtype=torch.float64, device=prototypes.device)
         self.align_term: Optional[torch.Tensor] = None  # the batch in flight's alignment loss
         self.align_grad: Optional[torch.Tensor] = None  # its gradient at the cut (prompt_gradient: task)
 
     def fit(self):
-        """Calibration probes on the received model (calibration rounds), the split round, then
-        the descriptors; the client's next store entry waits in the result's payload."""
+        """The received model's probe interfaces (and in calibration rounds the probe losses),
+        the split round, then the descriptors; the client's next store entry waits in the
+        result's payload."""
         from fl_lightning.modules.sufficiency import sufficiency_label
 
         method, task = self.method, self.task
         method.load_server_harmonizer(task, self.plan)
-        calibration, calibration_link = {}, Channel()
+        probe_link = Channel()
+        self.probe_rows = method.probe_interfaces(task.client, self.prompt.detach(), probe_link)
+        calibration = {}
         if task.choice.calibrate:
-            loss_p1, loss_ref = method.probe_losses(task.client, self.prompt.detach(), calibration_link)
+            _, y = method.probe(task.client)
+            loss_p1 = method.probes.loss(self.probe_rows[0], y, 0)
+            loss_ref = method.probes.loss(self.probe_rows[method.ref_index], y, method.ref_index)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
                            "sufficient": float(sufficiency_label(loss_p1, loss_ref, method.beta))}
         result = method.fit_split_client(self)
-        result.channel.merge(calibration_link)
+        result.channel.merge(probe_link)
         result.metrics.update(calibration)
         figures, result.payload = self.report(calibration, result.channel)
         result.metrics.update(figures)
@@ -110,18 +120,22 @@ class FedSGAClient(SplitClient):
     # -- the server's side of the client's batches ----------------------------------------------
     def server_loss(self, back, sent, y):
         """CE of the server's prediction (with the harmonized read-out on its path) plus
-        lambda times the prototype alignment loss; the projector learns on detached interfaces
-        when harmonization is off (the estimator's probe)."""
+        lambda times the alignment loss against the prototypes of the previous rounds; the
+        batch's projected features add to the round's prototype statistics. Without
+        harmonization, plain cross-entropy."""
         method = self.method
-        harmonizer = method.harmonizer_worker
         logits = back(sent)
-        features = harmonizer.project(sent if method.use_harmonizer else sent.detach(), self.depth)
+        if not method.use_harmonizer:
+            return F.cross_entropy(logits, y)
+        harmonizer = method.harmonizer_worker
+        features = harmonizer.project(sent, self.depth)
         if method.harmonized:
             logits = logits + harmonizer.head(features).to(logits.dtype)
-        counts = harmonizer.update_prototypes(features.detach(), y)
-        self.class_counts += counts.to(self.class_counts.dtype)
+        sums, counts = harmonizer.class_sums(features, y)
+        self.class_sums += sums
+        self.class_counts += counts
         align = method.lambda_align * harmonizer.alignment_loss(features, y)
-        self.align_term = align if method.use_harmonizer else None
+        self.align_term = align
         return F.cross_entropy(logits, y) + align
 
     def server_rule(self, fabric, pair, sent, y, cfg, index, fit) -> tuple:
@@ -143,10 +157,10 @@ class FedSGAClient(SplitClient):
     def report(self, calibration: dict, channel: Channel) -> Tuple[Dict[str, float], NextClientState]:
         """Descriptors on the probe batch with the trained front and prompt (batch norm on the
         probe batch's statistics, as the interface is computed in training; the client uploads
-        the shallow interface and the labels): the round's figures and the client's next store
+        its shallow interface): the round's figures and the client's next store
         entry."""
         from fl_lightning.elastic.bn import batch_statistics
-        from fl_lightning.modules.harmonizer import pool_interface
+        from fl_lightning.modules.harmonizer import pool_interface, standardized
         from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
 
         method, state = self.method, self.state
@@ -156,9 +170,9 @@ class FedSGAClient(SplitClient):
             front, _ = method.client_worker.split(method.cuts[0])
             with method.ctx.fabric.autocast():
                 shallow = method.prompted(front, prompt)(x)
-        channel.up("probe", shallow, y)
+        channel.up("probe", shallow)  # the labels went up with the round's probe interfaces
         pooled = pool_interface(shallow).float()
-        alignment = float(method.harmonizer_worker.true_class_probability(shallow, y, 0))
+        alignment = method.probes.true_class_probability(standardized(shallow), y, 0)
         previous = state["probe_features"] if state["has_descriptor"].item() else None
         stability = temporal_stability(pooled, previous)
         if method.adaptation_channel and self.grad_steps:
@@ -172,7 +186,8 @@ class FedSGAClient(SplitClient):
                    "has_descriptor": torch.ones_like(state["has_descriptor"]),
                    "probe_features": pooled.to(state["probe_features"])},
             old_descriptor=state["descriptor"].clone(), had_descriptor=bool(state["has_descriptor"].item()),
-            sufficient=calibration.get("sufficient"), class_counts=self.class_counts)
+            sufficient=calibration.get("sufficient"), class_sums=self.class_sums, class_counts=self.class_counts,
+            probe_rows=self.probe_rows)
         figures = {"cut": self.depth, "alignment": alignment, "stability": stability,
                    "prompt_variation": variation, "prompt_norm": float(prompt.norm())}
         if self.task.choice.r is not None:

@@ -1,19 +1,21 @@
 """Split-compatible interface harmonization (FedSGA Sec. 3.4), usable by any split method.
 
-The server pools the received interface (spatial or token average), standardizes each channel
-with batch-norm statistics of its depth (without them the pooled maps of a ReLU network share one
-dominant direction and every projection lands on the same point), zero-pads it to the widest
-candidate's width, appends a learnable embedding of the split depth and projects it
-with one two-layer MLP shared by all depths into a unit-norm semantic space. Class
-prototypes follow the projected class means by EMA, and the alignment loss is the
-cross-entropy of the prototype similarities at temperature ``tau``. With a prediction head
+The server pools the received interface (spatial or token average), standardizes each example
+over its channels (a per-example layer norm without affine parameters: without a
+standardization the pooled maps of a ReLU network share one dominant direction and every
+projection lands on the same point; per example, so an example's result never depends on which
+others share its batch, whose few classes would otherwise set its statistics), zero-pads it to
+the widest candidate's width, appends a learnable embedding of the split depth and projects it
+with one two-layer MLP shared by all depths into a unit-norm semantic space. Class prototypes
+are the projected class means, aggregated once per round over every client weighted by class
+counts and carried across rounds by EMA; within a round they are fixed. The alignment loss is
+the cross-entropy of the prototype similarities at temperature ``tau``. With a prediction head
 (``head``), the harmonized representation also enters the server's prediction
 (:class:`HarmonizedNetwork`; docs/fedsga.md).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -30,8 +32,14 @@ def pool_interface(z: torch.Tensor) -> torch.Tensor:
     return z.flatten(1)
 
 
+def standardized(z: torch.Tensor) -> torch.Tensor:
+    """The pooled interface, each example standardized over its channels (float32)."""
+    pooled = pool_interface(z).float()
+    return F.layer_norm(pooled, pooled.shape[1:])
+
+
 class InterfaceHarmonizer(nn.Module):
-    """Depth-aware projector with EMA class prototypes.
+    """Depth-aware projector with per-round class prototypes.
 
     Args:
         widths: pooled interface width at each candidate depth, shallowest first.
@@ -40,7 +48,7 @@ class InterfaceHarmonizer(nn.Module):
         hidden: hidden width of the projector MLP.
         depth_dim: width of the learnable split-depth embedding.
         tau: prototype temperature tau_a.
-        momentum: prototype EMA coefficient mu.
+        momentum: prototype EMA coefficient mu (across rounds).
         head: a linear map from the semantic space to class logits, added to the server's
             prediction (zero at initialization, so training starts from the backbone's).
     """
@@ -52,7 +60,6 @@ class InterfaceHarmonizer(nn.Module):
         self.in_width = max(self.widths)
         self.tau = tau
         self.momentum = momentum
-        self.norms = nn.ModuleList(nn.BatchNorm1d(w, affine=False) for w in self.widths)
         self.depth_embedding = nn.Embedding(len(self.widths), depth_dim)
         self.projector = nn.Sequential(nn.Linear(self.in_width + depth_dim, hidden), nn.ReLU(inplace=True),
                                        nn.Linear(hidden, projection_dim))
@@ -64,33 +71,39 @@ class InterfaceHarmonizer(nn.Module):
         self.register_buffer("has_prototype", torch.zeros(num_classes))
 
     def project(self, z: torch.Tensor, depth: int) -> torch.Tensor:
-        """Unit-norm features of the interface ``z`` received from candidate ``depth``."""
-        pooled = pool_interface(z).float()
+        """Unit-norm features of the interface ``z`` received from candidate ``depth``; each
+        example's features depend on that example alone."""
+        pooled = standardized(z)
         if pooled.shape[1] != self.widths[depth]:
             raise ValueError(f"depth {depth} carries width {self.widths[depth]}, got {pooled.shape[1]}")
-        norm = self.norms[depth]
-        if norm.training and len(pooled) == 1:  # one row has no batch statistics: use the running ones
-            pooled = F.batch_norm(pooled, norm.running_mean, norm.running_var, training=False, eps=norm.eps)
-        else:
-            pooled = norm(pooled)
         padded = F.pad(pooled, (0, self.in_width - pooled.shape[1]))
         embedding = self.depth_embedding.weight[depth].expand(len(padded), -1)
         return F.normalize(self.projector(torch.cat([padded, embedding], dim=1)), dim=1)
 
     @torch.no_grad()
-    def update_prototypes(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """EMA step of the classes present in the batch; returns the batch's class counts."""
+    def class_sums(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-class sums of ``features`` and class counts (float64), what a batch adds to the
+        round's prototype statistics."""
         num_classes = self.prototypes.shape[0]
-        counts = torch.bincount(labels, minlength=num_classes).to(features.dtype)
-        sums = torch.zeros_like(self.prototypes).index_add_(0, labels, features.to(self.prototypes.dtype))
-        present = counts > 0
-        means = sums[present] / counts[present, None]
-        old = self.prototypes[present]
-        seen = self.has_prototype[present, None] > 0
-        blended = torch.where(seen, self.momentum * old + (1 - self.momentum) * means, means)
-        self.prototypes[present] = F.normalize(blended, dim=1)
-        self.has_prototype[present] = 1.0
-        return counts
+        counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+        sums = torch.zeros(self.prototypes.shape, dtype=torch.float64, device=features.device)
+        sums.index_add_(0, labels, features.detach().to(torch.float64))
+        return sums, counts
+
+    @torch.no_grad()
+    def update_prototypes(self, sums: torch.Tensor, counts: torch.Tensor) -> None:
+        """The round's EMA step: each class seen this round moves to
+        ``normalize(mu C_k + (1 - mu) m_k)`` with ``m_k`` its mean projected feature over every
+        client's examples of the round (``normalize(m_k)`` at its first round)."""
+        seen = counts > 0
+        if not seen.any():
+            return
+        means = (sums[seen] / counts[seen, None]).to(self.prototypes.dtype)
+        old = self.prototypes[seen]
+        known = self.has_prototype[seen, None] > 0
+        blended = torch.where(known, self.momentum * old + (1 - self.momentum) * means, means)
+        self.prototypes[seen] = F.normalize(blended, dim=1)
+        self.has_prototype[seen] = 1.0
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Prototype similarities over tau; classes without a prototype get -inf."""
@@ -98,44 +111,12 @@ class InterfaceHarmonizer(nn.Module):
         return logits.masked_fill(self.has_prototype[None, :] == 0, float("-inf"))
 
     def alignment_loss(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the prototype similarities (every label has a prototype once the
-        batch has updated them)."""
-        return F.cross_entropy(self.logits(features), labels)
-
-    def forward(self, z: torch.Tensor, labels: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Project, update the prototypes with the batch, return (alignment loss, class counts)."""
-        features = self.project(z, depth)
-        counts = self.update_prototypes(features.detach(), labels)
-        return self.alignment_loss(features, labels), counts
-
-    @torch.no_grad()
-    def read(self, z: torch.Tensor, depth: int) -> torch.Tensor:
-        """Prototype logits of ``z`` read without changing the harmonizer (running statistics)."""
-        was_training = self.training
-        self.eval()
-        try:
-            return self.logits(self.project(z, depth))
-        finally:
-            self.train(was_training)
-
-    @torch.no_grad()
-    def probe_loss(self, z: torch.Tensor, labels: torch.Tensor, depth: int) -> float:
-        """Cross-entropy of the prototype classifier on the interface ``z`` from ``depth``
-        (FedSGA's probe loss); the classes without a prototype are left out of the softmax,
-        and examples of such a class are not scored."""
-        logits = self.read(z, depth)
+        """Cross-entropy of the prototype similarities over the examples whose class has a
+        prototype (zero, with a graph, before any has: the first round)."""
         known = self.has_prototype[labels] > 0
         if not known.any():
-            return math.log(self.prototypes.shape[0])  # no prototype yet: the uniform guess
-        return float(F.cross_entropy(logits[known], labels[known]))
-
-    @torch.no_grad()
-    def true_class_probability(self, z: torch.Tensor, labels: torch.Tensor, depth: int) -> torch.Tensor:
-        """Mean softmax probability of each example's own class (the alignment descriptor)."""
-        logits = self.read(z, depth)
-        if torch.isinf(logits).all():
-            return logits.new_zeros(())
-        return logits.softmax(dim=1).gather(1, labels[:, None]).mean()
+            return features.sum() * 0.0
+        return F.cross_entropy(self.logits(features[known]), labels[known])
 
 
 class HarmonizedNetwork(nn.Module):

@@ -85,15 +85,10 @@ class SplitPair:
 
 
 def _clip(fabric, module: nn.Module, optimizer: torch.optim.Optimizer, cfg: LocalTrainConfig) -> None:
-    """Clip to ``cfg.grad_clip``; each parameter group on its own norm (a probe trained beside
-    the server half must not change how the half is clipped)."""
+    """Clip to ``cfg.grad_clip``."""
     if cfg.grad_clip is None or not any(group["params"] for group in optimizer.param_groups):
         return
-    if len(optimizer.param_groups) == 1:
-        fabric.clip_gradients(module, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
-        return
-    for group in optimizer.param_groups:  # split methods refuse gradient scalers: nothing to unscale
-        torch.nn.utils.clip_grad_norm_(group["params"], cfg.grad_clip)
+    fabric.clip_gradients(module, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
 
 
 def sgd(params, lr: float, cfg: LocalTrainConfig) -> torch.optim.SGD:
@@ -107,21 +102,17 @@ def make_pair(fabric, cfg: LocalTrainConfig, *, client_forward: ClientForward, s
               server_momentum: Optional[Dict[int, torch.Tensor]] = None,
               after_client_backward: Optional[Callable[[], None]] = None,
               server_optimizer: Optional[torch.optim.Optimizer] = None,
-              probe_params: Iterable[torch.Tensor] = (), client_backward: Optional[Callable] = None) -> SplitPair:
+              client_backward: Optional[Callable] = None) -> SplitPair:
     """Build both optimizers through Fabric (SGD with the run's momentum and weight decay).
 
     ``server_momentum`` maps ``id(param)`` to a momentum buffer to start from: a server half
     that persists across clients and rounds (SplitFed V2, FedSGA's shared server) carries it.
     ``server_optimizer``: an optimizer already built for the server half (a cohort that shares
-    one server step, MergeSFL); then ``server_params`` is not used. ``probe_params``: tensors
-    the server trains beside its half on detached inputs, in a parameter group of their own.
+    one server step, MergeSFL); then ``server_params`` is not used.
     """
     client_optimizer = fabric.setup_optimizers(sgd(client_params, lr, cfg))
     if server_optimizer is None:
         server_optimizer = sgd(server_params, server_lr, cfg)
-        probe_params = list(probe_params)
-        if probe_params:
-            server_optimizer.add_param_group({"params": probe_params})
         for group in server_optimizer.param_groups:
             for p in group["params"]:
                 buffer = (server_momentum or {}).get(id(p))

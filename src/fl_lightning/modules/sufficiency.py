@@ -3,6 +3,7 @@ the calibration label and the split policy Psi. Formulas: docs/fedsga.md."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -85,3 +86,61 @@ class SufficiencyEstimator(nn.Module):
             logits = self.net(x).squeeze(-1)
             return {"bce": float(F.binary_cross_entropy_with_logits(logits, y)),
                     "accuracy": float(((logits > 0).float() == y).float().mean())}
+
+
+class DepthProbes(nn.Module):
+    """The sufficiency probe: a linear classifier per probed depth on the standardized pooled
+    interface (``harmonizer.standardized``), giving the probe loss L(p) of the calibration
+    label and the alignment descriptor.
+
+    Every round the server refits each probe on the probe-batch interfaces of every committed
+    client at that depth (the received model's, computed by the client), warm-started from the
+    last round's, so a depth's probe is trained as often as any other's whatever share of the
+    clients the split policy sends there. Until its first fit a probe reads as the uniform
+    guess.
+
+    Args:
+        widths: depth index -> pooled interface width, for each probed depth.
+        num_classes: classes of the task.
+    """
+
+    def __init__(self, widths: dict, num_classes: int):
+        super().__init__()
+        self.depths = sorted(widths)
+        self.heads = nn.ModuleDict({str(d): nn.Linear(widths[d], num_classes) for d in self.depths})
+        self.register_buffer("trained", torch.zeros(()))
+
+    def logits(self, features: torch.Tensor, depth: int) -> torch.Tensor:
+        return self.heads[str(depth)](features.float())
+
+    @torch.no_grad()
+    def loss(self, features: torch.Tensor, labels: torch.Tensor, depth: int) -> float:
+        """Cross-entropy of the depth's probe (log C before the first fit)."""
+        if not self.trained.item():
+            return math.log(self.heads[str(depth)].out_features)
+        return float(F.cross_entropy(self.logits(features, depth), labels))
+
+    @torch.no_grad()
+    def true_class_probability(self, features: torch.Tensor, labels: torch.Tensor, depth: int) -> float:
+        """Mean probability the depth's probe gives each example's own class (1/C before the first fit)."""
+        if not self.trained.item():
+            return 1.0 / self.heads[str(depth)].out_features
+        return float(self.logits(features, depth).softmax(dim=1).gather(1, labels[:, None]).mean())
+
+    def fit(self, features: dict, labels: torch.Tensor, steps: int = 50, lr: float = 0.01) -> dict:
+        """Full-batch cross-entropy with Adam on each depth's features (depth -> [n, width]);
+        returns each probe's training loss."""
+        out = {}
+        with torch.enable_grad():
+            for depth in self.depths:
+                head = self.heads[str(depth)]
+                optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+                x = features[depth].float()
+                for _ in range(steps):
+                    optimizer.zero_grad()
+                    F.cross_entropy(head(x), labels).backward()
+                    optimizer.step()
+                with torch.no_grad():
+                    out[f"probe{depth}_loss"] = float(F.cross_entropy(head(x), labels))
+        self.trained.fill_(1.0)
+        return out
