@@ -40,7 +40,7 @@ def test_splitfed_v2_round_matches_the_authors_code(tmp_path):
 
     golden = load("splitfed_v2", "authors.pt")
     case, theirs = golden["case"], golden["float64"]
-    spec = make_spec(tmp_path, SplitFed(cut=case["cut"], version="v2"),
+    spec = make_spec(tmp_path, SplitFed(cut=case["cut"], version="v2", bn="aggregated"),
                      train=replace(TRAIN, lr=case["lr"], momentum=case["momentum"]),
                      clients_per_round=case["clients_per_round"])
     fed, initial, cohort, batches = run_one_round(spec)

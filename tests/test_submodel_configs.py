@@ -21,7 +21,7 @@ def written(where, dataset, policy):
 
 @pytest.mark.parametrize("where,dataset", list(tool.SETTINGS))
 def test_files_are_what_the_tool_writes(where, dataset):
-    for policy in tool.POLICIES:
+    for policy in tool.policies(dataset):
         path = ROOT / "configs" / "submodel" / where / dataset / f"{policy}.yaml"
         expected = (tool.HEADER.format(where=where, policy=policy, dataset=dataset)
                     + yaml.safe_dump(tool.config_for(where, dataset, policy), sort_keys=False))
@@ -31,7 +31,7 @@ def test_files_are_what_the_tool_writes(where, dataset):
 @pytest.mark.parametrize("where,dataset", list(tool.SETTINGS))
 def test_policies_share_data_partition_model_and_schedule(where, dataset):
     ref = written(where, dataset, "hasfl")
-    for policy in tool.POLICIES:
+    for policy in tool.policies(dataset):
         cfg = written(where, dataset, policy)
         assert set(cfg) == set(ref)
         for key in set(cfg) - POLICY_KEYS - {"train"}:
@@ -52,7 +52,15 @@ def test_offline_shakespeare_keeps_table6_structure():
     assert cfg["federation"]["rounds"] == 60 and cfg["train"]["steps"] == 20
     assert [written("offline", "shakespeare", p)["algorithm"]["class_path"].rsplit(".", 1)[1]
             for p in ("hasfl", "fjord", "uniform")] == ["HASFL", "FjORD", "Uniform"]
-    assert written("offline", "shakespeare", "uniform")["algorithm"]["init_args"] == {"width": 0.5}
+    assert written("offline", "shakespeare", "uniform")["algorithm"]["init_args"] == {"width": 0.5, "bn": "sbn"}
+
+
+def test_every_policy_of_the_study_serves_static_bn_statistics():
+    """One served-statistics protocol for every policy of a comparison (docs/served_statistics.md)."""
+    for where, dataset in (("offline", "mnist_subset"), ("offline", "digits"), ("paper", "cifar10")):
+        for policy in ("hasfl", "hasfl_nocov", "heterofl", "fjord", "uniform", "random_budget", "fedavg", "fedprox",
+                       "scaffold"):
+            assert written(where, dataset, policy)["algorithm"]["init_args"]["bn"] == "sbn", (where, dataset, policy)
 
 
 def test_paper_shakespeare_is_the_papers_protocol():

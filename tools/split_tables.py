@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from submodel_tables import collect, print_noise_floor, print_paired, run_figures
+from submodel_tables import collect, print_before_after, print_noise_floor, print_paired, run_figures
 from submodel_tables import pm as _pm
 
 from fl_lightning.tool_parser import ToolParser
@@ -125,11 +125,20 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", default="fedsga")
     parser.add_argument("--noise", type=Path, default=None,
                         help="the same methods and seeds under other arithmetic (noise floor of the first root)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="the same methods and seeds under an earlier protocol (beside the first root)")
+    parser.add_argument("--before-label", default="the earlier protocol", help="what --before ran under")
     args = parser.parse_args(argv)
+    for option, folder in [("roots", r) for r in args.roots] + [("--noise", args.noise), ("--before", args.before)]:
+        if folder is not None and not folder.is_dir():
+            parser.error(f"{option}: no folder at {folder}")
     tables = {root: root_tables(root, args.reference) for root in args.roots}
     if args.noise is not None:
         other = {m: {s: run_figures(r) for s, r in seeds.items()} for m, seeds in collect(args.noise).items()}
         print_noise_floor(tables[args.roots[0]], other, "method")
+    if args.before is not None:
+        before = {m: {s: run_figures(r) for s, r in seeds.items()} for m, seeds in collect(args.before).items()}
+        print_before_after(tables[args.roots[0]], before, "method", args.before_label)
     if len(tables) > 1:  # Tables 2/3: a column per setting (dataset, partition, backbone)
         methods = list(dict.fromkeys(m for t in tables.values() for m in t))
         print("### Final test accuracy (%) per setting\n")

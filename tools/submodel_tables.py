@@ -1,7 +1,7 @@
 """Tables of the sub-model study from saved multi-seed runs (``<root>/<policy>_s<seed>``).
 
     python tools/submodel_tables.py runs/submodel/digits [--reference hasfl] [--table3] [--table4] \
-        [--noise runs/submodel/digits_threads2]
+        [--noise runs/submodel/digits_threads2] [--before runs/archive/digits]
 
 Prints, per policy, best (peak test accuracy over the evaluations) and final test accuracy and
 the average capacity (mean over rounds of the cohort's mean width; 1 for full-model methods)
@@ -9,7 +9,8 @@ as mean +- std over seeds (Tables 2, 5, 6), paired per-seed differences against 
 policy with their 95% intervals; with ``--table3`` the coverage ablation (peak-to-final drop
 and the round's widest sub-model after warm-up, median over rounds); with ``--table4`` the
 capacity-confound correlations of the HAS-FL runs; with ``--noise`` the same seeds' runs under
-other arithmetic, the noise floor of one run.
+other arithmetic, the noise floor of one run; with ``--before`` the same seeds under an earlier
+protocol (the served-statistics change: ``docs/served_statistics.md``) beside today's.
 """
 
 from __future__ import annotations
@@ -161,6 +162,23 @@ def print_paired(figures: dict, reference: str, label: str) -> None:
             print(f"| {name} | {' | '.join(cells)} | {verdict(mean, half, reference)} |")
 
 
+def print_before_after(figures: dict, before: dict, label: str, what: str) -> None:
+    """The same entries and seeds under an earlier protocol (``what``): both final accuracies
+    and the paired change, so a reader sees what the protocol moves."""
+    print(f"\nThe same {label}s and seeds before ({what}) and now: final test accuracy (%), and now - before "
+          f"paired over seeds (points, 95% Student-t interval):\n")
+    print(f"| {label} | seeds | before | now | now - before | finding |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, seeds in figures.items():
+        earlier = finals(before.get(name, {}))
+        paired = paired_cells(finals(seeds), earlier)
+        if paired:
+            cells, mean, half = paired
+            common = sorted(set(earlier) & set(seeds))
+            print(f"| {name} | {cells[0]} | {pm([earlier[s] for s in common])} | "
+                  f"{pm([seeds[s]['final'] for s in common])} | {cells[2]} | {verdict(mean, half, 'before')} |")
+
+
 def print_noise_floor(figures: dict, other: dict, label: str) -> None:
     """The same method and seed under other arithmetic (another root, e.g. 2 threads per rank):
     the absolute final-accuracy differences, the spread a single run carries."""
@@ -180,8 +198,10 @@ def main(argv=None) -> int:
     parser.add_argument("--table3", action="store_true")
     parser.add_argument("--table4", action="store_true")
     parser.add_argument("--noise", type=Path, help="the same seeds run under other arithmetic")
+    parser.add_argument("--before", type=Path, help="the same policies and seeds under an earlier protocol")
+    parser.add_argument("--before-label", default="aggregated BN statistics", help="what --before ran under")
     args = parser.parse_args(argv)
-    for option, folder in (("root", args.root), ("--noise", args.noise)):
+    for option, folder in (("root", args.root), ("--noise", args.noise), ("--before", args.before)):
         if folder is not None and not folder.is_dir():
             parser.error(f"{option}: no folder at {folder}")
     runs = collect(args.root)
@@ -201,6 +221,9 @@ def main(argv=None) -> int:
     if args.noise:
         other = {p: {s: run_figures(r) for s, r in seeds.items()} for p, seeds in collect(args.noise).items()}
         print_noise_floor(figures, other, "policy")
+    if args.before:
+        before = {p: {s: run_figures(r) for s, r in seeds.items()} for p, seeds in collect(args.before).items()}
+        print_before_after(figures, before, "policy", args.before_label)
     if args.table3:
         print_table3(figures, reference)
     if args.table4:

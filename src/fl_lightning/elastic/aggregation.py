@@ -44,7 +44,7 @@ class SparseAccumulator:
                  dtype: torch.dtype = torch.float64, pooled_variances: bool = False):
         self.global_state = global_state
         self.dense = dense
-        self.variances = dict(variance_keys(global_state)) if pooled_variances else {}
+        self.variances = {var: mean for mean, var in variance_keys(global_state)} if pooled_variances else {}
         """running-variance key -> its running-mean key, for the pooled variances"""
         self.keys = aggregated_keys(global_state)
         self.values: Dict[str, torch.Tensor] = {

@@ -139,8 +139,9 @@ class BatchMoments:
         self.sums[bn] = (total, square, count)
         channels = x.shape[1]
         mean = total / count
-        bn.running_mean[:channels].copy_(mean)
-        bn.running_var[:channels].copy_((square / count - mean.square()).clamp_min(0.0))
+        # through .data: the batch-norm call that just ran saved these buffers for its backward
+        bn.running_mean.data[:channels].copy_(mean)
+        bn.running_var.data[:channels].copy_((square / count - mean.square()).clamp_min(0.0))
 
 
 def batch_moments(model: nn.Module) -> BatchMoments:
