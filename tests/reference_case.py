@@ -34,16 +34,16 @@ VIT = {"class_path": "fl_lightning.elastic.models.ViT", "init_args": {"patch_siz
 
 def make_spec(out_dir, algorithm, *, train: LocalTrainConfig = TRAIN, num_clients: int = 8,
               clients_per_round: int = 2, partition: str = "dirichlet", model: Optional[dict] = None,
-              data: Optional[DataConfig] = None) -> RunSpec:
+              data: Optional[DataConfig] = None, rounds: int = 1) -> RunSpec:
     """Digits, ``num_clients`` clients (Dirichlet 0.5 unless ``partition``), a CNN of 4 and 8
-    channels, one round of ``clients_per_round`` clients, one CPU rank."""
+    channels, ``rounds`` rounds (default one) of ``clients_per_round`` clients, one CPU rank."""
     return RunSpec(
         name="ref", out_dir=str(out_dir), seed=0, algorithm=algorithm,
         data=data or DataConfig(dataset=Digits(), val_size=100),
         partition=PartitionConfig(method=partition, num_clients=num_clients, alpha=0.5),
         model=model or {"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": [4, 8]}},
         train=train,
-        federation=FederationConfig(rounds=1, clients_per_round=clients_per_round),
+        federation=FederationConfig(rounds=rounds, clients_per_round=clients_per_round),
         eval=EvalConfig(every=1),
         fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1),
     )
@@ -104,6 +104,148 @@ def run_one_round(spec: RunSpec):
     return fed, initial, cohort, by_client
 
 
+class Rounds:
+    """What ``run_rounds`` saw: the initial global state, and per round the cohort (in plan
+    order), each client's batches (as ``run_one_round``), each client's returned state (its
+    trained local model's state dict, as committed) and the global state after the round."""
+
+    def __init__(self, fed, initial):
+        self.fed, self.initial = fed, initial
+        self.cohorts: List[List[int]] = []
+        self.batches: List[Dict] = []
+        self.returned: List[Dict[int, Dict[str, torch.Tensor]]] = []
+        self.globals: List[Dict[str, torch.Tensor]] = []
+
+
+def _by_client(spec, ctx, cohort, recorder) -> Dict:
+    by_client: Dict = {c: [] for c in cohort}
+    keys = {shard_key(ctx.shards[c]): c for c in range(ctx.num_clients)}
+    for key, size, x, y in recorder.batches:
+        client = keys[key] if size == spec.train.batch_size else (keys[key], size)
+        by_client.setdefault(client, []).append((x, y))
+    return by_client
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: Optional[torch.dtype]):
+    old = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def snap_to_levels(fed, levels: torch.Tensor) -> None:
+    """Replace every pixel of the run's digits by the nearest stored grey level: the images a
+    golden case was made from, exactly (ours agree with them to float32 rounding, checked)."""
+    bundle = fed.ctx.data.bundle
+    for dataset in {id(d): d for d in (bundle.train, bundle.train_eval, bundle.test)}.values():
+        data = dataset.data
+        lv = levels.to(data.dtype)
+        idx = torch.bucketize(data, (lv[1:] + lv[:-1]) / 2)
+        assert float((lv[idx] - data).abs().max()) < 1e-6, "the stored grey levels are not the run's pixels"
+        dataset.data = lv[idx]
+
+
+def load_initial(fed, initial: Dict[str, torch.Tensor]) -> None:
+    """Start from a stored initial model (ours regenerates it to float32 rounding, checked)."""
+    state = fed.algorithm.global_state
+    for key, value in initial.items():
+        ours = state[key]
+        assert ours.shape == value.shape, key
+        if ours.is_floating_point():
+            assert torch.allclose(ours.double(), value.double(), rtol=1e-6, atol=1e-7), key
+        else:
+            assert torch.equal(ours, value), key
+        ours.copy_(value)
+
+
+def run_rounds(spec: RunSpec, rounds: int, dtype: Optional[torch.dtype] = None, levels: Optional[torch.Tensor] = None,
+               initial: Optional[Dict[str, torch.Tensor]] = None, after_round=None) -> Rounds:
+    """Our side over ``rounds`` rounds of the loop (``spec.federation.rounds`` should equal it,
+    for the learning-rate schedule): everything a reference needs to replay them, and what to
+    compare after each.
+
+    ``dtype``: the model and the images in that precision (float64: a comparison whose only
+    rounding is float64's); ``levels``: snap the images to these grey levels (a stored case's);
+    ``initial``: start from this stored model; ``after_round(r, fed)``: called after each round
+    (e.g. to read the served statistics)."""
+    with default_dtype(dtype):
+        fed = federation(spec)
+        if dtype is not None:
+            bundle = fed.ctx.data.bundle
+            for dataset in {id(d): d for d in (bundle.train, bundle.train_eval, bundle.test)}.values():
+                dataset.data = dataset.data.to(dtype)
+        if levels is not None:
+            snap_to_levels(fed, levels)
+        if initial is not None:
+            load_initial(fed, initial)
+        out = _run(fed, spec, rounds, after_round)
+    return out
+
+
+def _run(fed, spec, rounds, after_round) -> Rounds:
+    alg = fed.algorithm
+    out = Rounds(fed, {k: v.clone() for k, v in alg.global_state.items()})
+    commit = alg.commit
+
+    def keep(acc, task, result, plan):
+        state = result.update.module.state_dict() if result.update is not None else {}
+        out.returned[-1][task.client] = {k: v.detach().clone() for k, v in state.items()}
+        commit(acc, task, result, plan)
+
+    alg.commit = keep
+    try:
+        for r in range(rounds):
+            cohort = list(alg.plan(r).cohort)
+            out.returned.append({})
+            recorder = BatchRecorder()
+            with recorder.recording():
+                fed.round_row, fed.client_rows = fed.run_round(r)
+            out.cohorts.append(cohort)
+            out.batches.append(_by_client(spec, fed.ctx, cohort, recorder))
+            out.globals.append({k: v.detach().clone() for k, v in alg.global_state.items()})
+            if after_round is not None:
+                after_round(r, fed)
+    finally:
+        alg.commit = commit
+    return out
+
+
+class ServedStatisticsLog:
+    """An ``after_round`` callback: after each round, the BN running statistics of the model our
+    method serves (``statistics.served``: under sbn, one pass over the client data) and the
+    batches that pass read."""
+
+    def __init__(self):
+        self.rounds: List[dict] = []
+
+    def __call__(self, round_idx, fed):
+        statistics, seen = fed.algorithm.statistics, []
+        original = statistics.client_batches
+
+        def tee():
+            for x, y in original():
+                seen.append((x.clone(), y.clone()))
+                yield x, y
+
+        statistics.client_batches = tee
+        try:
+            state = statistics.served(fed.ctx.model).state_dict()
+        finally:
+            del statistics.client_batches
+        stats = {k: v.detach().clone() for k, v in state.items() if k.endswith(("running_mean", "running_var"))}
+        self.rounds.append({"stats": stats, "batches": seen})
+
+
+def grey_levels(fed) -> torch.Tensor:
+    """The distinct pixel values of the run's digits (17 grey levels, normalized), float32."""
+    bundle = fed.ctx.data.bundle
+    return torch.unique(torch.cat([bundle.train.data.flatten(), bundle.test.data.flatten()])).float()
+
+
 def shard(ctx, client: int):
     """A client's whole shard, in shard order."""
     data = ctx.shards[client]
@@ -127,3 +269,29 @@ def batch_digest(x: torch.Tensor, y: torch.Tensor) -> str:
         h.update(repr(tuple(t.shape)).encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+# -- float64 comparisons --------------------------------------------------------------------------
+EPS64 = torch.finfo(torch.float64).eps
+
+
+def float64_bound(steps: int, terms: int, scale: float) -> float:
+    """A bound on the rounding between two float64 runs of the same arithmetic: each of ``steps``
+    sequential steps computes values as sums of at most ``terms`` products of magnitude at most
+    ``scale``; recursive summation errs by at most ``terms * eps`` relative to the sum of the
+    magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, Sec. 4.2), and errors
+    of successive steps add (at these learning rates a step does not amplify them by more than
+    the slack of the worst-case bound, which exceeds typical rounding by orders of magnitude).
+    Either side may round differently, hence the factor 2."""
+    return 2 * steps * terms * EPS64 * max(1.0, scale)
+
+
+def assert_close(ours: Dict[str, torch.Tensor], theirs: Dict[str, torch.Tensor], tol: float, what: str = "") -> float:
+    """Every entry of ``theirs`` within ``tol`` of ours (shapes equal); returns the max difference."""
+    worst = 0.0
+    for key, value in theirs.items():
+        assert ours[key].shape == value.shape, (what, key, tuple(ours[key].shape), tuple(value.shape))
+        diff = float((ours[key].double() - value.double()).abs().max()) if value.numel() else 0.0
+        assert diff < tol, f"{what} {key}: {diff:.3g} >= {tol:.3g}"
+        worst = max(worst, diff)
+    return worst

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from reference_case import TRAIN, load, make_spec, max_abs_diff, run_one_round
-from fl_lightning.elastic.models import CNN
 
 TOL = 1e-5
 

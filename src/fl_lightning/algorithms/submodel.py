@@ -234,7 +234,8 @@ class HeteroFL(SubmodelAlgorithm):
     def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[UnitFraction]] = None,
                  tier_probs: Optional[List[NonNegativeFloat]] = None, scaler: bool = False,
                  mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
-                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0, **kwargs):
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0,
+                 weighting: Literal["samples", "uniform"] = "samples", **kwargs):
         """
         Args:
             assign: caps (each client's cap drawn from ``tiers`` with ``tier_probs``, or
@@ -250,6 +251,8 @@ class HeteroFL(SubmodelAlgorithm):
                 (FEAST's protocol for every method), random, mixup or cutmix.
             mixup_alpha: Mixup's Beta parameter.
             cutmix_alpha: CutMix's Beta parameter.
+            weighting: a client's weight in each position's mean: samples (its examples, the
+                project's common rule) or uniform (one per client: the authors' ``combine``).
         """
         from fl_lightning.algorithms.heterofl_tiers import HETEROFL_TIERS
 
@@ -262,6 +265,7 @@ class HeteroFL(SubmodelAlgorithm):
         super().__init__(tiers=tiers, tier_probs=tier_probs, **kwargs)
         self.scaler = scaler
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
+        self.weighting = weighting
         self.assignment = None
 
     def check(self, train) -> None:
@@ -326,6 +330,11 @@ class HeteroFL(SubmodelAlgorithm):
                              derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                         macs=self.cost(task.spec)[1], mixer=mixer)
+
+    def commit(self, acc, task, result, plan):
+        if result.update is not None:
+            weight = float(result.num_samples) if self.weighting == "samples" else 1.0
+            acc.add(result.update.module.state_dict(), weight, result.update.regions)
 
     def client_figures(self, task, result, plan):
         figures = super().client_figures(task, result, plan)
