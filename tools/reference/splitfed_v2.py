@@ -23,31 +23,33 @@ Stand-ins: ``np.random.choice`` returns the positions of our cohort in our (shuf
 order; ``dict_users`` / ``dict_users_test`` map a position to its client, and ``DataLoader``
 yields the batches our loop drew for that client (for the script's per-client ``evaluate``
 too, which runs ``net_glob_server`` in eval mode under ``no_grad`` and changes nothing);
-``torch.optim.Adam`` is replaced by plain SGD at the same rate (momentum 0, weight decay 0), the
-project's optimizer with its state-free setting, so that the comparison is of the split step,
-the order and the aggregation, not of the optimizer (the script rebuilds the server's Adam at
-every batch, line 256, so no optimizer state carries across batches there).
+``torch.optim.Adam`` becomes ``SGD(lr, momentum 0.9)`` (``splitfed.OptimizerStandIn``): the
+client's, built once per ``Client.train``, lives through its local epoch (as the authors' Adam
+state); the server's, which the script rebuilds at every batch (line 256, so no Adam state
+carries there), keeps one set of momentum buffers across batches, clients and rounds, as the
+project's server half does.
 
-Case: Dirichlet digits, 8 clients, **3** per round (with 2 the project's seeded order for seed 0
-is the sampled order itself; with 3 it is 6, 5, 4, so the case also fixes that the server
-visits the clients in the shuffled order), the project's CNN (channels 4 and 8) cut after its
-first block (as tools/reference/multisfl.py), one epoch of batch 32, lr 0.05. The authors' code
-runs twice: in float64 (the networks and batches converted; the golden values) and in float32
-(the script as it is; its distance to the float64 run is the float32 rounding of this case).
-Stored: the case (initial model, cohort in training order, shard sizes, a SHA-256 digest of
-every batch instead of the batches, to keep the file small), and for each precision every
-client's trained front, the server half after the round and the script's plain-mean global.
+Case: Dirichlet digits, 8 clients of unequal shards, **3** per round for 3 rounds (with 2 the
+project's seeded order for seed 0 is the sampled order itself; with 3 the orders are 6 5 4, 5 1
+2 and 6 5 1, so the case also fixes that the server visits the clients in the shuffled order),
+the project's CNN (channels 4 and 8) cut after its first block (as tools/reference/multisfl.py),
+BN tracking running statistics (ours with ``bn: aggregated``), one epoch of batch 32, lr 0.05,
+momentum 0.9. The script's round loop runs once per round. Variants: ``uniform`` (the script's
+``FedAvg`` of the fronts, a plain mean; ours with ``weighting: uniform``) and ``samples`` (the
+example-weighted mean; ours by default). Both sides run in float64 (networks and batches
+converted). Stored per variant (``uniform.pt``, ``samples.pt``): the case (initial model,
+cohorts in training order, shard sizes, a SHA-256 digest of every batch instead of the batches,
+the digits' grey levels), and per round every client's trained front, the server half after the
+round and the script's global.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import copy
 import io
-import sys
-import tempfile
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -56,10 +58,8 @@ from torch import nn
 
 import common
 from multisfl import halves, to_ours
-from reference_case import TRAIN, batch_digest, make_spec, run_one_round
-from splitfed import sgd_for_adam
-
-from fl_lightning.algorithms.splitfed import SplitFed
+from reference_case import default_dtype
+from splitfed import OptimizerStandIn, VARIANTS, adam_replaced, definitions, record, weighted_fedavg
 
 SCRIPT = "SFLV2_ResNet_HAM10000.py"
 DEFINITIONS = ("prRed", "prGreen", "FedAvg", "calculate_accuracy", "train_server", "evaluate_server",
@@ -67,51 +67,25 @@ DEFINITIONS = ("prRed", "prGreen", "FedAvg", "calculate_accuracy", "train_server
 CLIENTS_PER_ROUND = 3
 
 
-def record():
-    """Our side's round 0 (momentum 0): the initial model, the cohort in training order and the
-    batches every client drew."""
-    spec = make_spec(tempfile.mkdtemp(), SplitFed(cut="block0", version="v2"), train=replace(TRAIN, momentum=0.0),
-                     clients_per_round=CLIENTS_PER_ROUND)
-    fed, initial, cohort, batches = run_one_round(spec)
-    sizes = {c: len(fed.ctx.shards[c].indices) for c in cohort}
-    case = {"initial": initial, "order": list(cohort), "sizes": sizes, "lr": spec.train.lr, "momentum": 0.0,
-            "cut": "block0", "clients_per_round": CLIENTS_PER_ROUND,
-            "digests": {c: [batch_digest(x, y) for x, y in batches[c]] for c in cohort}}
-    return case, {c: batches[c] for c in cohort}
-
-
 def script_parts(repo: Path):
     """The script's definitions and its round loop, compiled from the parsed file."""
     tree = ast.parse((repo / SCRIPT).read_text())
-    keep = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in DEFINITIONS]
-    assert sorted(n.name for n in keep) == sorted(DEFINITIONS), [n.name for n in keep]
     loops = [n for n in tree.body if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
              and n.target.id == "iter" and ast.unparse(n.iter) == "range(epochs)"]
     assert len(loops) == 1, "the script's round loop was not found"
-    compiled = [compile(ast.Module(body=body, type_ignores=[]), str(repo / SCRIPT), "exec") for body in (keep, loops)]
-    return compiled[0], compiled[1], loops[0].lineno
+    loop = compile(ast.Module(body=loops, type_ignores=[]), str(repo / SCRIPT), "exec")
+    return definitions(repo, DEFINITIONS, SCRIPT), loop, loops[0].lineno
 
 
-def authors(repo, case, batches, dtype=torch.float64):
-    """One round of the script's loop on the case, in ``dtype``."""
+def authors(repo, case, batches):
+    """The case's rounds through the script's loop, in float64."""
     repo = Path(repo)
-    definitions, loop, _ = script_parts(repo)
-    client_net, server_net = (m.to(dtype) for m in halves(case["initial"]))
-    order = case["order"]
-    users = sorted(order)  # the script's users 0..n-1 are our cohort's clients in increasing order
-    drawn = [users.index(c) for c in order]
-
-    def choice(population, m, replace):
-        assert list(population) == list(range(len(users))) and m == len(users) and replace is False
-        return list(drawn)
-
-    typed = {c: [(x.to(dtype), y) for x, y in batches[c]] for c in order}
+    definitions_, loop, _ = script_parts(repo)
+    client_net, server_net = (m.double() for m in halves({k: v.double() if v.is_floating_point() else v
+                                                          for k, v in case["initial"].items()}))
     ns = {"torch": torch, "nn": nn, "copy": copy, "Dataset": torch.utils.data.Dataset,
-          "np": SimpleNamespace(random=SimpleNamespace(choice=choice)),
-          "DataLoader": lambda dataset, batch_size, shuffle: typed[dataset.idxs[0]],
           "criterion": nn.CrossEntropyLoss(), "device": torch.device("cpu"), "lr": case["lr"],
-          "num_users": len(users), "frac": 1, "epochs": 1,
-          "dict_users": {i: [c] for i, c in enumerate(users)}, "dict_users_test": {i: [c] for i, c in enumerate(users)},
+          "num_users": case["clients_per_round"], "frac": 1, "epochs": 1,
           "dataset_train": None, "dataset_test": None,
           "count1": 0, "count2": 0,
           "batch_acc_train": [], "batch_loss_train": [], "batch_acc_test": [], "batch_loss_test": [],
@@ -121,53 +95,78 @@ def authors(repo, case, batches, dtype=torch.float64):
           "loss_test_collect_user": [], "acc_test_collect_user": [],
           "idx_collect": [], "l_epoch_check": False, "fed_check": False,
           "net_glob_client": client_net, "net_glob_server": server_net}
-    exec(definitions, ns)
+    exec(definitions_, ns)
+    script_fedavg = ns["FedAvg"]
     trained = []  # the clients in the order the script trained them
     train = ns["Client"].train
+    users = []
 
     def logged(self, net):
         trained.append(users[self.idx])
         return train(self, net)
 
     ns["Client"].train = logged
-    with sgd_for_adam(), contextlib.redirect_stdout(io.StringIO()):
-        exec(loop, ns)
-    assert trained == order, (trained, order)
-    assert len(ns["loss_train_collect"]) == 1 and len(ns["loss_test_collect"]) == 1, "the round did not complete"
-    server = ns["net_glob_server"]
-    assert server is server_net, "the script replaced its server half"
-    fronts = ns["w_locals_client"]
-    return {"locals": {c: to_ours(f, {}) for c, f in zip(order, fronts)},
-            "server": to_ours({}, server.state_dict()),
-            "global": to_ours(ns["w_glob_client"], server.state_dict())}
+    stand_in = OptimizerStandIn(case["momentum"], lambda params: params[0] is next(server_net.parameters()),
+                                lambda: "server")
+    rounds = []
+    for r, order in enumerate(case["cohorts"]):
+        users[:] = sorted(order)  # the script's users 0..n-1 are the round's clients in increasing order
+        drawn = [users.index(c) for c in order]
+
+        def choice(population, m, replace, drawn=drawn):
+            assert list(population) == list(range(len(users))) and m == len(users) and replace is False
+            return list(drawn)
+
+        ns["np"] = SimpleNamespace(random=SimpleNamespace(choice=choice))
+        ns["DataLoader"] = lambda dataset, batch_size, shuffle, r=r: batches[r][dataset.idxs[0]]
+        ns["dict_users"] = ns["dict_users_test"] = {i: [c] for i, c in enumerate(users)}
+        ns["FedAvg"] = script_fedavg if case["variant"] == "uniform" else weighted_fedavg(
+            [case["sizes"][c] for c in order])
+        trained.clear()
+        with adam_replaced(stand_in), contextlib.redirect_stdout(io.StringIO()):
+            exec(loop, ns)
+        assert trained == order, (trained, order)
+        assert len(ns["loss_train_collect"]) == r + 1 and len(ns["loss_test_collect"]) == r + 1, "round incomplete"
+        assert ns["net_glob_server"] is server_net, "the script replaced its server half"
+        rounds.append({"locals": {c: to_ours(f, {}) for c, f in zip(order, ns["w_locals_client"])},
+                       "server": to_ours({}, server_net.state_dict()),
+                       "global": to_ours(client_net.state_dict(), server_net.state_dict())})
+    return rounds
 
 
 def main():
-    repo = sys.argv[1]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("repo")
+    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     out = common.out_dir("splitfed_v2")
-    case, batches = record()
-    results = {"float64": authors(repo, case, batches, torch.float64),
-               "float32": authors(repo, case, batches, torch.float32)}
-    torch.save({"case": case, **results}, out / "authors.pt")
-    _, _, line = script_parts(Path(repo))
+    for variant in VARIANTS:
+        case, batches = record(variant, "v2", CLIENTS_PER_ROUND)
+        with default_dtype(torch.float64):
+            rounds = authors(args.repo, case, batches)
+        torch.save({"case": case, "rounds": rounds}, out / f"{variant}.pt")
+    (out / "authors.pt").unlink(missing_ok=True)
+    _, _, line = script_parts(Path(args.repo))
     common.write_provenance(
-        "splitfed_v2", common.add_repo(repo),
-        "https://github.com/chandra2thapa/SplitFed-When-Federated-Learning-Meets-Split-Learning",
+        "splitfed_v2", common.add_repo(args.repo),
+        "https://github.com/chandra2thapa/SplitFed-When-Federated-Learning-Meets-Split-Learning", commit=args.commit,
         used=[f"{SCRIPT}: prRed, prGreen, FedAvg, calculate_accuracy, train_server, evaluate_server, DatasetSplit, "
               f"Client (train, evaluate) as definitions executed from the parsed script, and its round loop "
-              f"(the module-level `for iter in range(epochs)` at line {line}) executed unchanged for one round; "
+              f"(the module-level `for iter in range(epochs)` at line {line}) executed unchanged once per round; "
               "its module-level data loading, model building and result file are not run"],
-        notes="Dirichlet 0.5 digits, 8 clients, 3 per round (trained in the project's seeded order 6, 5, 4), the "
-              "project's CNN (channels 4, 8) cut after block0, one epoch of batch 32, lr 0.05. Stand-ins: "
-              "torch.optim.Adam -> torch.optim.SGD(lr) (momentum 0, weight decay 0) during the round; "
-              "np.random.choice (the positions of the project's cohort in its training order); dict_users and "
-              "dict_users_test (position -> client) and DataLoader (yields the batches the project's loop drew for "
-              "that client, for evaluate too); the script's globals (networks, bookkeeping lists, criterion "
-              "CrossEntropyLoss, lr, num_users = 3, frac = 1, epochs = 1); print output discarded. Run in float64 "
-              "(networks and batches converted; the golden values) and in float32. Stored: the case with a SHA-256 "
-              "digest of every batch (not the batches), each client's trained front, the server half after the "
-              "round, and the script's global (plain mean of the fronts, the server half).")
+        notes="Dirichlet 0.5 digits, 8 clients, 3 per round for 3 rounds (trained in the project's seeded orders "
+              "6 5 4, 5 1 2, 6 5 1; shards 111 to 273), the project's CNN (channels 4, 8) cut after block0, BN "
+              "tracking (ours bn aggregated), one epoch of batch 32, lr 0.05, momentum 0.9. Stand-ins: "
+              "torch.optim.Adam -> torch.optim.SGD(lr, momentum 0.9), the server's momentum kept across the "
+              "script's per-batch rebuilds, clients and rounds (splitfed.OptimizerStandIn); np.random.choice (the "
+              "positions of the project's cohort in its training order); dict_users and dict_users_test (position "
+              "-> client) and DataLoader (yields the batches the project's loop drew for that client, for evaluate "
+              "too); the script's globals (networks, bookkeeping lists, criterion CrossEntropyLoss, lr, num_users "
+              "= 3, frac = 1, epochs = 1); print output discarded. Variants: uniform (the script's FedAvg; ours "
+              "weighting uniform), samples (FedAvg replaced by the example-weighted mean; ours default). Both sides "
+              "in float64. Stored per variant: the case with a SHA-256 digest of every batch (not the batches) and "
+              "the digits' grey levels, per round each client's trained front, the server half and the global.")
 
 
 if __name__ == "__main__":

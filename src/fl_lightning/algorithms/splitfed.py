@@ -66,7 +66,8 @@ class SplitFed(FedAvg):
 
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
                  server_lr: Optional[PositiveFloat] = None, bn: Protocol = "sbn", sbn_data: SbnData = "train",
-                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train"):
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 weighting: Literal["samples", "uniform"] = "samples"):
         """
         Args:
             cut: block name after which the model is split (the last block the client runs);
@@ -85,12 +86,16 @@ class SplitFed(FedAvg):
             calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
             calib_transform: images of that pass through the training augmentation (train,
                 drawn once from a fixed seed) or none (eval).
+            weighting: a client's weight in the averages of fronts (and V1's server copies):
+                samples (its examples, the project's common rule) or uniform (one per client:
+                the authors' ``FedAvg``, a plain mean).
         """
         super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
                          calib_transform=calib_transform)
         self.cut = cut
         self.version = version
         self.server_lr = server_lr
+        self.weighting = weighting
 
     @property
     def sequential_clients(self) -> bool:
@@ -257,10 +262,12 @@ class SplitFed(FedAvg):
 
     # -- V2: the shared server half -------------------------------------------------------------
     def commit(self, acc, task, result, plan) -> None:
-        super().commit(acc, task, result, plan)
+        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
+        if result.update is not None:
+            acc.add(result.update.module.state_dict(), weight, result.update.regions)
         if self.version == "v2":  # the server half holds this client's share of its back
             for key in self.exchanged(self.halves.back(task.cut)):
-                self._server_weight[key] = self._server_weight.get(key, 0.0) + float(result.num_samples)
+                self._server_weight[key] = self._server_weight.get(key, 0.0) + weight
 
     def close_cohort(self, acc, plan: RoundPlan, owned: List[int]) -> None:
         """V2: the shared server half enters the average of every back tensor with the weight
