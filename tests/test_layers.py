@@ -35,8 +35,9 @@ def test_layer_does_not_import_above_itself(layer, forbidden):
     assert not offenders, "; ".join(offenders)
 
 
-# the rounds other methods build on: FedAvg's (base) and split learning's (splitfed)
-FAMILY_BASES = {"fl_lightning.algorithms.base", "fl_lightning.algorithms.splitfed"}
+# the rounds other methods build on: FedAvg's (base), split learning's (splitfed) and the
+# sub-model family's (submodel: SubmodelAlgorithm, which FedRolex extends)
+FAMILY_BASES = {"fl_lightning.algorithms.base", "fl_lightning.algorithms.splitfed", "fl_lightning.algorithms.submodel"}
 
 
 def test_no_method_file_imports_another_method_file():

@@ -7,6 +7,7 @@ from fl_lightning.algorithms.fedgh import FedGH
 from fl_lightning.algorithms.fedmut import FedMut
 from fl_lightning.algorithms.fednas import DeepFedNAS, SuperFedNAS
 from fl_lightning.algorithms.fedopt import FedOpt
+from fl_lightning.algorithms.fedrolex import FedRolex
 from fl_lightning.algorithms.fiarse import FIARSE
 from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.cached_variants import CacheSearch
@@ -21,6 +22,6 @@ from fl_lightning.algorithms.splitfed import SplitFed
 from fl_lightning.algorithms.submodel import HASFL, FjORD, HeteroFL, RandomBudget, SubmodelAlgorithm, Uniform
 
 __all__ = ["Algorithm", "FedAvg", "FedOpt", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
-           "SubmodelAlgorithm", "HeteroFL", "FjORD", "Uniform", "RandomBudget", "HASFL",
+           "SubmodelAlgorithm", "HeteroFL", "FedRolex", "FjORD", "Uniform", "RandomBudget", "HASFL",
            "SplitFed", "FedSGA", "FedBABU", "FedGH", "FedAS", "FedMut", "MergeSFL", "MUSplitFed", "MultiSFL",
            "SuperFedNAS", "DeepFedNAS", "ScaleFL", "FIARSE"]

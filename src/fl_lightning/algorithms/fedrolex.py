@@ -1,0 +1,103 @@
+"""FedRolex (Alam et al., NeurIPS 2022): HeteroFL's capped widths over a window that rolls.
+
+Every client trains at its cap ``p_max`` (the sub-model study's caps, as :class:`HeteroFL`),
+but instead of the leading ``ceil(p C)`` channels of a layer with ``C`` channels it trains the
+window ``(start + j) mod C``, ``j < ceil(p C)``, and the server moves the window by one channel
+each round (``docs/fedrolex.md``). As the authors' ``ResnetServerRoll.split_model``
+(``resnet_server.py``, lines 99-111): the start in round ``r`` (counted from 0) is
+``(-r) mod C`` (``torch.roll(arange(C), r)[:n]``), with one round counter for every layer,
+reduced modulo each layer's own channel count, so a layer's output window is the next layer's
+input window; the classifier keeps every class and rolls its input side only. Aggregation is
+coordinate-wise over the clients that trained each position (``dense = False``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Literal
+
+from fl_lightning.algorithms.submodel import SubmodelAlgorithm
+from fl_lightning.errors import ConfigError
+
+Weighting = Literal["samples", "uniform"]
+
+
+class FedRolex(SubmodelAlgorithm):
+    """FedRolex: every client at its cap, on a rolling window of every layer's channels.
+
+    Served statistics by ``bn`` (default sbn: HeteroFL's static BN, which the authors' code keeps
+    in training; their evaluation normalizes each test batch by its own statistics, which no
+    protocol here does, ``docs/fedrolex.md``). Models whose regions have no rolling form (the
+    Shakespeare ``CharLSTM``) are refused under ``model``.
+    """
+
+    def __init__(self, scaler: bool = False, weighting: Weighting = "samples", **kwargs):
+        """
+        Args:
+            scaler: HeteroFL's Scaler (the authors' runs set it): a width-p client divides
+                every conv output by p in training. Needs bn sbn or recalibrate.
+            weighting: a client's weight in each position's mean: samples (its examples, the
+                project's common rule for every sub-model policy) or uniform (one per client:
+                the paper's selective averaging and the authors' plain mean).
+            **kwargs: ``SubmodelAlgorithm``'s options (tiers, tier_probs, caps, bn, ...).
+        """
+        super().__init__(**kwargs)
+        self.scaler = scaler
+        self.weighting = weighting
+
+    def check(self, train) -> None:
+        if self.scaler and self.bn in ("aggregated", "client"):
+            # tracked statistics would see conv outputs divided by p, evaluation undivided ones
+            raise ConfigError("algorithm.scaler", f"needs bn sbn or recalibrate (tracked statistics would be of "
+                                                  f"scaled activations), got bn {self.bn}")
+        super().check(train)
+
+    def setup(self, ctx) -> None:
+        self.check(ctx.train)
+        super().setup(ctx)
+        model = ctx.model
+        for cap in sorted(set(self.caps.tolist())):  # every width a client will hold
+            try:
+                model.regions(self.spec_of(cap), kind="rolling", offset=1)
+            except ValueError as error:
+                raise ConfigError("model", f"FedRolex needs rolling width windows, which {type(model).__name__} "
+                                           f"does not have ({error})") from None
+
+    def spec_of(self, width: float):
+        from fl_lightning.elastic.specs import WidthSpec
+
+        return WidthSpec.uniform(width, self.stages)
+
+    # -- the plan ---------------------------------------------------------------------------
+    def widths_for(self, round_idx, cohort) -> Dict[int, float]:
+        return {c: float(self.caps[c]) for c in cohort}
+
+    @staticmethod
+    def window_offset(round_idx: int) -> int:
+        """The window's start in round ``round_idx`` before reduction modulo each layer's
+        channels: the authors' ``torch.roll`` by the round count moves it back one channel a round."""
+        return -int(round_idx)
+
+    def route(self, task, plan):
+        offset = self.window_offset(plan.round_idx)
+        return self.statistics.route(self.ctx.model.extract(task.spec, kind="rolling", offset=offset))
+
+    # -- one client -------------------------------------------------------------------------
+    def client_module(self, routed, task, plan):
+        if self.scaler and task.choice.p < 1:  # at rate 1 the Scaler is the identity
+            from fl_lightning.elastic.layers.scaler import attach_scaler
+
+            attach_scaler(routed.module, task.choice.p)
+        return super().client_module(routed, task, plan)
+
+    def commit(self, acc, task, result, plan):
+        if result.update is None:
+            return
+        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
+        acc.add(result.update.module.state_dict(), weight, result.update.regions)
+
+    def finish_round(self, new_state, sums, plan, owned) -> None:
+        super().finish_round(new_state, sums, plan, owned)
+        self._round_figures["window_offset"] = float(self.window_offset(plan.round_idx))
+
+
+__all__ = ["FedRolex"]
