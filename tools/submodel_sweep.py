@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fl_lightning.tool_parser import ToolParser
 
-ORDER = ["hasfl", "hasfl_nocov", "heterofl", "fjord", "uniform", "random_budget", "fedavg", "fedprox", "scaffold"]
+ORDER = ["hasfl", "hasfl_nocov", "heterofl", "fedrolex", "fjord", "uniform", "random_budget", "fedavg", "fedprox", "scaffold"]
 
 
 def main(argv=None) -> int:
