@@ -6,15 +6,17 @@ FjORD's authors S. Laskaridis and S. Horvath; the authors' own SamsungLabs/fjord
 ``/path/to/flower``: a checkout of adap/flower, or a folder holding its ``baselines/fjord`` as
 ``git archive`` extracts it (then ``--commit`` names the commit it was extracted from).
 
-Case: iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5 with caps 0.6, 1, 0.8), the
-baseline's tiers (0.2, 0.4, 0.6, 0.8, 1), the project's CNN with channels 6 and 10 (so that
-``ceil`` differs from other roundings at these tiers) built from the baseline's own ordered
-dropout layers (``fjord/od/layers``: ``ODConv2d``, ``ODBatchNorm2d`` with one set of
-statistics per width, ``ODLinear`` with fixed classes) in its ``SequentialWithSampler``, SGD
-lr 0.05, momentum 0.9, weight decay 1e-4, one epoch of batch 32. For each of three forms of our
-``FjORD``, one round of the baseline's ``fjord/models.py: train`` (one client's local update) on
-the batches our loop drew and ``fjord/strategy.py: aggregate`` (the server step, with the
-layer map of ``fjord/client.py: get_agg_config``):
+Case: Dirichlet(0.5) digits, 8 clients of unequal shards, 3 per round for 3 rounds (caps 0.2 to
+1, a cap-1 client in every round; with ``sample: round`` the served width is drawn in round 1), the baseline's tiers (0.2, 0.4, 0.6, 0.8, 1), the project's
+CNN with channels 6 and 10 (so that ``ceil`` differs from other roundings at these tiers) built
+from the baseline's own ordered dropout layers (``fjord/od/layers``: ``ODConv2d``,
+``ODBatchNorm2d`` with one set of statistics per width, ``ODLinear`` with fixed classes) in its
+``SequentialWithSampler``, SGD lr 0.05, momentum 0.9, weight decay 1e-4, one epoch of batch 32.
+For each of three forms of our ``FjORD`` (served statistics ``bn: per_width``, the default),
+every round: the baseline's ``fjord/models.py: train`` (one client's local update) from the
+global model (all its per-width statistics) on the batches our loop drew, and
+``fjord/strategy.py: aggregate`` (the server step, weighted by examples, with the layer map of
+``fjord/client.py: get_agg_config``) into the next global model:
 
 - ``round`` (our default, the HAS-FL paper's FjORD): each client at the tier we drew for the
   round, for every step (the baseline's client with ``max_p`` = that tier and ``p_s`` = [it]).
@@ -23,6 +25,11 @@ layer map of ``fjord/client.py: get_agg_config``):
   widths our client drew (a stand-in for the random source only: every answer is checked to be
   one of the widths the sampler offers).
 - ``step_kd``: the same with self-distillation (the baseline's ``fjord_kd`` mode).
+
+Both sides run in float64 (networks and batches converted). Stored per form (``round.pt``,
+``step.pt``, ``step_kd.pt``): the case (batches as SHA-256 digests, the digits' grey levels),
+per round each client's width, per-step draws, trained parameters and the statistics of its own
+width's set, and the global parameters with the full width's statistics.
 
 Also stored: the output width of the baseline's layers for 1 to 64 channels at 17 ratios, and
 ``aggregate`` of synthetic client states with unequal example counts (our iid case has equal
@@ -49,13 +56,14 @@ import torch
 from torch import nn
 
 import common
-from reference_case import TRAIN, make_spec, run_one_round
+from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, make_spec, run_rounds
 
 
 from fl_lightning.algorithms.submodel import FjORD
 from fl_lightning.elastic.models import CNN
 
-CAPS = [0.2, 0.6, 0.2, 0.4, 1.0, 0.8]  # the round's cohort: clients 1, 4, 5 at 0.6, 1, 0.8
+CAPS = [0.2, 1.0, 0.4, 0.4, 0.6, 1.0, 0.8, 0.2]  # cohorts (4, 5, 6), (1, 2, 5), (1, 5, 6)
+ROUNDS = 3
 TIERS = (0.2, 0.4, 0.6, 0.8, 1.0)  # the baseline's p_s (conf/common.yaml)
 CHANNELS = (6, 10)
 CASES = {"round": {}, "step": {"sample": "step"}, "step_kd": {"sample": "step", "distill": True}}
@@ -84,50 +92,37 @@ def our_cnn():
 
 
 # -- our side ------------------------------------------------------------------------------------
-def record():
-    """Our loop's round 0 in each form: the batches (the same in all three), the tiers, and the
-    widths each client drew at its steps."""
-    case, draws = None, {}
-    for name, kwargs in CASES.items():
-        alg = FjORD(caps=CAPS, tiers=TIERS, **kwargs)
-        spec = make_spec(tempfile.mkdtemp(), alg, num_clients=6, clients_per_round=3, partition="iid",
-                         train=train_config(), model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": list(CHANNELS)}})
-        modules, client_module = {}, alg.client_module
-
-        def keep(routed, task, plan, _modules=modules, _make=client_module):
-            _modules[task.client] = _make(routed, task, plan)
-            return _modules[task.client]
-
-        alg.client_module = keep
-        fed, initial, cohort, batches = run_one_round(spec)
-        plan = alg.plan(0)
-        widths = {t.client: t.choice.p for t in plan.tasks}
-        draws[name] = {"widths": widths,
-                       "draws": {c: list(getattr(modules[c], "drawn", [])) for c in cohort}}
-        if case is None:
-            case = {"initial": initial, "cohort": cohort, "batches": {c: batches[c] for c in cohort},
-                    "examples": {c: len(fed.ctx.shards[c]) for c in cohort}}
-        else:  # every form trains on the same batches from the same model
-            assert cohort == case["cohort"]
-            assert all(torch.equal(initial[k], v) for k, v in case["initial"].items())
-            for c in cohort:
-                assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                           for a, b in zip(batches[c], case["batches"][c]))
-    case.update({"caps": CAPS, "tiers": list(TIERS), "channels": list(CHANNELS), "cases": CASES, "lr": TRAIN.lr,
-                 "momentum": TRAIN.momentum, "weight_decay": WEIGHT_DECAY})
-    return case, draws
+def algorithm(form: str):
+    return FjORD(caps=CAPS, tiers=TIERS, **CASES[form])
 
 
-def pack_batches(batches):
-    """Batches as codes into the 17 grey levels of digits (lossless, a tenth of the bytes)."""
-    levels = torch.unique(torch.cat([x.flatten() for bs in batches.values() for x, _ in bs]))
-    assert len(levels) < 256
-    packed = {c: [(torch.searchsorted(levels, x).to(torch.uint8), y.to(torch.uint8)) for x, y in bs]
-              for c, bs in batches.items()}
-    for c, bs in batches.items():
-        for (x, y), (code, label) in zip(bs, packed[c]):
-            assert torch.equal(levels[code.long()], x) and torch.equal(label.long(), y)
-    return levels, packed
+def record(form: str):
+    """Our 3 rounds of ``form`` in float64: the case, the batches, and per round each client's
+    width and the widths it drew at its steps."""
+    alg = algorithm(form)
+    spec = make_spec(tempfile.mkdtemp(), alg, clients_per_round=3, rounds=ROUNDS, train=train_config(),
+                     model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": list(CHANNELS)}})
+    modules, client_module = {}, alg.client_module
+
+    def keep(routed, task, plan):
+        modules[(plan.round_idx, task.client)] = client_module(routed, task, plan)
+        return modules[(plan.round_idx, task.client)]
+
+    alg.client_module = keep
+    run = run_rounds(spec, ROUNDS, dtype=torch.float64)
+    widths = [{t.client: t.choice.p for t in alg.plan(r).tasks} for r in range(ROUNDS)]  # plans depend on (seed, round)
+    ctx = run.fed.ctx
+    case = {"initial": {k: v.float() if v.is_floating_point() else v for k, v in run.initial.items()},
+            "levels": grey_levels(run.fed), "form": form, "options": CASES[form], "caps": CAPS,
+            "tiers": list(TIERS), "channels": list(CHANNELS), "rounds": ROUNDS, "cohorts": run.cohorts,
+            "sizes": {c: len(ctx.shards[c]) for c in range(ctx.num_clients)}, "lr": TRAIN.lr,
+            "momentum": TRAIN.momentum, "weight_decay": WEIGHT_DECAY,
+            "digests": [{c: [batch_digest(x, y) for x, y in b[c]] for c in cohort}
+                        for cohort, b in zip(run.cohorts, run.batches)],
+            "widths": widths,
+            "draws": [{c: list(getattr(modules[(r, c)], "drawn", [])) for c in cohort}
+                      for r, cohort in enumerate(run.cohorts)]}
+    return case, run.batches
 
 
 # -- the baseline's side -------------------------------------------------------------------------
@@ -262,35 +257,39 @@ def channels_at(p):
     return {"features.block0.bn.": int(np.ceil(CHANNELS[0] * p)), "features.block1.bn.": int(np.ceil(CHANNELS[1] * p))}
 
 
-def run_case(fj, case, name, recorded):
-    kwargs = case["cases"][name]
-    step = kwargs.get("sample") == "step"
-    distill = bool(kwargs.get("distill"))
-    cohort, widths = case["cohort"], recorded["widths"]
-    net0 = od_cnn(fj, case["initial"], TIERS)
-    config = fj.client.get_agg_config(copy.deepcopy(net0), [case["batches"][cohort[0]][0]], list(TIERS))
+def run_case(fj, case, batches):
+    """The case's rounds through the baseline's ``train`` and ``aggregate``, in float64."""
+    step = case["options"].get("sample") == "step"
+    distill = bool(case["options"].get("distill"))
+    initial = {k: v.double() if v.is_floating_point() else v for k, v in case["initial"].items()}
+    net = od_cnn(fj, initial, TIERS).double()
+    first = batches[0][case["cohorts"][0][0]][0]
+    config = fj.client.get_agg_config(copy.deepcopy(net), [first], list(TIERS))
     train_config = types.SimpleNamespace(optimiser="sgd", lr=case["lr"], momentum=case["momentum"], nesterov=False,
                                          weight_decay=case["weight_decay"], lr_scheduler="static")
-    original = [v.cpu().numpy().copy() for v in net0.state_dict().values()]
-    results, locals_, stats = [], {}, {}
-    for c in cohort:
-        net = copy.deepcopy(net0)
-        p_max = widths[c]
-        # round: the client trains its round's tier at every step; step: a width of its tiers per step
-        p_s = list(TIERS) if step else [p_max]
-        with replaying(fj, recorded["draws"][c] if step else []) as replay:
-            fj.models.train(net, case["batches"][c], distill, p_max, current_round=1, total_rounds=1, p_s=p_s,
-                            epochs=1, train_config=train_config)
-        assert not replay.draws, "the baseline drew fewer widths than our client"
+    rounds = []
+    for r, cohort in enumerate(case["cohorts"]):
+        original = [v.cpu().numpy().copy() for v in net.state_dict().values()]
+        results, locals_, stats = [], {}, {}
+        for c in cohort:
+            local = copy.deepcopy(net)
+            p_max = case["widths"][r][c]
+            # round: the client trains its round's tier at every step; step: a width of its tiers per step
+            p_s = list(TIERS) if step else [p_max]
+            with replaying(fj, case["draws"][r][c] if step else []) as replay:
+                fj.models.train(local, batches[r][c], distill, p_max, current_round=1, total_rounds=1, p_s=p_s,
+                                epochs=1, train_config=train_config)
+            assert not replay.draws, "the baseline drew fewer widths than our client"
+            state = local.state_dict()
+            locals_[c] = ours_from(state, p_max)
+            stats[c] = stats_of(state, channels_at(p_max))  # the statistics of its own width's set
+            results.append(([v.cpu().numpy() for v in state.values()], case["sizes"][c], p_max, list(TIERS), config))
+        aggregated = fj.strategy.aggregate(results, original)
+        net.load_state_dict(dict(zip(net.state_dict().keys(), map(torch.as_tensor, aggregated))))
         state = net.state_dict()
-        locals_[c] = ours_from(state, p_max)
-        if not step:  # one width trained: its own statistics are the ones our local model tracks
-            stats[c] = stats_of(state, channels_at(p_max))
-        results.append(([v.cpu().numpy() for v in state.values()], case["examples"][c], p_max, list(TIERS), config))
-    aggregated = fj.strategy.aggregate(results, original)
-    global_state = ours_from(dict(zip(net0.state_dict().keys(), map(torch.as_tensor, aggregated))), None)
-    return {"widths": widths, "draws": recorded["draws"], "locals": locals_, "local_stats": stats,
-            "global": global_state}
+        rounds.append({"locals": locals_, "local_stats": stats,
+                       "global": {**ours_from(state, None), **stats_of(state, channels_at(1.0))}})
+    return rounds
 
 
 def aggregation_only(fj, initial):
@@ -337,15 +336,16 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = common.out_dir("fjord")
-    case, draws = record()
     fj = baseline(args.flower)
-    check_same_function(fj, case["initial"], case["batches"][case["cohort"][0]][0][0])
-    golden = {name: run_case(fj, case, name, draws[name]) for name in CASES}
-    golden["aggregation"] = aggregation_only(fj, case["initial"])
-    golden["widths"] = widths_grid(fj)
-    levels, packed = pack_batches(case.pop("batches"))
-    case.update({"levels": levels, "batches": packed})
-    torch.save({"case": case, **golden}, out / "authors.pt")
+    for form in CASES:
+        case, batches = record(form)
+        check_same_function(fj, case["initial"], batches[0][case["cohorts"][0][0]][0][0].float())
+        with default_dtype(torch.float64):
+            rounds = run_case(fj, case, batches)
+        torch.save({"case": case, "rounds": rounds}, out / f"{form}.pt")
+    initial = case["initial"]
+    torch.save({"case": {"initial": initial, "channels": list(CHANNELS), "tiers": list(TIERS)},
+                "aggregation": aggregation_only(fj, initial), "widths": widths_grid(fj)}, out / "authors.pt")
     repo = Path(args.flower).resolve()
     commit = args.commit or common.commit_of(repo)
     common.write_provenance(
@@ -357,15 +357,17 @@ def main():
               "baselines/fjord/fjord/od/layers/{conv,linear,batch_norm}.py: ODConv2d, ODLinear, ODBatchNorm2d",
               "baselines/fjord/fjord/od/models/utils.py: SequentialWithSampler, create_bn_layer",
               "baselines/fjord/fjord/od/samplers/fixed_od.py: ODSampler (np.random.choice answered by our draws)"],
-        notes="iid digits, 6 clients of 223, 3 per round (clients 1, 4, 5; caps 0.6, 1, 0.8), tiers 0.2, 0.4, "
-              "0.6, 0.8, 1 (the baseline's p_s); the project's CNN (channels 6, 10) from the baseline's OD layers; "
-              "SGD lr 0.05, momentum 0.9, weight decay 1e-4, one epoch of batch 32. Cases: round (our default: "
+        notes="Dirichlet 0.5 digits, 8 clients, 3 per round for 3 rounds (cohorts 4 5 6, 1 2 5, 1 5 6; caps 0.2, "
+              "1, 0.4, 0.4, 0.6, 1, 0.8, 0.2; round's tiers 0.2 0.6 0.4, 1 0.4 0.2, 0.2 0.2 0.6), tiers 0.2, 0.4, 0.6, 0.8, 1 (the baseline's p_s); the project's CNN "
+              "(channels 6, 10) from the baseline's OD layers; SGD lr 0.05, momentum 0.9, weight decay 1e-4, one "
+              "epoch of batch 32; both sides in float64. Forms (round.pt, step.pt, step_kd.pt): round (our default: "
               "the round's tier at every step; the baseline's client with max_p = p_s = that tier), step (sample: "
               "step, each step's width ours, fed to the baseline's ODSampler), step_kd (the same with distill, the "
-              "baseline's fjord_kd). aggregation: aggregate() of 4 synthetic clients (p_max 1, 0.4, 0.2, 0.4; 100, "
-              "223, 57, 300 examples). widths: the OD layers' output channels, 1-64 channels at 17 ratios. "
-              "Stand-ins: flwr (client and strategy classes, not called), coloredlogs; numpy in fixed_od.py "
-              "answers random.choice with our draws. Batches stored as uint8 codes into case['levels'].")
+              "baseline's fjord_kd); per round each client's trained parameters and its own width's statistics, "
+              "and the global parameters with the full width's statistics. authors.pt: aggregate() of 4 synthetic "
+              "clients (p_max 1, 0.4, 0.2, 0.4; 100, 223, 57, 300 examples) and the OD layers' output channels, "
+              "1-64 channels at 17 ratios. Stand-ins: flwr (client and strategy classes, not called), coloredlogs; "
+              "numpy in fixed_od.py answers random.choice with our draws. Batches stored as SHA-256 digests.")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,11 @@ ROLES = (TEACHER, SUPERVISED, STUDENT)
 # ------------------------------------------------------------------------------------------
 
 def soft_targets(teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``softmax(sg(z) / T)``: the teacher's distribution, cut from the graph (FEAST Eq. 22)."""
-    return torch.softmax(teacher_logits.detach().float() / temperature, dim=-1)
+    """``softmax(sg(z) / T)``: the teacher's distribution, cut from the graph (FEAST Eq. 22),
+    in at least float32 (half-precision logits are promoted; float64 ones stay float64)."""
+    logits = teacher_logits.detach()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.softmax(logits / temperature, dim=-1)
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -30,11 +30,13 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     """Mean over the batch of ``-sum_c t_c log softmax(z)_c``.
 
     ``targets`` are per-class probabilities (same shape as ``logits``) or class indices (then
-    this is plain cross-entropy). Computed in float32 so half-precision logits lose nothing.
+    this is plain cross-entropy). Computed in at least float32 so half-precision logits lose
+    nothing (float64 stays float64).
     """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if not targets.is_floating_point():
-        return F.cross_entropy(logits.float(), targets)
-    return -(targets.float() * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1).mean()
+        return F.cross_entropy(logits, targets)
+    return -(targets.to(logits.dtype) * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
 
 
 class NoMix:

@@ -10,14 +10,32 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import numpy as np
 import torch.nn.functional as F
 
+from fl_lightning.elastic.bn import batch_norms
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.modules.inplace_distillation import kd_loss, soft_targets
 from fl_lightning.modules.supervised import SupervisedClient
+
+
+@contextmanager
+def statistics_of_own_width(model, active, own):
+    """A pass at ``active`` inside a local model whose width is ``own``: below ``own``, batch
+    norm normalizes with the batch's statistics but leaves the running statistics alone, so
+    they stay those of the client's own width (FjORD's statistics per width, kept by its
+    ``ODBatchNorm2d``); at ``own`` they update as usual."""
+    norms = batch_norms(model) if active != own else []
+    for norm in norms:
+        norm.track_running_stats = False
+    try:
+        yield
+    finally:
+        for norm in norms:
+            norm.track_running_stats = True
 
 
 class OrderedDropoutDistillClient(SupervisedClient):
@@ -38,7 +56,8 @@ class OrderedDropoutDistillClient(SupervisedClient):
         loss = F.cross_entropy(full, y)
         if self.low != self.high:
             self.model.set_active(self.low)
-            small = self.model(x)
+            with statistics_of_own_width(self.model, self.low, self.high):
+                small = self.model(x)
             loss = loss + F.cross_entropy(small, y) + self.weight * kd_loss(small, soft_targets(full))
             self.model.set_active(self.high)
         return loss
@@ -74,7 +93,8 @@ class OrderedDropoutClient(SupervisedClient):
             full = self.model(x)
             loss = F.cross_entropy(full, y)
         self.model.set_active(spec)
-        small = self.model(x)
+        with statistics_of_own_width(self.model, spec, self.high):
+            small = self.model(x)
         self.model.set_active(self.high)
         if self.alpha is None:
             return F.cross_entropy(small, y)
