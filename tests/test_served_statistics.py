@@ -176,3 +176,18 @@ def test_splitfed_v2_serves_population_statistics_not_the_last_clients(spec_fact
     gap = max(float((m.running_var.double() - expected[n][1]).abs().max() / expected[n][1].abs().max())
               for n, m in last_clients.named_modules() if isinstance(m, _BatchNorm) and n.startswith("layer3"))
     assert gap > 0.05
+
+
+# -- defaults as a user meets them ---------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm, expected", [("FedAvg", "aggregated"), ("FedProx", "aggregated"),
+                                                 ("HeteroFL", "sbn"), ("HASFL", "sbn"), ("FjORD", "per_width"),
+                                                 ("FedRolex", "sbn"), ("SplitFed", "sbn"), ("FedSGA", "sbn")])
+def test_a_method_named_without_bn_gets_its_own_default(algorithm, expected):
+    """On the command line the algorithm replaces the default FedAvg, whose options the parser
+    carries over to the new class: the method's own default must still apply."""
+    from fl_lightning.cli import parse_command
+
+    _, args, _ = parse_command(["fit", "--algorithm", algorithm])
+    assert args.algorithm.bn == expected
+    _, args, _ = parse_command(["fit", "--algorithm", "FedProx", "--algorithm", algorithm])
+    assert args.algorithm.bn == expected

@@ -78,6 +78,27 @@ def cost_figures(run, whole=None) -> dict:
             "cut": mean(cuts), "p1": mean(c == 0 for c in cuts), "sufficient": mean(labels)}
 
 
+def print_probe_against_static(adaptive: dict, static: str = "fedsga_static") -> None:
+    """Whether the p1 probe loss depends on how many clients the strategy sends to p1: each
+    adaptive row's mean calibration probe loss at p1 minus the static strategy's (no client at
+    p1) on the same seeds, with its share of client rounds at p1."""
+    from submodel_tables import paired_interval, verdict
+
+    if static not in adaptive:
+        return
+    print(f"\nProbe loss at p1 against {static} (no client at p1), paired over seeds (95% Student-t interval):\n")
+    print("| method | at p1 | seeds | probe loss p1 minus static | finding |")
+    print("| --- | --- | --- | --- | --- |")
+    base = {s: c["probe_p1"] for s, c in adaptive[static].items()}
+    for method, seeds in adaptive.items():
+        common = sorted(s for s in set(seeds) & set(base) if np.isfinite(seeds[s]["probe_p1"]))
+        if method == static or len(common) < 2:
+            continue
+        mean, half = paired_interval([seeds[s]["probe_p1"] - base[s] for s in common])
+        share = np.mean([seeds[s]["p1"] for s in common])
+        print(f"| {method} | {share:.2f} | {len(common)} | {mean:+.3f} ± {half:.3f} | {verdict(mean, half, static)} |")
+
+
 def root_tables(root: Path, reference: str) -> dict:
     runs = collect(root)
     accuracy = {m: {s: run_figures(r) for s, r in seeds.items()} for m, seeds in runs.items()}
@@ -106,6 +127,7 @@ def root_tables(root: Path, reference: str) -> dict:
             print(f"| {method} | {hist} | {pm([x['probe_p1'] for x in c], 1.0, 3)} | "
                   f"{pm([x['probe_ref'] for x in c], 1.0, 3)} | {pm([x['sufficient'] for x in c], 1.0, 2)} | "
                   f"{pm([x['prompt_norm'] for x in c], 1.0, 3)} |")
+        print_probe_against_static(adaptive)
     print("\nClient cost per client and round (Table 5):\n")
     print("| method | client params (K) | client MACs (G) | traffic (MB) | client time (s) "
           "| run total client MACs (T) | run total traffic (GB) |")

@@ -35,7 +35,7 @@ them, so that the command line can list and parse algorithms in about a second.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Literal, Tuple
+from typing import Dict, Iterator, List, Literal, Optional, Tuple
 
 import torch
 
@@ -63,7 +63,9 @@ class Algorithm:
 
     dense = True
     """Every client returns every tensor (a plain average); False: position-wise counts."""
-    bn = "aggregated"
+    default_bn = "aggregated"
+    """The family's served-statistics protocol when ``bn`` is not given."""
+    bn = default_bn
     """Where served models get their BN statistics (``bn_protocol.ServedStatistics``); the
     families that expose it as an option set it in their constructor."""
     sbn_data, calib_batch_size, calib_transform = "train", CALIB_BATCH_SIZE, "train"
@@ -208,7 +210,7 @@ class FedAvg(Algorithm):
     statistics of the population instead (``docs/served_statistics.md``).
     """
 
-    def __init__(self, bn: Protocol = "aggregated", sbn_data: SbnData = "train",
+    def __init__(self, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
                  calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train"):
         """
         Args:
@@ -216,12 +218,13 @@ class FedAvg(Algorithm):
                 statistics, averaged), sbn (static BN: clients track none, one pass over
                 ``sbn_data`` before evaluation), recalibrate (tracked, then re-estimated on the
                 server's calibration split) or client (the pooled statistics of the batches
-                the clients normalized in the round).
+                the clients normalized in the round). None: the method's own default
+                (FedAvg's: aggregated; docs/served_statistics.md lists every method's).
             sbn_data: the sBN pass's data: train (the union of the client shards, as HeteroFL's
                 code) or calib (the server's calibration split).
             calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
             calib_transform: images of that pass through the training augmentation (train,
                 drawn once from a fixed seed) or none (eval).
         """
-        self.bn, self.sbn_data = bn, sbn_data
+        self.bn, self.sbn_data = bn if bn is not None else self.default_bn, sbn_data
         self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform

@@ -55,7 +55,7 @@ class FedSGA(SplitFed):
                  prototype_momentum: ClosedUnitInterval = 0.9, projection_dim: PositiveInt = 128,
                  calibration_every: PositiveInt = 5, probe_size: PositiveInt = 32,
                  estimator_hidden: PositiveInt = 16, estimator_buffer: PositiveInt = 256,
-                 respect_budgets: bool = True, server_lr: Optional[PositiveFloat] = None):
+                 respect_budgets: bool = True, server_lr: Optional[PositiveFloat] = None, **kwargs):
         """
         Args:
             candidates: candidate cuts P (block names, shallowest first); None: the stage ends
@@ -97,8 +97,9 @@ class FedSGA(SplitFed):
             respect_budgets: cap each client's cut at the deepest one whose client forward MACs
                 fit its budget (partition.budgets): Psi is budget-aware (Sec. 3.5, 5).
             server_lr: learning rate of the server half (None: the clients' round rate).
+            **kwargs: SplitFed's served-statistics options (``bn``, default sbn: docs/served_statistics.md).
         """
-        super().__init__(cut=None, version="v2" if server_model == "shared" else "v1", server_lr=server_lr)
+        super().__init__(cut=None, version="v2" if server_model == "shared" else "v1", server_lr=server_lr, **kwargs)
         self.candidates = candidates
         self.split_strategy = split_strategy
         self.static_cut = static_cut

@@ -62,10 +62,11 @@ class SplitHalves:
 class SplitFed(FedAvg):
     """SplitFed V1 or V2 at one block boundary for every client."""
 
+    default_bn = "sbn"
     dense = True  # every global key is trained by every client, on one side of the cut or the other
 
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
-                 server_lr: Optional[PositiveFloat] = None, bn: Protocol = "sbn", sbn_data: SbnData = "train",
+                 server_lr: Optional[PositiveFloat] = None, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
                  calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
                  weighting: Literal["samples", "uniform"] = "samples"):
         """
@@ -76,7 +77,7 @@ class SplitFed(FedAvg):
                 client by client, in a shuffled order).
             server_lr: learning rate of the server half (None: the clients' round rate).
             bn: where the served model (front and server half) gets its BN statistics: sbn
-                (static BN: both halves train on batch statistics and track none; one pass
+                (the default when None; static BN: both halves train on batch statistics and track none; one pass
                 over ``sbn_data`` through the served model before evaluation), recalibrate (the
                 server's calibration split), client (the pooled statistics of every batch the
                 fronts and the server half normalized in the round) or aggregated (the tracked

@@ -79,10 +79,11 @@ class SubmodelAlgorithm(FedAvg):
     coordinate-wise aggregation, coverage and cost monitoring. Subclasses implement
     :meth:`widths_for` (the cohort's widths for a round)."""
 
+    default_bn = "sbn"
     dense = False
 
     def __init__(self, tiers: List[UnitFraction] = list(TIERS), tier_probs: List[NonNegativeFloat] = list(TIER_PROBS),
-                 caps: Optional[List[UnitFraction]] = None, log_layers: bool = True, bn: Protocol = "sbn",
+                 caps: Optional[List[UnitFraction]] = None, log_layers: bool = True, bn: Optional[Protocol] = None,
                  sbn_data: SbnData = "train", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
                  calib_transform: Literal["train", "eval"] = "train"):
         """
@@ -91,8 +92,8 @@ class SubmodelAlgorithm(FedAvg):
             tier_probs: probability of each tier (normalised); defaults favour small devices.
             caps: explicit per-client caps instead of a draw (length = number of clients).
             log_layers: log the per-layer coverage fractions (besides their totals).
-            bn: where the served model gets its BN statistics: sbn (static BN, HeteroFL's: clients
-                track none, one pass over ``sbn_data`` through the served model before
+            bn: where the served model gets its BN statistics (None: the policy's default, sbn
+                except FjORD's per_width): sbn (static BN, HeteroFL's: clients track none, one pass over ``sbn_data`` through the served model before
                 evaluation; the study's protocol for every policy), recalibrate (the server's
                 calibration split), client (the pooled statistics of the batches the clients
                 normalized in the round) or aggregated (the clients' running statistics,
@@ -421,13 +422,15 @@ class FjORD(SubmodelAlgorithm):
       self-distillation; ``distill_alpha = 1`` is the authors' Flower baseline).
     """
 
+    default_bn = "per_width"
+
     def __init__(self, distill: bool = False, distill_weight: NonNegativeFloat = 1.0,
                  sample: Literal["round", "step"] = "round", distill_alpha: ClosedUnitInterval = 1.0,
-                 bn: Literal["per_width", "sbn", "recalibrate", "client", "aggregated"] = "per_width", **kwargs):
+                 bn: Optional[Literal["per_width", "sbn", "recalibrate", "client", "aggregated"]] = None, **kwargs):
         """
         Args:
             bn: where the served (full-width) model gets its BN statistics: per_width (the
-                Flower baseline by FjORD's authors: statistics are kept per width, so the served
+                default when None; the Flower baseline by FjORD's authors: statistics are kept per width, so the served
                 width's are averaged over the clients that trained at it, its cap with ``sample:
                 step``; the others' are not sent), or one of the sub-model study's protocols
                 (sbn, recalibrate, client, aggregated: ``SubmodelAlgorithm``).
