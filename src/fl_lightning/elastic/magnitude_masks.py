@@ -110,6 +110,11 @@ def kept_count(numel: int, fraction: float) -> int:
     return min(numel, max(1, math.floor(fraction * numel + _EPS)))
 
 
+def _magnitudes(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.abs().flatten().to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class MaskFamily:
     """The magnitude masks of one set of weights, for every kept fraction.
 
@@ -123,9 +128,9 @@ class MaskFamily:
         self.group_of = {k: g for g, keys in self.groups.items() for k in keys}
         self.keys = [k for keys in self.groups.values() for k in keys]
         with torch.no_grad():
-            # One flat |w| per group; each key's entries are a view into it.
-            self._group_abs = {g: torch.cat([state[k].detach().abs().flatten().float() for k in keys])
-                               for g, keys in self.groups.items()}
+            # One flat |w| per group (at least float32: a float64 model's threshold is not rounded);
+            # each key's entries are a view into it.
+            self._group_abs = {g: torch.cat([_magnitudes(state[k]) for k in keys]) for g, keys in self.groups.items()}
             self._abs = {}
             for g, keys in self.groups.items():
                 sizes = [state[k].numel() for k in keys]
