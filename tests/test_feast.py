@@ -217,15 +217,22 @@ def test_client_without_affordable_variant_is_refused(spec_factory, tmp_path):
 
 def test_evaluate_and_extract_commands_on_a_finished_run(spec_factory, tmp_path, capsys):
     """A run long enough to learn the four synthetic classes (chance: 25%): the trained supernet
-    and a subnet extracted under 0.1M MACs classify far above chance; ``evaluate`` re-scores the
-    saved model, and the extracted subnet's MACs and accuracy are recounted here."""
+    classifies far above chance; ``evaluate`` re-scores the saved model; a subnet extracted
+    under 0.1M MACs has its MACs and accuracy recounted here, and extraction at a cached
+    variant's MACs returns that variant with the accuracy the run reported for it."""
     import json
     from dataclasses import replace
 
     from fl_lightning.cli import main
     from fl_lightning.elastic.models import build_model
 
-    spec = feast_spec(spec_factory, tmp_path, "done")
+    # provenance as build_cache writes it: each variant searched at its own MACs under ceiling 10
+    cache = VariantCache.load(small_cache(tmp_path))
+    cache = VariantCache([replace(v, info={"target": v.macs, "rho_limit": 10.0}) for v in cache.variants],
+                         cache.input_shape, cache.num_classes, cache.model_options,
+                         {"segments": [[cache.macs[0], cache.macs[-1], len(cache), 10.0]], "seed": 0})
+    cache.save(tmp_path / "searched.json")
+    spec = feast_spec(spec_factory, tmp_path, "done", cache=str(tmp_path / "searched.json"))
     spec = replace(spec, data=replace(DATA, dataset=Synthetic(**{**DATA.dataset.options(), "noise": 0.5})),
                    train=replace(spec.train, epochs=2), federation=FederationConfig(rounds=4, clients_per_round=3),
                    eval=EvalConfig(every=4, test="final"))
@@ -252,7 +259,16 @@ def test_evaluate_and_extract_commands_on_a_finished_run(spec_factory, tmp_path,
     y = torch.tensor([int(test[i][1]) for i in range(len(test))])
     with torch.no_grad():
         accuracy = (subnet.eval()(x).argmax(1) == y).float().mean().item()
-    assert accuracy == pytest.approx(result["test_acc"]) and accuracy >= 0.4
+    assert accuracy == pytest.approx(result["test_acc"])
+    # at a cached variant's own MACs, with the default options, extract gives back that variant
+    # and scores what the run served (the cache file below records each variant's target)
+    j = len(cache.specs) - 1
+    assert main(["extract", "--run", run, "--budget", str(cache.macs[j]), "--population", "16", "--generations", "5",
+                 "--fabric.accelerator", "cpu"]) == 0
+    out = capsys.readouterr().out
+    served = json.loads(out[out.rindex("{\n"):])
+    assert served["spec"] == str(cache.specs[j]) and not served["searched"] and served["genes_from_cache"] == 0
+    assert served["test_acc"] == pytest.approx(summary["best"][f"test_variant{j:02d}_acc"], abs=1e-6)
 
 
 def _config_yaml(spec) -> str:

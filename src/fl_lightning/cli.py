@@ -20,7 +20,7 @@ import stat
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Literal, Optional
 
 import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
@@ -132,7 +132,9 @@ def extract(
     rho: Optional[PositiveFloat] = None,
     population: number_type(int, ge=2) = EXTRACTION_POPULATION,
     generations: PositiveInt = SEARCH_GENERATIONS,
-    seed: Seed = 0,
+    seed: Optional[Seed] = None,
+    space: Literal["trained", "full"] = "trained",
+    reuse_cache: bool = True,
     out: Optional[str] = None,
     fabric: FabricConfig = FabricConfig(),
 ):
@@ -142,10 +144,17 @@ def extract(
         run: run directory of a FEAST run (config.yaml and checkpoints/).
         budget: MAC limit of the extracted subnet, e.g. 30M or 1.2G.
         checkpoint: best, last or a checkpoint path.
-        rho: effectiveness ceiling of the search (default: 0.40 below 50M MACs, else 0.31).
+        rho: effectiveness ceiling of the search (default: the run's cache's ceiling at the
+            budget, each search segment's from the cheapest variant it built; the paper's cache
+            gives 0.40 below 50M MACs, else 0.31).
         population: genetic-search population (512 for extraction, Supp. E.3).
         generations: genetic-search generations.
-        seed: search seed.
+        seed: search seed (default: the seed the run's cache was searched with).
+        space: trained (each gene within the range the cached variants span, which the
+            supernet trained) or full (the whole space, as the paper searches).
+        reuse_cache: a cached variant answers a budget between its MACs and the target it was
+            searched for, and the cached variants seed the search; false: random start only, as
+            the paper states the search.
         out: write the extracted subnet's weights and architecture to this file.
         fabric: devices and precision for calibration and evaluation.
     """

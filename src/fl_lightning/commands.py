@@ -152,7 +152,8 @@ def extract_command(args, config_yaml: str) -> dict:
         raise ConfigError("run", "post-hoc extraction needs a supernet trained with FEAST, SuperFedNAS or DeepFedNAS")
     saved = open_saved_run(run, args.checkpoint, args.fabric)
     result = extract_subnet(saved.spec.algorithm, budget, args.rho, args.population, args.generations, args.seed,
-                            saved.spec.eval.batch_size, Path(args.out) if args.out else None)
+                            saved.spec.eval.batch_size, Path(args.out) if args.out else None, args.space,
+                            args.reuse_cache)
     result["checkpoint"] = str(saved.checkpoint)
     print(json.dumps(result, indent=2))
     return result

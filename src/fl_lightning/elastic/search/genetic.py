@@ -17,6 +17,9 @@ Only feasible architectures ever enter the population:
 Parents come from ``tournament``-size tournaments (contenders drawn with replacement); the
 ``elitism`` fittest individuals pass unchanged to the next generation. Everything runs on
 numpy arrays with one seeded generator, so a search is deterministic given its seed.
+
+Post-hoc extraction adds two options: gene bounds (every draw, repair and mutation stays within
+a range per gene) and starting architectures that join the initial population where feasible.
 """
 
 from __future__ import annotations
@@ -43,11 +46,20 @@ class InfeasibleError(ValueError):
 
 
 class Problem:
-    """One constrained target: the limits plus the cost and fitness models that check them."""
+    """One constrained target: the limits plus the cost and fitness models that check them.
+    ``lower`` / ``upper`` (optional, one value per gene) bound the genes searched; by default
+    every choice of the space."""
 
-    def __init__(self, cost: CostModel, fitness: Fitness, mac_limit: float, rho_limit: float):
+    def __init__(self, cost: CostModel, fitness: Fitness, mac_limit: float, rho_limit: float,
+                 lower: Optional[np.ndarray] = None, upper: Optional[np.ndarray] = None):
         self.cost, self.fitness = cost, fitness
         self.mac_limit, self.rho_limit = float(mac_limit), float(rho_limit)
+        self.lower = np.zeros(cost.num_genes, dtype=np.int64) if lower is None else np.asarray(lower, dtype=np.int64)
+        self.upper = np.asarray(cost.upper if upper is None else upper, dtype=np.int64)
+        if self.lower.shape != (cost.num_genes,) or self.upper.shape != (cost.num_genes,) \
+                or np.any(self.lower < 0) or np.any(self.upper > cost.upper) or np.any(self.lower > self.upper):
+            raise ValueError(f"gene bounds must satisfy 0 <= lower <= upper <= {cost.upper.tolist()}, "
+                             f"got {self.lower.tolist()} / {self.upper.tolist()}")
 
     def evaluate(self, genes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(feasible, fitness, macs)`` per row."""
@@ -63,10 +75,11 @@ def sample_feasible(problem: Problem, count: int, rng: np.random.Generator,
     cost = problem.cost
     found: list[np.ndarray] = []
     total = 0
+    span = problem.upper - problem.lower
     for _ in range(max_rounds):
         n = max(64, 2 * (count - total))
         scale = rng.random((n, 1))
-        genes = np.floor(rng.random((n, cost.num_genes)) * (np.floor(scale * cost.upper) + 1)).astype(np.int64)
+        genes = problem.lower + np.floor(rng.random((n, cost.num_genes)) * (np.floor(scale * span) + 1)).astype(np.int64)
         genes = genes[_repair(problem, genes, rng)]
         found.append(genes)
         total += len(genes)
@@ -99,7 +112,7 @@ def _repair(problem: Problem, genes: np.ndarray, rng: np.random.Generator,
         over = macs > problem.mac_limit
         dense = ~over & (rho > problem.rho_limit)
         ok[todo[~over & ~dense]] = True
-        movable = (sub > 0) & (over[:, None] | (dense[:, None] & is_depth[None, :]))
+        movable = (sub > problem.lower) & (over[:, None] | (dense[:, None] & is_depth[None, :]))
         if frozen is not None:
             movable &= ~frozen[todo]
         need = over | dense
@@ -124,17 +137,17 @@ def _mutate(problem: Problem, children: np.ndarray, rate: float, rng: np.random.
     """Single-gene mutation with probability ``rate`` per child, in place. A proposal that
     breaks a limit is repaired by descent on the *other* genes (so a gene can grow at the
     expense of the rest); one that cannot be repaired is dropped and the child stays as is."""
-    upper = problem.cost.upper
     rows = np.flatnonzero(rng.random(len(children)) < rate)
     if len(rows) == 0:
         return
     proposal = children[rows].copy()
     gene = rng.integers(0, problem.cost.num_genes, size=len(rows))
-    span = upper[gene]
+    low, span = problem.lower[gene], problem.upper[gene] - problem.lower[gene]
     # A different value, uniform over the other choices (genes without choices stay put).
     shift = 1 + np.floor(rng.random(len(rows)) * np.maximum(span, 1)).astype(np.int64)
     at = np.arange(len(rows))
-    proposal[at, gene] = np.where(span > 0, (proposal[at, gene] + shift) % (span + 1), proposal[at, gene])
+    moved = low + (proposal[at, gene] - low + shift) % (span + 1)
+    proposal[at, gene] = np.where(span > 0, moved, proposal[at, gene])
     frozen = np.zeros(proposal.shape, dtype=bool)
     frozen[at, gene] = True
     ok = _repair(problem, proposal, rng, frozen)
@@ -142,18 +155,31 @@ def _mutate(problem: Problem, children: np.ndarray, rate: float, rng: np.random.
 
 
 def evolve(problem: Problem, population: int = 256, generations: int = 512, mutation: float = 0.3,
-           tournament: int = 3, elitism: int = 1, seed: int = 0) -> tuple[np.ndarray, float, int]:
-    """Run the GA on ``problem``; returns ``(genome, fitness, macs)`` of the best individual."""
+           tournament: int = 3, elitism: int = 1, seed: int = 0,
+           start: Optional[np.ndarray] = None) -> tuple[np.ndarray, float, int]:
+    """Run the GA on ``problem``; returns ``(genome, fitness, macs)`` of the best individual.
+
+    ``start`` (genomes, optional): candidates that join the initial population when they lie
+    within the gene bounds and satisfy both limits (post-hoc extraction passes the trained
+    cache's variants), so the
+    result is never less fit than the fittest feasible one of them; the random draws fill the
+    rest and are drawn as without them.
+    """
     if population < 2 or generations < 0 or not 0 <= mutation <= 1 or tournament < 1:
         raise ValueError("need population >= 2, generations >= 0, 0 <= mutation <= 1, tournament >= 1")
     if not 0 <= elitism < population:
         raise ValueError(f"elitism must be in [0, population), got {elitism}")
     rng = np.random.default_rng(seed)
     pop = sample_feasible(problem, population, rng)
+    if start is not None and len(start):
+        start = np.unique(np.atleast_2d(np.asarray(start, dtype=np.int64)), axis=0)
+        inside = np.all((start >= problem.lower) & (start <= problem.upper), axis=1)
+        start = start[inside][problem.evaluate(start[inside])[0]][:population]
+        pop = np.concatenate([start, pop])[:population]
     if len(pop) == 0:
-        smallest = int(problem.cost.macs(np.zeros(problem.cost.num_genes, dtype=np.int64))[0])
+        smallest = int(problem.cost.macs(problem.lower)[0])
         raise InfeasibleError(f"no architecture with MACs <= {problem.mac_limit:.4g} and "
-                              f"rho <= {problem.rho_limit:g} was found (the smallest subnet has "
+                              f"rho <= {problem.rho_limit:g} was found (the smallest subnet searched has "
                               f"{smallest} MACs)")
     if len(pop) < population:  # a tiny feasible region: fill up with copies
         pop = pop[np.arange(population) % len(pop)]
@@ -188,9 +214,12 @@ def evolve(problem: Problem, population: int = 256, generations: int = 512, muta
 def search(model: Union[OFAResNet, DeepFedNASArch, CostModel], mac_limit: float, rho_limit: float,
            population: int = 256, generations: int = 512, mutation: float = 0.3, tournament: int = 3,
            elitism: int = 1, seed: int = 0, input_shape: Optional[Sequence[int]] = None,
-           fitness: FitnessConfig = FitnessConfig()) -> SearchResult:
+           fitness: FitnessConfig = FitnessConfig(), start: Sequence[OFASpec] = (),
+           bounds: Optional[tuple[np.ndarray, np.ndarray]] = None) -> SearchResult:
     """``argmax F(a)`` over the model's architectures with ``MAC(a) <= mac_limit`` and
     ``rho(a) <= rho_limit`` (MACs counted at ``input_shape``, default the model's).
+    ``start``: architectures that join the initial population where they satisfy both limits
+    (:func:`evolve`); ``bounds``: ``(lower, upper)`` gene values searched (:class:`Problem`).
 
     ``model`` is an :class:`OFAResNet` (fvcore MACs), a :class:`DeepFedNASArch` (DeepFedNAS's
     convention, the paper's) or a cost model of either; genomes with one expansion per stage.
@@ -201,6 +230,7 @@ def search(model: Union[OFAResNet, DeepFedNASArch, CostModel], mac_limit: float,
     :class:`InfeasibleError` when no feasible architecture is found.
     """
     cost = cost_model(model, input_shape)
-    problem = Problem(cost, Fitness(cost, fitness), mac_limit, rho_limit)
-    genes, best, macs = evolve(problem, population, generations, mutation, tournament, elitism, seed)
+    problem = Problem(cost, Fitness(cost, fitness), mac_limit, rho_limit, *(bounds or (None, None)))
+    initial = cost.encode_many(start) if len(start) else None
+    genes, best, macs = evolve(problem, population, generations, mutation, tournament, elitism, seed, initial)
     return SearchResult(cost.decode(cost.canonical(genes)[0]), macs, best)
