@@ -209,3 +209,41 @@ def test_bad_extraction_inputs_stop_before_anything_is_printed(tmp_path, capsys,
     out, err = capsys.readouterr()
     assert refused.value.code == 2 and out == "" and not plot.exists()
     assert expected in err.strip().splitlines()[-1]
+
+
+def test_each_extraction_prints_its_genes_from_the_nearest_cached_variant(tmp_path, capsys):
+    """By hand: cached A = d0001 e(.1,.1,.1,.1) w10221 at 10M (50%) and B = d1111 e(.1,.1,.1,.1)
+    w16648 at 40M (80%). The 20M extraction d0011 ... w10221 (from `extract`'s d/e/w) differs from
+    A in one depth and from B in two depths and four widths: 1 gene; the 30M one (its spec text
+    only) d1111 e(.14,.1,.1,.1) w06648 differs from B in one expansion and the stem: 2 genes."""
+    run = tmp_path / "toy"
+    run.mkdir()
+    cached = [{"d": [0, 0, 0, 1], "e": [0.1] * 4, "w": [1, 0, 2, 2, 1], "macs": 10e6},
+              {"d": [1, 1, 1, 1], "e": [0.1] * 4, "w": [1, 6, 6, 4, 8], "macs": 40e6}]
+    (run / "cache.json").write_text(json.dumps({"variants": cached}))
+    (run / "summary.json").write_text(json.dumps({"final": {"test_acc": 0.6, "test_variant00_acc": 0.5,
+                                                            "test_variant01_acc": 0.8}}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"partition": {"gamma": 1.0}}))
+    found = [{"budget": 21e6, "macs": 20e6, "test_acc": 0.55, "spec": "ignored when d/e/w are given",
+              "d": [0, 0, 1, 1], "e": [0.1] * 4, "w": [1, 0, 2, 2, 1]},   # curve 60%: -5 pp
+             {"budget": 31e6, "macs": 30e6, "test_acc": 0.40, "spec": "d=1111 e=(0.14,0.1,0.1,0.1) w=06648"},  # 70%: -30
+             {"budget": 11e6, "macs": 10e6, "test_acc": 0.50, "spec": "d=0001 e=(0.1,0.1,0.1,0.1) w=10221"}]  # A: 0
+    lines = tmp_path / "found.jsonl"
+    lines.write_text("\n".join(json.dumps(e) for e in found))
+    loaded = tool.load_run(run)
+    assert [r["genes"] for r in tool.extraction_gaps(loaded, found)] == [0, 1, 2]
+    tool.main([str(run), "--plot", str(tmp_path / "plot.png"), "--extractions", str(lines)])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("11.00M", "21.00M", "31.00M"))]
+    assert [(r[1], r[-2], r[-1]) for r in rows[-3:]] == [("10.00M", "+0.00", "0"), ("20.00M", "-5.00", "1"),
+                                                         ("30.00M", "-30.00", "2")]
+    assert "| 0 | 1 | +0.00 | +0.00 | +0.00 |" in out
+    assert "| 1 | 1 | -5.00 | -5.00 | -5.00 |" in out and "| 2 | 1 | -30.00 | -30.00 | -30.00 |" in out
+
+
+def test_an_extraction_without_a_known_architecture_has_no_distance():
+    """The toy run's cache holds MACs only; an extraction without d/e/w or a readable spec: none."""
+    rows = tool.extraction_gaps(RUN, EXTRACTIONS)
+    assert all(r["genes"] is None for r in rows)
+    assert tool.extraction_arch({"spec": "width=0.5"}) is None
+    assert tool.distance_table([RUN], [EXTRACTIONS]).startswith("Gap by distance from the cache: skipped")

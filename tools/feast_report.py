@@ -33,7 +33,10 @@ one file per budget, or JSON lines) it also prints
   left out of the means (the curve is not defined there). An extraction belongs to the run its
   ``checkpoint`` lies in (the first run when it names none of them), a budget extracted twice
   counts once, and with several runs the mean gaps are summarized over runs (mean ± 95%
-  Student-t interval).
+  Student-t interval);
+- each extraction's distance from what FEAST trained: the genes (depths, expansions, widths,
+  position by position) in which it differs from the nearest cached variant of its run, and
+  over all runs the mean gap per distance.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import yaml
 
 from fl_lightning.analysis.feast_accounting import default_anchors
 from fl_lightning.analysis.serving_controls import anchor_accuracy
+from fl_lightning.elastic.search.extraction import nearest_distance
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.run_dir import check_writable
 from fl_lightning.tool_parser import ToolParser, existing_run
@@ -62,7 +66,8 @@ def load_run(path: Path) -> dict:
     macs = [v["macs"] for v in cache["variants"]]
     accs = [block.get(f"test_variant{j:02d}_acc") for j in range(len(macs))]
     args = (config.get("algorithm") or {}).get("init_args") or {}
-    return {"name": path.name, "macs": macs, "accs": accs, "population": block.get("test_acc"),
+    archs = [{k: v[k] for k in "dew"} if set("dew") <= set(v) else None for v in cache["variants"]]
+    return {"name": path.name, "macs": macs, "accs": accs, "archs": archs, "population": block.get("test_acc"),
             "rule": args.get("rule", "full"), "routing": args.get("routing", True),
             "gamma": (config.get("partition") or {}).get("gamma")}
 
@@ -187,10 +192,30 @@ def load_extractions(paths) -> list:
     return out
 
 
+def extraction_arch(extraction):
+    """The extracted architecture as ``{"d", "e", "w"}``: ``extract``'s own ``d``, ``e`` and
+    ``w``, else read from its ``spec`` text (``d=0011 e=(0.1,0.1,0.1,0.1) w=01122``: one digit
+    per depth and width gene, as every space here has); None when neither is there."""
+    if set("dew") <= set(extraction):
+        return {k: extraction[k] for k in "dew"}
+    match = re.fullmatch(r"d=(\d+) e=\(([^)]*)\) w=(\d+)", str(extraction.get("spec", "")).strip())
+    if not match:
+        return None
+    return {"d": [int(c) for c in match.group(1)], "e": [float(v) for v in match.group(2).split(",")],
+            "w": [int(c) for c in match.group(3)]}
+
+
+def genes_from_cache(run, extraction):
+    """Genes between the extraction and the nearest cached variant of ``run`` (None when either
+    side's architecture is unknown)."""
+    arch, cached = extraction_arch(extraction), [a for a in run.get("archs") or () if a is not None]
+    return nearest_distance(arch, cached) if arch is not None and cached else None
+
+
 def extraction_gaps(run, extractions) -> list:
     """Per extraction (sorted by MACs): budget, MACs, accuracy, the cached curve at its MACs
-    (linear between the two cached variants around it; None outside the cache's span) and the
-    gap (accuracy minus curve)."""
+    (linear between the two cached variants around it; None outside the cache's span), the
+    gap (accuracy minus curve) and the genes from the nearest cached variant."""
     curve = sorted((m, a) for m, a in zip(run["macs"], run["accs"]) if a is not None)
     rows = []
     for e in sorted(extractions, key=lambda e: e["macs"]):
@@ -203,7 +228,7 @@ def extraction_gaps(run, extractions) -> list:
         if reference is None and len(curve) == 1 and macs == curve[0][0]:
             reference = curve[0][1]
         rows.append({"budget": float(e.get("budget", macs)), "macs": macs, "acc": acc, "reference": reference,
-                     "gap": None if reference is None else acc - reference})
+                     "gap": None if reference is None else acc - reference, "genes": genes_from_cache(run, e)})
     return rows
 
 
@@ -256,17 +281,37 @@ def extraction_table(run, extractions, low_end: float = 52e6) -> str:
     rows = extraction_gaps(run, extractions)
     lines = [f"Post-hoc extraction (Supp. Table 6), {run['name']}: test accuracy % against the interpolated "
              "cached-variant curve",
-             f"{'budget':>9} {'MACs':>9} {'acc %':>7} {'curve %':>8} {'gap pp':>7}"]
+             f"{'budget':>9} {'MACs':>9} {'acc %':>7} {'curve %':>8} {'gap pp':>7} {'genes':>5}"]
     for r in rows:
         curve = "   -   " if r["reference"] is None else f"{100 * r['reference']:8.2f}"
-        gap = "  (out of span)" if r["gap"] is None else f"{100 * r['gap']:+7.2f}"
-        lines.append(f"{r['budget'] / 1e6:8.2f}M {r['macs'] / 1e6:8.2f}M {100 * r['acc']:7.2f} {curve:>8} {gap}")
+        gap = "(out of span)" if r["gap"] is None else f"{100 * r['gap']:+7.2f}"
+        genes = "-" if r["genes"] is None else r["genes"]
+        lines.append(f"{r['budget'] / 1e6:8.2f}M {r['macs'] / 1e6:8.2f}M {100 * r['acc']:7.2f} {curve:>8} "
+                     f"{gap:>7} {genes:>5}")
+    lines.append("genes: how many genes (depths, expansions, widths) differ from the nearest cached variant")
     for title, bound in ((f"low end (budget <= {low_end / 1e6:g}M)", low_end), ("full range", None)):
         mean, n = mean_abs_gap(rows, bound)
         spread = [r["macs"] for r in rows if r["gap"] is not None and (bound is None or r["budget"] <= bound)]
         span = f"{min(spread) / 1e6:.2f}M-{max(spread) / 1e6:.2f}M" if spread else "-"
         value = "-" if mean is None else f"{100 * mean:.2f}"
         lines.append(f"mean |gap| {title}: {value} pp over {n} subnets ({span})")
+    return "\n".join(lines)
+
+
+def distance_table(runs, per_run) -> str:
+    """Over every run's extractions inside its cache's span: the mean gap per number of genes
+    from the nearest cached variant (what the supernet trained)."""
+    by_genes = defaultdict(list)
+    for run, extractions in zip(runs, per_run):
+        for r in extraction_gaps(run, extractions):
+            if r["gap"] is not None and r["genes"] is not None:
+                by_genes[r["genes"]].append(100 * r["gap"])
+    if not by_genes:
+        return "Gap by distance from the cache: skipped, no extraction with a known architecture in the span"
+    lines = ["Post-hoc extraction gap by distance from the cache (genes from the nearest cached variant)", "",
+             "| genes | subnets | mean gap (pp) | min | max |", "| --- | --- | --- | --- | --- |"]
+    for genes, gaps in sorted(by_genes.items()):
+        lines.append(f"| {genes} | {len(gaps)} | {sum(gaps) / len(gaps):+.2f} | {min(gaps):+.2f} | {max(gaps):+.2f} |")
     return "\n".join(lines)
 
 
@@ -407,6 +452,8 @@ def main(argv=None) -> None:
         if sum(bool(e) for e in per_run) > 1:
             print()
             print(extraction_summary(runs, per_run, args.low_end))
+        print()
+        print(distance_table(runs, per_run))
     if args.mass:
         print()
         fractions = [trained_fractions(path) for path in finished]
