@@ -118,10 +118,17 @@ class Rounds:
 
 
 def _by_client(spec, ctx, cohort, recorder) -> Dict:
+    """Batches by client (``run_one_round``'s keys); batches of data that is no client's shard
+    (MultiSFL's replayed examples) under ``("replay", c)``, c the client whose batch came last."""
     by_client: Dict = {c: [] for c in cohort}
     keys = {shard_key(ctx.shards[c]): c for c in range(ctx.num_clients)}
+    last = None
     for key, size, x, y in recorder.batches:
-        client = keys[key] if size == spec.train.batch_size else (keys[key], size)
+        if key not in keys:
+            client = ("replay", last)
+        else:
+            last = keys[key]
+            client = last if size == spec.train.batch_size else (last, size)
         by_client.setdefault(client, []).append((x, y))
     return by_client
 

@@ -176,30 +176,7 @@ def test_scalefl_objective_matches_the_authors_kdloss(kd_active):
         assert float((z.grad - g).abs().max()) < TOL
 
 
-# -- MultiSFL ------------------------------------------------------------------------------------
-def test_multisfl_round_matches_the_authors_code(tmp_path):
-    """One round of the authors' MultiSFL.main (knowledge replay off, their default): each
-    branch's split training (their union_train) from the initial model, the master as the plain
-    mean of the branches, the branches pulled to the master with weights 1 and 10, and each
-    branch's decayed label statistic."""
-    from fl_lightning.algorithms.multisfl import MultiSFL
-
-    golden = load("multisfl", "authors.pt")
-    case = golden["case"]
-    spec = make_spec(tmp_path, MultiSFL(replay=False, bn="aggregated"), train=replace(TRAIN, lr=case["lr"], momentum=case["momentum"]))
-    fed, initial, cohort, batches = run_one_round(spec)
-    assert_same_case(case, initial, cohort, batches)
-    alg = fed.algorithm
-    keys = float_keys(alg.global_state)
-    assert max_abs_diff(alg.global_state, golden["master"], keys) < TOL
-    assert max_abs_diff(alg.global_state, initial, keys) > 1e-3
-    for branch, theirs in enumerate(golden["branches"]):
-        assert max_abs_diff(alg.branches[branch], theirs, keys) < TOL
-    for branch, (distribution, weight) in enumerate(zip(golden["distributions"], golden["weights"])):
-        assert torch.allclose(alg.distribution[branch], distribution, atol=TOL)
-        assert float(alg.distribution_weight[branch]) == pytest.approx(weight)
-
-
+# -- MultiSFL (its rounds: tests/test_reference_multisfl.py) -----------------------------------------
 def test_multisfl_replay_requirement_matches_select_helpers():
     """The examples of each class the assistants must provide (``max(C, floor(budget n))``
     shared over the classes below the mean of the branch statistic by their deficit, rounded

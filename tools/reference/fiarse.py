@@ -71,7 +71,7 @@ def record(variant: str):
     spec = make_spec(tempfile.mkdtemp(), algorithm(variant), train=train_config(), rounds=ROUNDS)
     run = run_rounds(spec, ROUNDS, dtype=torch.float64)
     ctx = run.fed.ctx
-    case = {"initial": {k: v.float() if v.is_floating_point() else v for k, v in run.initial.items()},
+    case = {"initial": run.initial,
             "levels": grey_levels(run.fed), "variant": variant, "options": VARIANTS[variant], "rounds": ROUNDS,
             "cohorts": run.cohorts, "sizes": {c: len(ctx.shards[c]) for c in range(ctx.num_clients)},
             "fractions": FRACTIONS, "lr": spec.train.lr,

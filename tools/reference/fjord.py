@@ -112,7 +112,7 @@ def record(form: str):
     run = run_rounds(spec, ROUNDS, dtype=torch.float64)
     widths = [{t.client: t.choice.p for t in alg.plan(r).tasks} for r in range(ROUNDS)]  # plans depend on (seed, round)
     ctx = run.fed.ctx
-    case = {"initial": {k: v.float() if v.is_floating_point() else v for k, v in run.initial.items()},
+    case = {"initial": run.initial,
             "levels": grey_levels(run.fed), "form": form, "options": CASES[form], "caps": CAPS,
             "tiers": list(TIERS), "channels": list(CHANNELS), "rounds": ROUNDS, "cohorts": run.cohorts,
             "sizes": {c: len(ctx.shards[c]) for c in range(ctx.num_clients)}, "lr": TRAIN.lr,

@@ -82,7 +82,7 @@ def record(variant: str):
     sbn = served.rounds[0]["batches"]
     for r in served.rounds[1:]:  # one seeded order, reused at every pass
         assert all(torch.equal(a[0], b[0]) for a, b in zip(r["batches"], sbn))
-    case = {"initial": {k: v.float() if v.is_floating_point() else v for k, v in run.initial.items()},
+    case = {"initial": run.initial,
             "levels": grey_levels(run.fed), "caps": CAPS, "rounds": ROUNDS, "variant": variant,
             "cohorts": run.cohorts, "sizes": {c: len(ctx.shards[c]) for c in range(ctx.num_clients)},
             "lr": spec.train.lr, "momentum": spec.train.momentum, "grad_clip": spec.train.grad_clip,

@@ -1,22 +1,33 @@
 """Golden values for MultiSFL from the authors' code (CodeFree-xzk/MultiSFL).
 
-    python tools/reference/multisfl.py /path/to/MultiSFL
+    python tools/reference/multisfl.py /path/to/MultiSFL [--commit SHA]
 
-Case: Dirichlet digits, 8 clients, 2 per round (two branches), the project's CNN (channels 4
-and 8) cut after its first block (client: conv, BN, ReLU, max pool; server: the rest), SGD lr
-0.05, momentum 0.9, weight decay 0, one epoch of batch 32, knowledge replay off (the code's
-default ``--MR 0``). One round of ``Algorithm/Training_MultiSFL.py: MultiSFL.main`` itself:
-each branch's label statistic, ``splitTrain`` (``models/Update.py:
+Case: Dirichlet digits, 8 clients of unequal shards, 2 per round (two branches) for 2 rounds,
+the project's CNN (channels 4 and 8) cut after its first block (client: conv, BN, ReLU, max
+pool; server: the rest), BN statistics tracked and averaged (ours ``bn: aggregated``), SGD lr
+0.05, momentum 0.9, weight decay 0, one epoch of batch 32. Rounds of
+``Algorithm/Training_MultiSFL.py: MultiSFL.main`` itself: each branch's label statistic,
+``splitTrain`` (``selectHelpers`` and ``sampleData`` with replay on, then ``models/Update.py:
 LocalUpdate_MultiSFL.union_train``, the split step on the batches our loop drew), ``Agg`` (the
 master: the plain mean of the branches), ``weakAgg`` (each branch pulled to the master with
-weights 1 and 10). The cohort and the branch each client trains are ours (``np.random.choice``
-answers them), the loaders yield our batches, and evaluation and the result file are switched
-off. Also stored: ``selectHelpers`` on fixed label counts and a fixed branch statistic (the
-replay requirement per class and what the assistants provide).
+weights 1 and 10). Two variants: ``replay`` (``--MR 1``, knowledge replay, our default) and
+``no_replay`` (``--MR 0``, the code's default; ours ``replay: false``).
+
+Stand-ins: the cohort and the branch each client trains are ours (``np.random.choice`` answers
+them, and ends ``main`` after the case's rounds); the client loader yields our batches; the
+helper loader (``ldr_train_helper``, which ``union_train`` iterates anew at every step and
+reads at the step's position, reshuffled each time) is the list of our replay chunks for the
+client's epoch, so step j reads our chunk j (our replayed examples: the authors' choice of
+assistants and examples comes from Python's ``random``, ours from seeded generators; what they
+provide per class is compared by ``selectHelpers`` below); evaluation and the result file are
+switched off; ``loguru`` and ``wandb`` (logging) are stubbed. Both sides run in float64. Also
+stored: ``selectHelpers`` on fixed label counts and a fixed branch statistic (the replay
+requirement per class and what the assistants provide).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import random
@@ -31,7 +42,7 @@ import torch
 from torch import nn
 
 import common
-from reference_case import TRAIN, make_spec, run_one_round, shard
+from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, make_spec, run_rounds, shard
 
 from fl_lightning.algorithms.multisfl import MultiSFL
 
@@ -59,16 +70,37 @@ def to_ours(client_state, server_state):
     return out
 
 
-def record():
-    spec = make_spec(tempfile.mkdtemp(), MultiSFL(replay=False))
-    fed, initial, cohort, batches = run_one_round(spec)
-    alg, ctx = fed.algorithm, fed.ctx
-    plan = alg.plan(0)
-    branch_of = {t.client: t.choice.branch for t in plan.tasks}
-    shards = {c: shard(ctx, c)[1] for c in range(ctx.num_clients)}  # labels of every client's shard
-    return {"initial": initial, "cohort": cohort, "batches": {c: batches[c] for c in cohort}, "branch": branch_of,
-            "labels": shards, "lr": spec.train.lr, "momentum": spec.train.momentum,
-            "num_clients": ctx.num_clients}
+ROUNDS = 2
+VARIANTS = {"replay": {}, "no_replay": {"replay": False}}
+
+
+def merged(chunks):
+    """Our replay chunks as a step reads them: a one-row last chunk joins the one before
+    (``modules/split_variants.Replay``)."""
+    chunks = list(chunks)
+    if len(chunks) > 1 and len(chunks[-1][1]) == 1:
+        (ax, ay), (bx, by) = chunks[-2], chunks[-1]
+        chunks[-2:] = [(torch.cat([ax, bx]), torch.cat([ay, by]))]
+    return chunks
+
+
+def record(variant: str):
+    spec = make_spec(tempfile.mkdtemp(), MultiSFL(bn="aggregated", **VARIANTS[variant]), rounds=ROUNDS)
+    run = run_rounds(spec, ROUNDS, dtype=torch.float64)
+    alg, ctx = run.fed.algorithm, run.fed.ctx
+    branches = [{t.client: t.choice.branch for t in alg.plan(r).tasks} for r in range(ROUNDS)]  # (seed, round)
+    replayed = [{c: merged(b.get(("replay", c), [])) for c in cohort} for cohort, b in zip(run.cohorts, run.batches)]
+    case = {"initial": run.initial,
+            "levels": grey_levels(run.fed), "variant": variant, "options": VARIANTS[variant], "rounds": ROUNDS,
+            "cohorts": run.cohorts, "branches": branches,
+            "sizes": {c: len(ctx.shards[c]) for c in range(ctx.num_clients)},
+            "labels": {c: shard(ctx, c)[1] for c in range(ctx.num_clients)}, "lr": spec.train.lr,
+            "momentum": spec.train.momentum, "num_clients": ctx.num_clients,
+            "digests": [{c: [batch_digest(x, y) for x, y in b[c]] for c in cohort}
+                        for cohort, b in zip(run.cohorts, run.batches)],
+            "replay_digests": [{c: [batch_digest(x, y) for x, y in chunks] for c, chunks in rnd.items()}
+                               for rnd in replayed]}
+    return case, run.batches, replayed
 
 
 def stubs():
@@ -110,7 +142,11 @@ def patched(module, name, value):
         setattr(module, name, old)
 
 
-def authors(repo, case):
+class Done(Exception):
+    """Raised by the cohort stand-in when ``main`` asks for a round past the case's."""
+
+
+def authors(repo, case, batches, replayed):
     stubs()
     common.add_repo(repo)
     import models.Update as update
@@ -123,61 +159,112 @@ def authors(repo, case):
         dict_users[c] = list(range(start, start + len(y)))
         labels.extend(y)
         start += len(y)
-    args = SimpleNamespace(num_users=n, frac=len(case["cohort"]) / n, num_classes=10, lr=case["lr"],
+    replay = case["variant"] == "replay"
+    args = SimpleNamespace(num_users=n, frac=len(case["cohorts"][0]) / n, num_classes=10, lr=case["lr"],
                            momentum=case["momentum"], weight_decay=0.0, local_ep=1, local_bs=TRAIN.batch_size,
-                           device="cpu", MR=0, DB=0, BS=0, AW=0, comm_limit=1e-12, model="cnn",
+                           device="cpu", MR=int(replay), DB=0, BS=0, AW=0, comm_limit=1e12, model="cnn",
                            dataset="digits", wandb=False, data_beta=0.5, algorithm="MultiSFL")
-    client, server = halves(case["initial"])
+    initial = {k: v.double() if v.is_floating_point() else v for k, v in case["initial"].items()}
+    client, server = (m.double() for m in halves(initial))
     run = Authors(args, nn.Sequential(), Labels(labels), None, dict_users, client, server)
     run.model_size = run.feature_size = 1  # set for resnet/vgg only; they count traffic
-    masters = []
-    run.test = lambda: masters.append(to_ours(run.net_glob_client.state_dict(), run.net_glob_server.state_dict()))
+    rounds = []
+    run.test = lambda: rounds.append({"master": to_ours(run.net_glob_client.state_dict(),
+                                                        run.net_glob_server.state_dict())})
     run.saveResult = lambda: None
-    order = sorted(case["cohort"], key=lambda c: case["branch"][c])  # order[k] trains branch k
+    current = {"round": -1}
+
+    def branches_now():
+        return {"branches": [to_ours(c.state_dict(), s.state_dict()) for c, s in zip(run.modelClient, run.modelServer)],
+                "distributions": [torch.tensor(d, dtype=torch.float64) for d in run.cumulative_label_distributions],
+                "weights": list(run.cumulative_label_distribution_weight)}
+
+    def choice(*args, **kwargs):
+        if current["round"] >= 0:
+            rounds[current["round"]].update(branches_now())
+        current["round"] += 1
+        r = current["round"]
+        if r == case["rounds"]:
+            raise Done
+        return np.array(sorted(case["cohorts"][r], key=lambda c: case["branches"][r][c]))  # [k] trains branch k
 
     def loader(dataset, batch_size, shuffle):
-        client = next(c for c in case["cohort"] if dict_users[c] == dataset.idxs)
-        return [(x, y, list(range(len(y)))) for x, y in case["batches"][client]]
+        r = current["round"]
+        for c in case["cohorts"][r]:
+            if dict_users[c] == dataset.idxs:
+                current["client"] = c
+                return [(x, y, list(range(len(y)))) for x, y in batches[r][c]]
+        chunks = replayed[r][current["client"]]  # the helper loader of the client being set up
+        assert replay and chunks and len(dataset.idxs) == sum(len(y) for _, y in chunks)
+        return [(x, y, list(range(len(y)))) for x, y in chunks]
 
-    with patched(update, "DataLoader", loader), patched(np.random, "choice", lambda *a, **k: np.array(order)):
-        run.main()
-    assert run.round == 1 and len(masters) == 1
-    branches = [to_ours(c.state_dict(), s.state_dict()) for c, s in zip(run.modelClient, run.modelServer)]
-    distributions = [torch.tensor(d, dtype=torch.float64) for d in run.cumulative_label_distributions]
-    weights = list(run.cumulative_label_distribution_weight)
+    with patched(update, "DataLoader", loader), patched(np.random, "choice", choice):
+        try:
+            run.main()
+        except Done:
+            pass
+    assert run.round == case["rounds"] and len(rounds) == case["rounds"]
+    return rounds
 
-    # the replay requirement and the assistants' provision for a fixed branch statistic
+
+def select_helpers(repo):
+    """The replay requirement and the assistants' provision for a fixed branch statistic."""
+    from Algorithm.Training_MultiSFL import MultiSFL as Authors
+
+    case, _, _ = record("no_replay")
+    n = case["num_clients"]
+    labels, dict_users, start = [], {}, 0
+    for c in range(n):
+        y = case["labels"][c].tolist()
+        dict_users[c] = list(range(start, start + len(y)))
+        labels.extend(y)
+        start += len(y)
+    args = SimpleNamespace(num_users=n, frac=2 / n, num_classes=10, lr=0.05, momentum=0.9, weight_decay=0.0,
+                           local_ep=1, local_bs=TRAIN.batch_size, device="cpu", MR=0, DB=0, BS=0, AW=0,
+                           comm_limit=1e-12, model="cnn", dataset="digits", wandb=False, data_beta=0.5,
+                           algorithm="MultiSFL")
+    client, server = halves(case["initial"])
+    run = Authors(args, nn.Sequential(), Labels(labels), None, dict_users, client, server)
+    run.model_size = run.feature_size = 1
     run.cumulative_label_distributions[0] = np.array([40.0, 3.0, 0.0, 25.0, 10.0, 7.0, 0.0, 1.0, 30.0, 12.0])
-    curr = order[0]
+    curr = case["cohorts"][0][0]
     run.dict_users = {c: (dict_users[c] * 20 if c == curr else dict_users[c]) for c in dict_users}  # R > C
     random.seed(0)
     helpers, provide = run.selectHelpers(curr, 0)
-    replay = {"client": curr, "distribution": torch.tensor(run.cumulative_label_distributions[0]),
-              "client_examples": len(run.dict_users[curr]), "budget": 0.01,
-              "counts": torch.tensor(np.stack(run.true_labels)), "helpers": helpers,
-              "provided": torch.tensor(np.array(provide).sum(axis=0) if provide else np.zeros(10))}
-    return {"master": masters[0], "branches": branches, "distributions": distributions, "weights": weights,
-            "replay": replay}
+    return {"client": curr, "distribution": torch.tensor(run.cumulative_label_distributions[0]),
+            "client_examples": len(run.dict_users[curr]), "budget": 0.01,
+            "counts": torch.tensor(np.stack(run.true_labels)), "helpers": helpers,
+            "provided": torch.tensor(np.array(provide).sum(axis=0) if provide else np.zeros(10))}
 
 
 def main():
-    repo = sys.argv[1]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("repo")
+    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     out = common.out_dir("multisfl")
-    case = record()
-    torch.save({"case": case, **authors(repo, case)}, out / "authors.pt")
+    for variant in VARIANTS:
+        case, batches, replayed = record(variant)
+        with default_dtype(torch.float64):
+            rounds = authors(args.repo, case, batches, replayed)
+        torch.save({"case": case, "rounds": rounds}, out / f"{variant}.pt")
+    torch.save({"replay": select_helpers(args.repo)}, out / "authors.pt")
     common.write_provenance(
-        "multisfl", common.add_repo(repo), "https://github.com/CodeFree-xzk/MultiSFL",
-        used=["Algorithm/Training_MultiSFL.py: MultiSFL.__init__, main (one round: the branch statistics, "
-              "splitTrain, Agg, weakAgg), selectHelpers", "models/Update.py: LocalUpdate_MultiSFL.union_train",
+        "multisfl", common.add_repo(args.repo), "https://github.com/CodeFree-xzk/MultiSFL", commit=args.commit,
+        used=["Algorithm/Training_MultiSFL.py: MultiSFL.__init__, main (rounds: the branch statistics, splitTrain, "
+              "selectHelpers, sampleData, Agg, weakAgg)", "models/Update.py: LocalUpdate_MultiSFL.union_train",
               "models/Fed.py: Aggregation"],
-        notes="Dirichlet 0.5 digits, 8 clients, 2 per round, the project's CNN (channels 4, 8) cut after block0, SGD "
-              "lr 0.05 momentum 0.9 weight decay 0, one epoch of batch 32, MR 0 (no replay; the code's default). "
-              "Stand-ins: loguru and wandb (logging), models.Update.DataLoader (yields the project's batches), "
-              "np.random.choice during main (returns the project's cohort in branch order), test and saveResult "
-              "(the master is recorded where test is called). selectHelpers: branch statistic "
-              "[40, 3, 0, 25, 10, 7, 0, 1, 30, 12], the client's shard repeated 20 times so that "
-              "floor(0.01 n) exceeds 10.")
+        notes="Dirichlet 0.5 digits, 8 clients, 2 per round for 2 rounds, the project's CNN (channels 4, 8) cut after "
+              "block0, BN tracked (ours bn aggregated), SGD lr 0.05 momentum 0.9 weight decay 0, one epoch of batch "
+              "32; both sides in float64. Variants: replay (MR 1, ours by default) and no_replay (MR 0, the code's "
+              "default; ours replay false). Stand-ins: loguru and wandb (logging), models.Update.DataLoader (the "
+              "client loader yields the project's batches; the helper loader is the list of the project's replay "
+              "chunks for the client's epoch), np.random.choice during main (returns the project's cohort in branch "
+              "order; ends main after 2 rounds), test and saveResult (the master is recorded where test is called). "
+              "Batches stored as SHA-256 digests. authors.pt: selectHelpers with branch statistic "
+              "[40, 3, 0, 25, 10, 7, 0, 1, 30, 12], the client's shard repeated 20 times so that floor(0.01 n) "
+              "exceeds 10.")
 
 
 if __name__ == "__main__":

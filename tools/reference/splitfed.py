@@ -67,7 +67,7 @@ def record(variant: str, version: str = "v1", clients_per_round: int = 2):
                      rounds=ROUNDS, train=replace(TRAIN, momentum=MOMENTUM))
     run = run_rounds(spec, ROUNDS, dtype=torch.float64)
     ctx = run.fed.ctx
-    case = {"initial": {k: v.float() if v.is_floating_point() else v for k, v in run.initial.items()},
+    case = {"initial": run.initial,
             "levels": grey_levels(run.fed), "variant": variant, "version": version, "rounds": ROUNDS,
             "clients_per_round": clients_per_round, "cohorts": run.cohorts,
             "sizes": {c: len(ctx.shards[c]) for c in range(ctx.num_clients)},
