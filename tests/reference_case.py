@@ -302,3 +302,17 @@ def assert_close(ours: Dict[str, torch.Tensor], theirs: Dict[str, torch.Tensor],
         assert diff < tol, f"{what} {key}: {diff:.3g} >= {tol:.3g}"
         worst = max(worst, diff)
     return worst
+
+
+def pack(state: Dict[str, torch.Tensor]) -> dict:
+    """A state dict as one flat float64 tensor plus its keys and shapes (a golden file stays
+    small: torch.save spends about a kilobyte on every tensor); :func:`unpack` inverts it."""
+    keys = list(state)
+    return {"keys": keys, "shapes": [tuple(state[k].shape) for k in keys],
+            "flat": torch.cat([state[k].detach().double().flatten() for k in keys]) if keys else torch.zeros(0)}
+
+
+def unpack(packed: dict) -> Dict[str, torch.Tensor]:
+    sizes = [int(torch.Size(s).numel()) for s in packed["shapes"]]
+    parts = packed["flat"].split(sizes)
+    return {k: p.reshape(s) for k, s, p in zip(packed["keys"], packed["shapes"], parts)}

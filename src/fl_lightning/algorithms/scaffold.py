@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Literal
 
 import torch
 
@@ -17,18 +17,23 @@ class Scaffold(FedAvg):
     """Clients correct their local drift with ``c - c_i``; the server keeps ``c`` and each ``c_i``.
 
     Local steps are vanilla SGD (the paper's analysis); a configuration with momentum is
-    refused. The model update is the sample-weighted mean of the returned models, moved by
-    ``server_lr``; ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)``.
+    refused. The model update is the mean of the returned models (sample-weighted by default),
+    moved by ``server_lr``; ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)``.
     """
 
-    def __init__(self, server_lr: PositiveFloat = 1.0, **kwargs):
+    def __init__(self, server_lr: PositiveFloat = 1.0, weighting: Literal["samples", "uniform"] = "samples",
+                 **kwargs):
         """
         Args:
             server_lr: global step size eta_g applied to the aggregated model change.
+            weighting: a client's weight in the mean of the returned models: samples (its
+                examples, the project's common rule) or uniform (``1/|S|``: the paper's
+                ``x + eta_g / |S| sum dy_i`` and PFLlib's).
             **kwargs: FedAvg's served-statistics options (``bn``, ...).
         """
         super().__init__(**kwargs)
         self.server_lr = server_lr
+        self.weighting = weighting
 
     def check(self, train):
         if train.momentum != 0:
@@ -56,7 +61,9 @@ class Scaffold(FedAvg):
     def commit(self, acc, task, result, plan):
         from fl_lightning.modules.control_variates import option_ii_update
 
-        super().commit(acc, task, result, plan)
+        if result.update is not None:
+            weight = float(result.num_samples) if self.weighting == "samples" else 1.0
+            acc.add(result.update.module.state_dict(), weight, result.update.regions)
         if result.steps == 0:
             return
         c_i = self.store.get(task.client)
