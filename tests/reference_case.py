@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -316,3 +317,19 @@ def unpack(packed: dict) -> Dict[str, torch.Tensor]:
     sizes = [int(torch.Size(s).numel()) for s in packed["shapes"]]
     parts = packed["flat"].split(sizes)
     return {k: p.reshape(s) for k, s, p in zip(packed["keys"], packed["shapes"], parts)}
+
+
+EPS32 = torch.finfo(torch.float32).eps
+CNN_TERMS = 32 * 8 * 8  # the CNN's longest sums of a step: a batch of 32 at 8x8 positions
+VIT_TERMS = 32 * 5 * 32  # the one-block ViT's: a batch of 32, 5 tokens, its MLP width 32
+
+
+def float32_bound(steps: int, terms: int, scale: float) -> float:
+    """A bound on the rounding between two float32 runs of the same arithmetic (a case whose
+    reference ran in float32): torch's CPU reductions sum in blocks and pairs, whose error is at
+    most about ``ceil(log2 n) eps`` relative to the sum of the magnitudes (pairwise summation,
+    Higham Sec. 4.2), rather than recursive summation's ``n eps``; each of ``steps`` sequential
+    steps adds one such error on values of magnitude at most ``scale``, and either side may
+    round differently (factor 2). The new float64 cases use ``float64_bound``; this one is for
+    the float32 cases made before them."""
+    return 2 * steps * math.ceil(math.log2(max(terms, 2))) * EPS32 * max(1.0, scale)

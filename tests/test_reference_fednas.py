@@ -10,10 +10,18 @@ round 0 and the supernet after each round. Nothing here runs the reference code.
 
 import pytest
 
-from reference_case import load
+from reference_case import float32_bound, load
 from reference_fednas_case import ROUNDS, batch_fingerprints, float_state, run_case, state_fingerprint
 
-TOL = 1e-5
+# The references ran in float32: a bound on float32 rounding over the case's sequential steps (3
+# batches of 8 per client and round), its longest sums (a batch of 8 at 8x8 positions: BN
+# statistics, conv weight gradients) and the magnitude of the values (``float32_bound``).
+TERMS = 8 * 8 * 8
+
+
+def tolerance(case, values) -> float:
+    steps = ROUNDS * max(len(b) for b in case["batches"].values())
+    return float32_bound(steps, TERMS, max(float(v.abs().max()) for v in values))
 METHODS = ["superfednas", "deepfednas"]
 
 
@@ -107,7 +115,7 @@ def test_client_subnets_match_the_authors_subnet_trainer(method, ours):
     assert g["reference"]["same_function"] < 1e-5  # the extracted networks compute the same logits
     for client, theirs in g["locals"].items():
         mine = float_state(case["locals"][(0, client)])
-        assert max_abs_diff(mine, theirs) < TOL, client
+        assert max_abs_diff(mine, theirs) < tolerance(case, theirs.values()), client
         initial_slices = {k: case["initial"][k][tuple(slice(0, n) for n in v.shape)] for k, v in mine.items()}
         assert max_abs_diff(mine, initial_slices) > 1e-3  # the client did train
 
@@ -121,7 +129,7 @@ def test_supernet_after_each_round_matches_the_authors_aggregation(method, ours)
     assert_same_case(g["case"], case)
     for r in range(ROUNDS):
         mine = float_state(case["globals"][r])
-        assert max_abs_diff(mine, g["globals"][r]) < TOL, r
+        assert max_abs_diff(mine, g["globals"][r]) < tolerance(case, g["globals"][r].values()), r
     assert max_abs_diff(float_state(case["globals"][1]), float_state(case["initial"])) > 1e-3
 
 
@@ -151,4 +159,4 @@ def test_the_comparison_sees_a_changed_maxnet_weight(ours, tmp_path):
     case = run_case("superfednas", tmp_path, alg=alg)
     g = golden("superfednas")
     assert state_fingerprint(case["initial"]) == g["case"]["initial"]
-    assert max_abs_diff(float_state(case["globals"][0]), g["globals"][0]) > 100 * TOL
+    assert max_abs_diff(float_state(case["globals"][0]), g["globals"][0]) > 100 * tolerance(case, g["globals"][0].values())
