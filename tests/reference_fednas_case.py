@@ -56,16 +56,16 @@ def build_model(method: str):
     return build(SFN_MODEL if method == "superfednas" else DFN_MODEL, NUM_CLASSES, INPUT)
 
 
-def algorithm(method: str, out_dir: Path):
+def algorithm(method: str, out_dir: Path, frozen_bn: bool = False):
     """Our transfer, unconstrained, evaluated on a two-variant cache (evaluation is not part of
-    the case)."""
+    the case); ``frozen_bn``: the originals' client without ``--use_bn``."""
     from fl_lightning.algorithms.fednas import DeepFedNAS, PathSearch, SuperFedNAS
     from fl_lightning.elastic.search.cache import VariantCache
 
     model = build_model(method)
     cache = out_dir / "cache.json"
     VariantCache.from_specs(model, [model.min_spec(), model.max_spec()]).save(cache)
-    common = dict(cache=str(cache), mix_schedule="none", maxnet_steps=MAXNET_STEPS)
+    common = dict(cache=str(cache), mix_schedule="none", maxnet_steps=MAXNET_STEPS, frozen_bn=frozen_bn)
     if method == "superfednas":
         return SuperFedNAS(**common)
     # the Pareto path over the complete (tiny) supernet, searched cheaply; the narrowed
@@ -87,10 +87,11 @@ def spec_dict(spec) -> dict:
     return {"d": list(spec.d), "e": list(spec.e), "w": list(spec.w)}
 
 
-def run_case(method: str, out_dir=None, alg=None) -> dict:
-    """Our two rounds. ``alg``: an already built algorithm (a test perturbs one)."""
+def run_case(method: str, out_dir=None, alg=None, frozen_bn: bool = False) -> dict:
+    """Our two rounds. ``alg``: an already built algorithm (a test perturbs one); ``frozen_bn``:
+    batch norm held at the identity (the originals' default client)."""
     out_dir = Path(out_dir or tempfile.mkdtemp())
-    spec = make_spec(method, out_dir, alg)
+    spec = make_spec(method, out_dir, alg or algorithm(method, out_dir, frozen_bn))
     fed = federation(spec)
     alg, ctx = fed.algorithm, fed.ctx
     initial = {k: v.clone() for k, v in alg.global_state.items()}
@@ -122,7 +123,7 @@ def run_case(method: str, out_dir=None, alg=None) -> dict:
     model.load_state_dict(initial)
     out = {"initial": initial, "rounds": rounds, "batches": batches, "locals": local_states, "globals": globals_,
            "tracking": {"largest": alg.largest.tolist(), "smallest": alg.smallest.tolist()},
-           "model": model, "algorithm": alg}
+           "model": model, "algorithm": alg, "frozen_bn": bool(alg.frozen_bn)}
     if method == "deepfednas":
         out["path"] = [spec_dict(s) for s in alg.path.specs]
         out["path_macs"] = [int(m) for m in alg.path.macs]

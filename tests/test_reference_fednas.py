@@ -23,22 +23,26 @@ def tolerance(case, values) -> float:
     steps = ROUNDS * max(len(b) for b in case["batches"].values())
     return float32_bound(steps, TERMS, max(float(v.abs().max()) for v in values))
 METHODS = ["superfednas", "deepfednas"]
+BN = {"trained": "authors", "frozen": "authors_frozen"}
+"""Batch norm trained (the originals with ``--use_bn``; our transfer's default, FEAST's client)
+or held at the identity (the originals' default; ours with ``frozen_bn``)."""
 
 
-def golden(method):
-    main = load(method, "authors.pt")
-    return {**main, "locals": load(method, "authors_locals.pt")["locals"],
-            "globals": [main["global"], load(method, "authors_round1.pt")["global"]]}
+def golden(method, bn="trained"):
+    name = BN[bn]
+    main = load(method, f"{name}.pt")
+    return {**main, "locals": load(method, f"{name}_locals.pt")["locals"],
+            "globals": [main["global"], load(method, f"{name}_round1.pt")["global"]]}
 
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
     runs = {}
 
-    def get(method):
-        if method not in runs:
-            runs[method] = run_case(method, tmp_path_factory.mktemp(method))
-        return runs[method]
+    def get(method, bn="trained"):
+        if (method, bn) not in runs:
+            runs[(method, bn)] = run_case(method, tmp_path_factory.mktemp(method), frozen_bn=bn == "frozen")
+        return runs[(method, bn)]
     return get
 
 
@@ -104,13 +108,15 @@ def test_maxnet_schedule_matches_the_authors_code_through_and_after_the_anneal(m
     assert theirs[MAXNET_STEPS][1] == pytest.approx(0.125) and theirs[-1] == theirs[MAXNET_STEPS]
 
 
+@pytest.mark.parametrize("bn", list(BN))
 @pytest.mark.parametrize("method", METHODS)
-def test_client_subnets_match_the_authors_subnet_trainer(method, ours):
+def test_client_subnets_match_the_authors_subnet_trainer(method, bn, ours):
     """Round 0: each client's trained subnet (extracted from the same supernet: the authors'
     ``get_subnet`` and ours hold the same tensors, name for name and shape for shape), after the
-    authors' ``SubnetTrainer.train`` (cross-entropy, SGD with weight decay, clipping, batch
-    norm in training mode) against ours, every floating entry including running statistics."""
-    case, g = ours(method), golden(method)
+    authors' ``SubnetTrainer.train`` (cross-entropy, SGD with weight decay, clipping; batch norm
+    in training mode with ``--use_bn``, else held at the identity in evaluation mode) against
+    ours, every floating entry including running statistics."""
+    case, g = ours(method, bn), golden(method, bn)
     assert_same_case(g["case"], case)
     assert g["reference"]["same_function"] < 1e-5  # the extracted networks compute the same logits
     for client, theirs in g["locals"].items():
@@ -120,17 +126,23 @@ def test_client_subnets_match_the_authors_subnet_trainer(method, ours):
         assert max_abs_diff(mine, initial_slices) > 1e-3  # the client did train
 
 
+@pytest.mark.parametrize("bn", list(BN))
 @pytest.mark.parametrize("method", METHODS)
-def test_supernet_after_each_round_matches_the_authors_aggregation(method, ours):
+def test_supernet_after_each_round_matches_the_authors_aggregation(method, bn, ours):
     """The supernet after round 0 and after round 1 (the authors' ``_aggregate``: per position
     the MaxNet-weighted sum over the clients whose subnet covers it divided by the sum of their
-    weights, the old value where nobody does), every floating entry of ours."""
-    case, g = ours(method), golden(method)
+    weights, the old value where nobody does), every floating entry of ours. Frozen, every
+    batch norm the clients held comes back at the identity: the running statistics aggregate to
+    0 and 1 wherever a client covered them, on both sides."""
+    case, g = ours(method, bn), golden(method, bn)
     assert_same_case(g["case"], case)
     for r in range(ROUNDS):
         mine = float_state(case["globals"][r])
         assert max_abs_diff(mine, g["globals"][r]) < tolerance(case, g["globals"][r].values()), r
     assert max_abs_diff(float_state(case["globals"][1]), float_state(case["initial"])) > 1e-3
+    variances = [k for k in g["globals"][1] if k.endswith("running_var")]
+    trained = max(float((g["globals"][1][k] - 1).abs().max()) for k in variances)
+    assert (trained == 0.0) if bn == "frozen" else (trained > 1e-3)
 
 
 def test_deepfednas_path_is_read_and_counted_as_the_authors_do(ours):

@@ -24,6 +24,7 @@ pass runs on one test batch.
 from __future__ import annotations
 
 import csv
+import argparse
 import sys
 import tempfile
 import types
@@ -91,7 +92,8 @@ def authors(repo, case) -> dict:
     # the networks agree: every architecture of the case, extracted by both, gives the same logits
     agree = fr.check_same_functions(server, model, case, reference_arch, INPUT)
 
-    args = fr.trainer_args(SCHEDULE, ckpt_subnets=[server.max_subnet_arch()], subnet_cache_path=cache_csv,
+    args = fr.trainer_args(SCHEDULE, ckpt_subnets=[server.max_subnet_arch()], use_bn=not case["frozen_bn"],
+                           subnet_cache_path=cache_csv,
                            model="ofaresnet_generic")
     client_trainer = SubnetTrainer(None, torch.device("cpu"), args)
     trainer = Deepfednas_Trainer(server, fr.dataset_list(case), client_trainer, args, None,
@@ -105,12 +107,16 @@ def authors(repo, case) -> dict:
 
 
 def main():
-    repo = common.add_repo(sys.argv[1], "src")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("repo")
+    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
+    args = parser.parse_args()
+    repo = common.add_repo(args.repo, "src")
     fr.record("deepfednas", authors, repo)
     import importlib.metadata as md
 
     common.write_provenance(
-        "deepfednas", repo, "https://github.com/bostankhan6/DeepFedNAS",
+        "deepfednas", repo, commit=args.commit, repository="https://github.com/bostankhan6/DeepFedNAS",
         used=["src/deepfednas/Server/deepfednas_trainer.py: Deepfednas_Trainer.__init__ (line 33), _client_sampling "
               "(159), _aggregate (175), train_one_round (220), maxnet_cos_all_subnet (970)",
               "src/deepfednas/Server/base_server_model.py: BaseServerModel._prepare_subnet_cache (78), update_sample "
@@ -123,7 +129,9 @@ def main():
               "src/deepfednas/utils/subnet_cost.py: subnet_macs (49; the path CSV's MACs)"],
         notes="Synthetic 3x8x8 images, 4 classes, 3 iid clients of 24 examples, all 3 every round, 2 rounds; "
               "arch_params " + str(ARCH_PARAMS) + " (our ofa_resnet with the same widths, round_middle true); "
-              "SGD lr 0.05, momentum 0 (their SubnetTrainer has none), weight decay 5e-4, max_norm 3.0, use_bn, "
+              "SGD lr 0.05, momentum 0 (their SubnetTrainer has none), weight decay 5e-4, max_norm 3.0, twice: use_bn "
+              "(authors*.pt; ours frozen_bn false) and without it, their default (authors_frozen*.pt; ours frozen_bn "
+              "true), "
               "kd_ratio 0, one epoch of batch 8 on the batches our loop drew; weighted_avg_schedule "
               + str(SCHEDULE) + "; TS_optimal_path over our Pareto path (4 architectures) written as their "
               "CSV with their subnet_macs. Stand-ins: wandb (logging; wandb.run a disabled run), "

@@ -50,10 +50,11 @@ def bypass_package_init(root, *packages: str) -> None:
         sys.modules[name] = module
 
 
-def trainer_args(weighted_avg_schedule: dict, ckpt_subnets: list, **extra) -> types.SimpleNamespace:
+def trainer_args(weighted_avg_schedule: dict, ckpt_subnets: list, use_bn: bool = True, **extra) -> types.SimpleNamespace:
     """The fields the server trainer and ``SubnetTrainer`` read, from the case (their names):
     SGD at the case's rate and weight decay, gradient clipping at ``max_norm``, batch norm
-    trained (``use_bn``), no distillation, no FedDyn, no sample weighting, one local epoch."""
+    trained (``use_bn``; without it, their default, held at the identity), no distillation, no
+    FedDyn, no sample weighting, one local epoch."""
     return types.SimpleNamespace(
         # server trainer
         top_k_maxnet=1, bottom_k_maxnet=1, client_num_in_total=CLIENTS, client_num_per_round=CLIENTS,
@@ -63,7 +64,7 @@ def trainer_args(weighted_avg_schedule: dict, ckpt_subnets: list, **extra) -> ty
         frequency_of_the_test=1, ckpt_subnets=ckpt_subnets, dataset="cifar10", model_checkpoint_freq=10 ** 6,
         ofa_config=None,
         # client trainer (Client/subnet_trainer.py)
-        use_bn=True, wd=TRAIN.weight_decay, largest_subnet_wd=0, mod_wd_dyn=False, client_optimizer="sgd",
+        use_bn=use_bn, wd=TRAIN.weight_decay, largest_subnet_wd=0, mod_wd_dyn=False, client_optimizer="sgd",
         epochs=TRAIN.epochs, kd_ratio=0.0, kd_type="ce", max_norm=TRAIN.grad_clip, reset_bn_stats=False,
         reset_bn_stats_test=False, **extra)
 
@@ -220,23 +221,25 @@ def report(method: str, case, golden: dict) -> None:
 
 def record(method: str, authors, repo) -> dict:
     """Our run of the case, the authors' two rounds on it, the golden files and the printed
-    distances: what both adapters' ``main`` does before writing its provenance."""
+    distances, with batch norm trained (``use_bn``) and held at the identity (their default):
+    what both adapters' ``main`` does before writing its provenance."""
     from reference_fednas_case import run_case
 
     torch.set_num_threads(1)
-    case = run_case(method)
-    golden = authors(repo, case)
-    save_golden(method, golden)
-    report(method, case, golden)
+    for frozen in (False, True):
+        case = run_case(method, frozen_bn=frozen)
+        golden = authors(repo, case)
+        save_golden(method, golden, "authors_frozen" if frozen else "authors")
+        report(method + (" (frozen BN)" if frozen else ""), case, golden)
     return golden
 
 
-def save_golden(method: str, golden: dict) -> None:
+def save_golden(method: str, golden: dict, name: str = "authors") -> None:
     """Three files, each under 200 KB: the case, the reference's plan and the supernet after
-    round 0 (``authors.pt``); after round 1 (``authors_round1.pt``); the clients' round-0
-    subnets (``authors_locals.pt``)."""
+    round 0 (``<name>.pt``); after round 1 (``<name>_round1.pt``); the clients' round-0
+    subnets (``<name>_locals.pt``)."""
     out = common.out_dir(method)
     torch.save({"case": golden["case"], "reference": golden["reference"], "global": golden["globals"][0]},
-               out / "authors.pt")
-    torch.save({"global": golden["globals"][1]}, out / "authors_round1.pt")
-    torch.save({"locals": golden["locals"]}, out / "authors_locals.pt")
+               out / f"{name}.pt")
+    torch.save({"global": golden["globals"][1]}, out / f"{name}_round1.pt")
+    torch.save({"locals": golden["locals"]}, out / f"{name}_locals.pt")

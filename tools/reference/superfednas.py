@@ -32,6 +32,7 @@ pass runs on one test batch.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -84,7 +85,8 @@ def authors(repo, case) -> dict:
     server.random_subnet_arch = lambda: draws.pop(0)
     server.min_subnet_arch = lambda: dict(smallest, e=list(smallest["e"]))
 
-    args = fr.trainer_args(SCHEDULE, ckpt_subnets=[server.max_subnet_arch()], model="ofaresnet50_32x32_10_26")
+    args = fr.trainer_args(SCHEDULE, ckpt_subnets=[server.max_subnet_arch()], use_bn=not case["frozen_bn"],
+                           model="ofaresnet50_32x32_10_26")
     client_trainer = SubnetTrainer(None, torch.device("cpu"), args)
     trainer = FLOFA_Trainer(server, fr.dataset_list(case), client_trainer, args, None,
                             wt_avg_sched_method="maxnet_cos_all_subnet")
@@ -95,12 +97,16 @@ def authors(repo, case) -> dict:
 
 
 def main():
-    repo = common.add_repo(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("repo")
+    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
+    args = parser.parse_args()
+    repo = common.add_repo(args.repo)
     fr.record("superfednas", authors, repo)
     import importlib.metadata as md
 
     common.write_provenance(
-        "superfednas", repo, "https://github.com/gatech-sysml/superfednas",
+        "superfednas", repo, commit=args.commit, repository="https://github.com/gatech-sysml/superfednas",
         used=["fedml_api/standalone/superfednas/Server/ServerTrainer/superfednas_trainer.py: FLOFA_Trainer.__init__ "
               "(line 35), _client_sampling (144), _aggregate (160), train_one_round (205), maxnet_cos_all_subnet (899)",
               "fedml_api/standalone/superfednas/Server/ServerModel/base_server_model.py: BaseServerModel.update_sample "
@@ -117,8 +123,10 @@ def main():
               "ResNet-10-26 supernet with STAGE_WIDTH_LIST " + str(STAGE_WIDTHS) + ", BASE_DEPTH_LIST [1, 1], "
               "MyNetwork.CHANNEL_DIVISIBLE " + str(DIVISOR) + " (class constants set before building), init params "
               + str(INIT_PARAMS) + " (our ofa_resnet with the same widths, round_middle true); SGD lr 0.05, "
-              "momentum 0 (their SubnetTrainer has none), weight decay 5e-4, max_norm 3.0, use_bn, kd_ratio 0, one "
-              "epoch of batch 8 on the batches our loop drew; weighted_avg_schedule " + str(SCHEDULE) + ". "
+              "momentum 0 (their SubnetTrainer has none), weight decay 5e-4, max_norm 3.0, kd_ratio 0, one "
+              "epoch of batch 8 on the batches our loop drew; weighted_avg_schedule " + str(SCHEDULE) + "; twice: use_bn "
+              "(authors*.pt; ours frozen_bn false) and without it, their default, batch norm held at the identity "
+              "(authors_frozen*.pt; ours frozen_bn true). "
               "Stand-ins: wandb (logging; wandb.run a disabled run); the ServerModel, ServerTrainer and ClientTrainer "
               "package __init__ files bypassed (they import DARTS/TCN/MobileNet); min_subnet_arch returns the "
               "narrowest smallest architecture (theirs keeps full width) and random_subnet_arch our random-role "

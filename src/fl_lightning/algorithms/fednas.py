@@ -190,7 +190,8 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
                  maxnet_final: UnitFraction = MAXNET_FINAL, maxnet_steps: Optional[PositiveInt] = None,
                  mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0,
                  mix_schedule: MixSchedule = "alternate", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
-                 calib_transform: Literal["train", "eval"] = "train", kappa: PositiveFloat = KAPPA_FB):
+                 calib_transform: Literal["train", "eval"] = "train", kappa: PositiveFloat = KAPPA_FB,
+                 frozen_bn: bool = False):
         """
         Args:
             constrained: the budget-constrained variant of Table 3: every client trains only
@@ -218,7 +219,12 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
             calib_transform: image-level transform of the calibration images: train (drawn
                 once with a fixed seed, as FEAST) or eval (none).
             kappa: forward-plus-backward factor of the reported training MACs (FEAST Eq. 26).
+            frozen_bn: clients hold every batch norm at the identity (weight 1, bias 0,
+                statistics 0 and 1, evaluation mode, not trained), as the originals'
+                ``SubnetTrainer`` does unless ``--use_bn`` is given (no published command gives
+                it); false trains batch norm, FEAST's client (docs/fednas_transfers.md).
         """
+        self.frozen_bn = frozen_bn
         self.cache_path, self.retarget, self.search = cache, retarget, search
         self.mixup_alpha, self.cutmix_alpha, self.mix_schedule = mixup_alpha, cutmix_alpha, mix_schedule
         self.calib_batch_size, self.calib_transform, self.kappa = calib_batch_size, calib_transform, kappa
@@ -336,7 +342,7 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
                                      schedule=self.mix_schedule,
                                      generator=_generator(MIX_STREAM, self.ctx.seed, plan.round_idx, task.client))
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
-                                        macs=task.choice.macs, mixer=mixer)
+                                        macs=task.choice.macs, mixer=mixer, frozen_bn=self.frozen_bn)
 
     def work(self, task: ClientTask) -> float:
         return super().work(task) * task.choice.macs
@@ -452,7 +458,7 @@ class DeepFedNAS(_FedNASTransfer):
                  maxnet_steps: Optional[PositiveInt] = None, mixup_alpha: NonNegativeFloat = 0.4,
                  cutmix_alpha: NonNegativeFloat = 1.0, mix_schedule: MixSchedule = "alternate",
                  calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
-                 kappa: PositiveFloat = KAPPA_FB):
+                 kappa: PositiveFloat = KAPPA_FB, frozen_bn: bool = False):
         """
         Args:
             constrained: the budget-constrained variant of Table 3 (the path is then the
@@ -473,11 +479,14 @@ class DeepFedNAS(_FedNASTransfer):
             calib_batch_size: batch size of BN recalibration on the server's calibration split.
             calib_transform: image-level transform of the calibration images (train or eval).
             kappa: forward-plus-backward factor of the reported training MACs (FEAST Eq. 26).
+            frozen_bn: clients hold every batch norm at the identity (the originals' client
+                without ``--use_bn``); false trains it (FEAST's client).
         """
         super().__init__(constrained=constrained, cache=cache, retarget=retarget, search=search,
                          maxnet_init=maxnet_init, maxnet_final=maxnet_final, maxnet_steps=maxnet_steps,
                          mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, mix_schedule=mix_schedule,
-                         calib_batch_size=calib_batch_size, calib_transform=calib_transform, kappa=kappa)
+                         calib_batch_size=calib_batch_size, calib_transform=calib_transform, kappa=kappa,
+                         frozen_bn=frozen_bn)
         self.path_search = path
 
     def setup(self, ctx) -> None:
