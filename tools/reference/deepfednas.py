@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import argparse
-import sys
 import tempfile
 import types
 

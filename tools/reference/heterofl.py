@@ -39,7 +39,6 @@ import sys
 import tempfile
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 import common

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import random
 import sys
 import tempfile
 import types
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np

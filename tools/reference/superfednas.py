@@ -33,7 +33,6 @@ pass runs on one test batch.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
