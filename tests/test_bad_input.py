@@ -183,11 +183,24 @@ FIT_CASES = [
     (["--data.dataset", "{{class_path: fl_lightning.data.Synthetic, init_args: {{num_train: 99999999999999999999}}}}"],
      "data.dataset.num_train"),
     (["--model.width", "1e400"], "model.width"),
+    (["--model.width", "1e308"], "model.width"),  # finite, but its channel counts are not
+    (["--train.lr", "1e308"], "train.lr"),  # finite in float64, not in the float32 the optimizer steps in
+    (["--train.weight_decay", "1e39"], "train.weight_decay"),
+    (["--partition.alpha", "-1e308"], "partition.alpha"),
+    (["--model", "fl_lightning.elastic.models.ResNet18", "--model.channels", "[8, 16, 32]"], "model.channels"),
+    (["--model", VIT, "--model.patch_size", "5"], "model.patch_size"),
+    (["--fabric.num_nodes", "2"], "fabric.num_nodes"),  # no launcher started the other node
+    (["--fabric.threads_per_rank", str(2**31 - 1)], "fabric.threads_per_rank"),  # OpenMP would abort
+    # refused once the data is loaded, still before any rank starts or anything is written
+    (["--data.calib_size", "100000"], "data.calib_size"),
+    (["--data.val_size", "100000"], "data.val_size"),
+    (["--data.dataset.test_fraction", "0.9999"], "data.dataset.test_fraction"),
+    (["--partition.num_clients", str(2**31 - 1), "--partition.min_size", "0"], "partition.num_clients"),
     (["--model.channels", "[8, 99999999999999999999]"], "model.channels"),
     (["--algorithm", "FedProx", "--algorithm.mu", "inf"], "algorithm.mu"),
     (["--algorithm", "FedProx", "--algorithm.mu=-inf"], "algorithm.mu"),
     # models that cannot be built or would not fit in memory
-    (["--model.width", "10000"], "model"),
+    (["--model.width", "1000"], "model"),
     (["--model", VIT, "--model.embed_dim", "64", "--model.num_heads", "5"], "model.num_heads"),
     (["--algorithm", "Feast", "--model", OFA, "--model.width_scale", "0.1"], "model.width_scale"),
     (["--algorithm", "Feast", "--model", OFA, "--algorithm.search.segments", "[]"],
@@ -708,3 +721,120 @@ def test_duplicate_key_names_the_file_and_lines(tmp_path, inputs, capsys):
     line = fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), "--config", str(inputs / "dup_key.yaml")],
                          capsys, "train.lr", tmp_path)
     assert str(inputs / "dup_key.yaml") in line and "lines 2 and 4" in line
+
+
+# ---------------------------------------------------------------------------------------
+# Classes of values rather than cases: a null written in YAML, floats past float32
+# ---------------------------------------------------------------------------------------
+
+
+def _options_needing_a_value():
+    """(yaml text, key) for every option of fit's config sections and of every model and
+    algorithm class whose type is a number or choice that is not Optional: a YAML null there
+    must be refused naming the key."""
+    import dataclasses
+    import inspect
+    import typing
+
+    import fl_lightning.algorithms as algorithms
+    import fl_lightning.elastic.models as models
+    from fl_lightning.cli import fit
+
+    def optional(hint) -> bool:
+        return type(None) in typing.get_args(hint)
+
+    cases = []
+
+    def walk(prefix, cls, nest):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory):
+                walk(f"{prefix}.{f.name}", f.default_factory, lambda v, n=f.name: nest({n: v}))
+            elif not optional(hints[f.name]):
+                cases.append((yaml.safe_dump(nest({f.name: None})), f"{prefix}.{f.name}"))
+
+    for p in inspect.signature(fit).parameters.values():
+        if dataclasses.is_dataclass(p.default):
+            walk(p.name, type(p.default), lambda v, n=p.name: {n: v})
+        elif p.name in ("seed", "checkpoint_every", "name", "out_dir"):
+            cases.append((yaml.safe_dump({p.name: None}), p.name))
+    from fl_lightning.elastic.models.base import ElasticModel
+
+    for section, module, base in (("model", models, ElasticModel), ("algorithm", algorithms, algorithms.Algorithm)):
+        for name in module.__all__:
+            cls = getattr(module, name)
+            if not inspect.isclass(cls) or not issubclass(cls, base) or inspect.isabstract(cls):
+                continue
+            try:
+                hints = typing.get_type_hints(cls.__init__)
+            except Exception:
+                continue
+            for option, param in inspect.signature(cls.__init__).parameters.items():
+                hint = hints.get(option)
+                if option in ("self", "num_classes", "input_shape") or hint is None or optional(hint):
+                    continue
+                if param.default is inspect.Parameter.empty or getattr(hint, "wanted", None) is None:
+                    continue  # number types only (they carry their range as ``wanted``)
+                given = {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": {option: None}}
+                cases.append((yaml.safe_dump({section: given}), f"{section}.{option}"))
+    return cases
+
+
+NULL_CASES = _options_needing_a_value()
+
+
+def test_null_cases_cover_the_sections_models_and_algorithms():
+    keys = {key for _, key in NULL_CASES}
+    assert {"train.lr", "seed", "partition.budgets.b_min", "model.width", "algorithm.mu", "fabric.devices",
+            "data.val_size", "federation.rounds", "name"} <= keys
+    assert len(keys) > 60
+
+
+@pytest.mark.parametrize("text,key", NULL_CASES, ids=[k for _, k in NULL_CASES])
+def test_yaml_null_is_refused_for_every_option_that_needs_a_value(tmp_path, text, key):
+    """``lr: null`` in a config file is refused by the option's type, as on the command line,
+    before anything runs (jsonargparse's unset sentinel: an unset option is not a null one)."""
+    from fl_lightning.cli import parse_command
+
+    config = tmp_path / "null.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_command(["fit", "--config", str(config)])
+    assert err.value.key == key and "None" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yaml_null_stays_allowed_where_it_means_none(tmp_path):
+    from fl_lightning.cli import parse_command
+
+    config = tmp_path / "nulls.yaml"
+    config.write_text("train: {steps: null, grad_clip: null}\npartition: {alpha_eff: null}\n"
+                      "fabric: {threads_per_rank: null}\nresume: null\nstop_after: null\nmodel: null\n")
+    _, args, resolved = parse_command(["fit", "--config", str(config)])
+    assert args.train.steps is None and args.fabric.threads_per_rank is None and args.resume is None
+    assert "Unset" not in resolved and "UNSET" not in resolved
+
+
+def test_lr_null_in_a_config_stops_before_the_run_folder(tmp_path, capsys):
+    config = tmp_path / "lr_null.yaml"
+    config.write_text((Path(__file__).parents[1] / "configs" / "fedavg_digits.yaml").read_text()
+                      .replace("lr: 0.05", "lr: null"))
+    line = fails_cleanly(["fit", "--config", str(config), "--out_dir", str(tmp_path / "runs")], capsys,
+                         "train.lr", tmp_path)
+    assert "got None" in line
+
+
+@pytest.mark.parametrize("text,ok", [("3.4e38", True), ("-3.4e38", True), ("3.5e38", False), ("1e308", False),
+                                     ("-1e39", False), ("1e-300", True)])
+def test_every_float_option_stays_within_float32(text, ok):
+    """One rule in the number types: a float option past float32's largest value (what the
+    tensors it meets hold) is refused, whatever its own range."""
+    from fl_lightning.option_types import OutOfRange, Range, parse_number
+
+    for span in (Range(), Range(low=-1e300), Range(low=0.0, low_open=True)):
+        if not span.holds(float(text)):
+            continue
+        if ok:
+            assert parse_number(float, span, "a number", text) == float(text)
+        else:
+            with pytest.raises(OutOfRange, match="float32"):
+                parse_number(float, span, "a number", text)

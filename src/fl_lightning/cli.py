@@ -36,7 +36,10 @@ if TYPE_CHECKING:
     from fl_lightning.algorithms import Algorithm
     from fl_lightning.elastic.models.base import ElasticModel
 
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
+# unset_sentinel: an option nobody set holds jsonargparse's Unset, so a null written in a YAML
+# file is a value like any other and its type refuses it (``lr: null`` -> "train.lr: must be a
+# finite number > 0, got None"), as on the command line; by default a YAML null passes unchecked.
+set_parsing_settings(docstring_parse_attribute_docstrings=True, unset_sentinel=True)
 
 DEFAULT_ALGORITHM = {"class_path": "fl_lightning.algorithms.FedAvg"}
 DEFAULT_MODEL = {"class_path": "fl_lightning.elastic.models.CNN"}

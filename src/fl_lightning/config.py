@@ -195,12 +195,19 @@ def validate(data: DataConfig, partition: PartitionConfig, train: LocalTrainConf
 def check_fabric_available(fabric: FabricConfig) -> None:
     """Refuse a Fabric configuration this machine cannot run, before anything is loaded.
 
-    Imports torch (only when a command runs, never for ``--help``). Checks that a requested
+    Imports torch (only when a command runs, never for ``--help``). Checks that a thread count
+    fits the CPUs, that a requested
     GPU exists and that there are as many as ``devices`` asks for, and that the packages of
     the xla, deepspeed and transformer-engine options are installed.
     """
+    import os
+
     import torch
 
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if isinstance(fabric.threads_per_rank, int) and fabric.threads_per_rank > cpus:  # OpenMP would try to allocate them
+        raise ConfigError("fabric.threads_per_rank", f"{fabric.threads_per_rank} threads, but this process may run on "
+                                                     f"{cpus} CPU(s); use at most {cpus}, or auto")
     accelerator, strategy, precision = fabric.accelerator, fabric.strategy, str(fabric.precision)
     cuda = torch.cuda.is_available()
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())

@@ -4,8 +4,9 @@ Every numeric option (config sections, algorithm settings, command arguments) is
 one of these types. jsonargparse checks each value against its type while it parses a YAML file
 or the command line, so ``--help`` shows the range (``type: int >= 1``) and a bad value stops
 the command before any work, with one message naming the range. Besides its declared range,
-every number must be finite and every integer lie within ``INT_LIMIT`` (past it numpy and torch
-overflow or try to allocate the impossible). A parsed value is a plain ``int`` or ``float``.
+every number must be finite, every integer lie within ``INT_LIMIT`` (past it numpy and torch
+overflow or try to allocate the impossible) and every float within ``FLOAT_LIMIT``. A parsed
+value is a plain ``int`` or ``float``.
 
 ``check_numbers`` gives free-form mappings (``model``) the same
 finiteness and size checks.
@@ -24,6 +25,9 @@ from fl_lightning.errors import ConfigError
 
 INT_LIMIT = 2**31 - 1
 """Largest integer an option may hold unless its type declares an upper bound (counts, sizes, steps)."""
+FLOAT_LIMIT = 3.4028234663852886e38
+"""Largest float an option may hold (``torch.finfo(torch.float32).max``): options meet float32
+tensors (a learning rate past it cannot even be converted for the optimizer's step)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ def parse_number(base: type, span: Range, wanted: str, value: Any):
         raise OutOfRange(f"must be {wanted}, got {_given(value)}")
     if base is int and span.high is None and abs(number) > INT_LIMIT:
         raise OutOfRange(f"must be {wanted} (at most {INT_LIMIT:,} in size), got {_given(value)}")
+    if base is float and abs(number) > FLOAT_LIMIT:
+        raise OutOfRange(f"must be {wanted} (at most {FLOAT_LIMIT:.4g} in size, float32's largest), "
+                         f"got {_given(value)}")
     return number
 
 
@@ -136,6 +143,12 @@ NonNegativeFloat = number_type(float, ge=0)
 ClosedUnitInterval = number_type(float, ge=0, le=1)
 UnitFraction = number_type(float, gt=0, le=1)
 """A fraction in (0, 1]: widths, rates, shares of a model or a budget."""
+MAX_MULTIPLIER = 1024
+WidthMultiplier = number_type(float, gt=0, le=MAX_MULTIPLIER)
+"""A factor on a model's widths (``model.width``, ``width_scale``, ViT's ``mlp_ratio``). A model
+grows with its square: 1024 times the widths of the smallest model here (0.09M parameters)
+would hold about 10^11 parameters, past any machine; a larger factor overflows the channel
+counts before the memory check could name it."""
 
 
 def check_numbers(key: str, value: Any, int_limit: int = INT_LIMIT) -> None:
@@ -149,6 +162,8 @@ def check_numbers(key: str, value: Any, int_limit: int = INT_LIMIT) -> None:
             check_numbers(f"{key}[{i}]" if len(value) > 1 else key, item, int_limit)
     elif isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(key, f"must be a finite number, got {value!r}")
+    elif isinstance(value, float) and abs(value) > FLOAT_LIMIT:
+        raise ConfigError(key, f"{value!r} is out of range (at most {FLOAT_LIMIT:.4g} in size, float32's largest)")
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > int_limit:
         raise ConfigError(key, f"{value} is out of range (at most {int_limit:,} in size)")
 

@@ -105,14 +105,21 @@ def read_text_file(path: str) -> str:
 
 
 def per_class_tail_split(targets: torch.Tensor, test_fraction: float):
-    """Train/test indices: the last ``test_fraction`` of each class (in file order) is test."""
+    """Train/test indices: the last ``test_fraction`` of each class (in file order) is test.
+    ConfigError naming ``data.dataset.test_fraction`` when either part would be empty."""
     train, test = [], []
     for c in torch.unique(targets).tolist():
         idx = torch.nonzero(targets == c).flatten()
         n_test = int(round(len(idx) * test_fraction))
         train.append(idx[: len(idx) - n_test])
         test.append(idx[len(idx) - n_test:])
-    return torch.sort(torch.cat(train)).values, torch.sort(torch.cat(test)).values
+    train_idx, test_idx = torch.sort(torch.cat(train)).values, torch.sort(torch.cat(test)).values
+    for part, held in (("training", train_idx), ("test", test_idx)):
+        if not len(held):
+            raise ConfigError("data.dataset.test_fraction", f"{test_fraction:g} of each class leaves no {part} "
+                                                            f"examples of the {len(targets)}; "
+                                                            f"{'lower' if part == 'training' else 'raise'} it")
+    return train_idx, test_idx
 
 
 def _read_digits():

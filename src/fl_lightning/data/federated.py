@@ -12,7 +12,8 @@ from torchvision.transforms import v2
 from fl_lightning.config import DataConfig, PartitionConfig
 from fl_lightning.data.base import DatasetBundle
 from fl_lightning.data.budgets import zipf_budgets
-from fl_lightning.data.partition import alpha_data_for, make_partition, natural_partition
+from fl_lightning.data.partition import (alpha_data_for, make_partition, natural_partition,
+                                         validate_partition_params)
 from fl_lightning.data.splits import carve_server_splits, groups_to_pool, label_matched_shards, to_dataset_indices
 from fl_lightning.errors import ConfigError
 
@@ -108,6 +109,20 @@ def with_randaugment(dataset: Dataset, num_ops: int, magnitude: int) -> Dataset:
     return dataset.with_transform(v2.Compose(steps))
 
 
+def check_server_splits(data: DataConfig, available: int, what: str, room: int) -> None:
+    """``val_size + calib_size`` examples fit in ``available`` with ``room`` to spare (the
+    clients' pool); the ConfigError names the size that does not fit: val_size when it alone
+    does not, else calib_size."""
+    most = available - room
+    if data.val_size + data.calib_size <= most:
+        return
+    key = "data.val_size" if data.val_size > most or data.calib_size == 0 else "data.calib_size"
+    given = f"val_size {data.val_size} + calib_size {data.calib_size}" if data.calib_size else f"{data.val_size}"
+    spare = " and leave one for the clients" if room else ""
+    raise ConfigError(key, f"{given} server-held examples, but the dataset has {available} {what}; "
+                           f"at most {most} fit{spare}")
+
+
 def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
     """(client pool indices, val indices, calib indices, dataset the server splits index)."""
     if data.server_source == "valid":
@@ -115,13 +130,11 @@ def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
         if valid is None:
             raise ConfigError("data.server_source", f"{bundle.name} has no separate validation split")
         valid_targets = torch.as_tensor(valid.targets, dtype=torch.long)
-        if data.val_size + data.calib_size > len(valid_targets):
-            raise ConfigError("data.val_size", f"val_size + calib_size must be <= {len(valid_targets)} validation examples")
+        check_server_splits(data, len(valid_targets), "validation examples (server_source valid)", room=0)
         rest, val, calib = carve_server_splits(valid_targets, data.val_size, data.calib_size, seed)
         return torch.arange(len(bundle.train_targets)), val, calib, valid
     targets = bundle.train_targets
-    if data.val_size + data.calib_size >= len(targets):
-        raise ConfigError("data.val_size", f"val_size + calib_size must be < {len(targets)} training examples")
+    check_server_splits(data, len(targets), "training examples", room=1)
     pool, val, calib = carve_server_splits(targets, data.val_size, data.calib_size, seed)
     return pool, val, calib, None
 
@@ -134,12 +147,16 @@ def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int
         bundle.train = with_randaugment(bundle.train, *data.randaugment)
     targets = bundle.train_targets
     pool, val, calib, server = _server_pool(data, bundle, seed)
-    budgets = client_budgets(partition, seed)
     groups = None
     if partition.method == "natural":
         if bundle.groups is None:
             raise ConfigError("partition.method", f"natural needs a dataset with natural groups; {bundle.name} has none")
         groups = groups_to_pool(bundle.groups, pool)
+        validate_partition_params("natural", None, partition.num_clients, num_groups=len(groups))
+    else:  # before anything is sized by the client count (the budgets)
+        validate_partition_params(partition.method, len(pool), partition.num_clients, alpha=partition.alpha,
+                                  gamma=partition.gamma, min_size=partition.min_size)
+    budgets = client_budgets(partition, seed)
     alpha = partition.alpha
     if partition.alpha_eff is not None:
         alpha = alpha_data_for(partition.alpha_eff, len(pool), bundle.num_classes, partition.num_clients)

@@ -23,6 +23,11 @@ from fl_lightning.errors import ConfigError
 PARTITION_METHODS = get_args(PartitionMethod)
 CLASS_ORDERS = ("ascending", "random")
 DEFAULT_MAX_RETRIES = 10000
+MAX_CONCENTRATION = 1e100
+"""Largest Dirichlet concentration drawn with. Past about 1e20 a draw equals its mean to float64
+precision, and numpy's sampler returns zeros once the concentrations' sum overflows (near
+1e308), so a larger alpha (a huge but finite ``partition.alpha``, i.e. near-iid) is drawn at
+this bound: the same partition, the mean proportions."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -77,6 +82,8 @@ def _check_min_size(min_size) -> int:
 
 
 def _check_feasible(num_examples: int, num_clients: int, min_size: int) -> None:
+    if num_clients > num_examples:  # a client needs an example, whatever min_size says
+        raise ConfigError("partition.num_clients", f"{num_clients} clients, but the pool has {num_examples} examples")
     if num_examples < min_size * num_clients:
         raise ConfigError(
             "partition.num_clients",
@@ -182,7 +189,7 @@ def dirichlet_partition(
     min_size = _check_min_size(min_size)
     _check_feasible(n, k, min_size)
     _, class_indices = _indices_by_class(y)
-    conc = np.full((len(class_indices), k), alpha)
+    conc = np.full((len(class_indices), k), min(alpha, MAX_CONCENTRATION))
     caps = np.full(k, n / k) if balance else None
     rng = seeded_rng(seed, "partition/dirichlet")
     draw = lambda: _dirichlet_draw(class_indices, conc, rng, n, caps)  # noqa: E731
@@ -192,11 +199,15 @@ def dirichlet_partition(
 def dirichlet_concentrations(weights_q, alpha_data: float, class_sizes) -> torch.Tensor:
     """c_{k,i} = alpha_data N_k q_i(gamma) as a float64 [K, N] tensor (Supp. A, Eq. 4).
 
-    Each row sums to alpha_data N_k (Eq. 7) and its normalized mean is q (Eq. 6).
+    Each row sums to alpha_data N_k (Eq. 7) and its normalized mean is q (Eq. 6). A row whose
+    largest entry would pass ``MAX_CONCENTRATION`` is scaled down to it (same mean; such a
+    draw is its mean to float64 precision), so a huge alpha_data never overflows.
     """
     q = torch.as_tensor(weights_q, dtype=torch.float64).reshape(1, -1)
     n_k = torch.as_tensor(class_sizes, dtype=torch.float64).reshape(-1, 1)
-    return float(alpha_data) * n_k * q
+    shape = n_k * q  # c / alpha_data
+    scale = torch.clamp(MAX_CONCENTRATION / shape.amax(dim=1, keepdim=True), max=float(alpha_data))
+    return scale * shape
 
 
 def _normalized_weights(weights_q) -> np.ndarray:
@@ -247,9 +258,10 @@ def gamma_dirichlet_partition(
 
 
 def alpha_data_for(alpha_eff: float, n_train: int, num_classes: int, num_clients: int) -> float:
-    """alpha_data giving a symmetric-equivalent alpha_eff = alpha_data N_train / (K N) (Eq. 8)."""
-    _check_positive(alpha_eff, "partition.alpha")
-    return float(alpha_eff) * int(num_classes) * int(num_clients) / int(n_train)
+    """alpha_data giving a symmetric-equivalent alpha_eff = alpha_data N_train / (K N) (Eq. 8),
+    at most ``MAX_CONCENTRATION`` (a huge alpha_eff is near-iid, not an overflow)."""
+    _check_positive(alpha_eff, "partition.alpha_eff")
+    return min(float(alpha_eff) * int(num_classes) * int(num_clients) / int(n_train), MAX_CONCENTRATION)
 
 
 def alpha_eff_for(alpha_data: float, n_train: int, num_classes: int, num_clients: int) -> float:

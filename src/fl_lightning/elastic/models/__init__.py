@@ -91,6 +91,9 @@ def build_model(model, num_classes: int, input_shape: Sequence[int], **options: 
         return cls(num_classes=num_classes, input_shape=tuple(input_shape), **options)
     except ConfigError:
         raise
-    except (TypeError, ValueError, AssertionError) as error:  # a combination of options the constructor refuses
+    except (TypeError, ValueError, AssertionError, OverflowError, RuntimeError) as error:
+        # a combination of options the constructor refuses, or sizes past what a tensor can hold
+        if isinstance(error, RuntimeError) and "overflow" not in str(error).lower():
+            raise
         raise ConfigError(KEY, f"{cls.__name__} cannot be built with {options}: "
                           f"{' '.join(str(error).split())}") from None

@@ -11,7 +11,7 @@ from torch import nn
 
 from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, tag
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
-from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction
+from fl_lightning.option_types import PositiveInt, UnitFraction, WidthMultiplier
 
 
 class ConvBlock(nn.Module):
@@ -44,7 +44,7 @@ class CNN(WidthElasticModel):
     """
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], channels: Sequence[PositiveInt] = (32, 64, 128),
-                 width: PositiveFloat = 1.0, min_width: UnitFraction = 0.0625, elastic: bool = True,
+                 width: WidthMultiplier = 1.0, min_width: UnitFraction = 0.0625, elastic: bool = True,
                  max_widths: Optional[Sequence[float]] = None):
         full = tuple(scale_channels(c, width) for c in channels)
         super().__init__(full, elastic, min_width, max_widths, num_classes=num_classes, input_shape=tuple(input_shape))

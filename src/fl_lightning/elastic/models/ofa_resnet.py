@@ -43,7 +43,7 @@ from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit,
 from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import NonNegativeInt, PositiveFloat, PositiveInt
+from fl_lightning.option_types import NonNegativeInt, PositiveFloat, PositiveInt, WidthMultiplier
 
 EXPANSION_CHOICES = (0.10, 0.14, 0.18, 0.22, 0.25)
 WIDTH_MULTIPLIERS = tuple(round(0.1 * (i + 1), 1) for i in range(10))
@@ -333,7 +333,7 @@ class OFAResNet(_ResNetBody, ElasticModel):
 
     def __init__(self, num_classes: int = 100, input_shape: Sequence[int] = (3, 32, 32),
                  block: str = "basic_pair", stem_channels: Optional[PositiveInt] = None,
-                 stage_channels: Optional[Sequence[PositiveInt]] = None, width_scale: PositiveFloat = 1.0,
+                 stage_channels: Optional[Sequence[PositiveInt]] = None, width_scale: WidthMultiplier = 1.0,
                  max_extra_blocks: Union[NonNegativeInt, Sequence[NonNegativeInt]] = MAX_EXTRA_BLOCKS,
                  expansions: Sequence[PositiveFloat] = EXPANSION_CHOICES,
                  width_multipliers: Sequence[PositiveFloat] = WIDTH_MULTIPLIERS,

@@ -25,7 +25,7 @@ from fl_lightning.elastic.models.base import LayerKit, WidthElasticModel, kaimin
 from fl_lightning.elastic.pretrained import copy_matching, read_state_dict, warn_skipped
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import PositiveFloat, PositiveInt, UnitFraction
+from fl_lightning.option_types import PositiveInt, UnitFraction, WidthMultiplier
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class ResNet18(WidthElasticModel):
     base_channels = (64, 128, 256, 512)
     depths = (2, 2, 2, 2)
 
-    def __init__(self, num_classes: int, input_shape: Sequence[int], width: PositiveFloat = 1.0,
+    def __init__(self, num_classes: int, input_shape: Sequence[int], width: WidthMultiplier = 1.0,
                  channels: Optional[Sequence[PositiveInt]] = None, min_width: UnitFraction = 0.0625,
                  elastic: bool = True, max_widths: Sequence[float] | None = None, stem: str = "cifar",
                  pretrained: Optional[str] = None):
@@ -139,7 +139,8 @@ class ResNet18(WidthElasticModel):
         full = tuple(channels) if channels is not None else tuple(
             scale_channels(c, width) for c in self.base_channels)
         if len(full) != len(self.depths):
-            raise ValueError(f"ResNet18 has {len(self.depths)} stages, got channels {full}")
+            raise ConfigError("model.channels", f"must list one width per stage (ResNet18 has {len(self.depths)}), "
+                                                f"got {list(full)}")
         super().__init__(full, elastic, min_width, max_widths, num_classes=num_classes, input_shape=tuple(input_shape),
                          stem=stem)
         self.num_classes = num_classes

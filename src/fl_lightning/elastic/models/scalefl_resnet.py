@@ -43,7 +43,7 @@ from fl_lightning.elastic.models.resnet import STEMS, BasicBlock, Stem
 from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.elastic.specs import WidthSpec, scale_channels
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction
+from fl_lightning.option_types import NonNegativeInt, PositiveInt, UnitFraction, WidthMultiplier
 
 DEFAULT_EXIT_BLOCKS = (3, 4, 5)
 """Blocks after which ScaleFL's levels 1-3 end (levels (3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))."""
@@ -117,7 +117,7 @@ class ScaleFLResNet18(WidthElasticModel):
 
     def __init__(self, num_classes: int, input_shape: Sequence[int],
                  exit_blocks: Sequence[PositiveInt] = DEFAULT_EXIT_BLOCKS, exit_convs: NonNegativeInt = 0,
-                 width: PositiveFloat = 1.0,
+                 width: WidthMultiplier = 1.0,
                  channels: Optional[Sequence[PositiveInt]] = None, min_width: UnitFraction = 0.0625,
                  stem: str = "cifar", elastic: bool = True, max_width: float = 1.0, max_depth: Optional[int] = None):
         total = sum(self.depths)
@@ -135,7 +135,8 @@ class ScaleFLResNet18(WidthElasticModel):
                              f"classifiers follow blocks {list(exits) + [total]}")
         full = tuple(channels) if channels is not None else tuple(scale_channels(c, width) for c in self.base_channels)
         if len(full) != len(self.depths):
-            raise ValueError(f"ScaleFLResNet18 has {len(self.depths)} stages, got channels {full}")
+            raise ConfigError("model.channels", f"must list one width per stage (ScaleFLResNet18 has {len(self.depths)}), "
+                                                f"got {list(full)}")
         super().__init__(full, elastic, min_width, (float(max_width),) * len(full), num_classes=num_classes,
                          input_shape=tuple(input_shape), stem=stem, exit_blocks=exits, exit_convs=exit_convs,
                          max_depth=max_depth)

@@ -42,7 +42,7 @@ from fl_lightning.elastic.pretrained import copy_matching, read_state_dict, shap
 from fl_lightning.elastic.routing import RegionMap, full_region_map
 from fl_lightning.elastic.specs import WidthSpec
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import PositiveFloat, PositiveInt, number_type
+from fl_lightning.option_types import PositiveInt, WidthMultiplier, number_type
 
 # timm's architectures by name (the suffix names the pretraining resolution; the image size
 # here comes from ``input_shape``). Weights are never downloaded (see ``pretrained``).
@@ -178,7 +178,7 @@ class ViT(ElasticModel):
 
     def __init__(self, num_classes: int, input_shape: Sequence[int], variant: Optional[str] = None,
                  patch_size: PositiveInt = 4, embed_dim: PositiveInt = 64, depth: PositiveInt = 4,
-                 num_heads: PositiveInt = 4, mlp_ratio: PositiveFloat = 4.0,
+                 num_heads: PositiveInt = 4, mlp_ratio: WidthMultiplier = 4.0,
                  drop_path_rate: number_type(float, ge=0, lt=1) = 0.0, global_pool: str = "token",
                  image_size: Optional[PositiveInt] = None, pretrained: Optional[str] = None):
         if variant is not None:
@@ -192,10 +192,15 @@ class ViT(ElasticModel):
         if image_size is not None and image_size < patch_size:
             raise ConfigError("model.image_size", f"must be >= the patch size {patch_size}, got {image_size}")
         grid = tuple(input_shape[1:]) if image_size is None else (image_size, image_size)
-        if len(input_shape) != 3 or any(side % patch_size for side in grid):
-            raise ConfigError("model.input_shape",
-                              f"needs (channels, height, width) with sides divisible by patch size "
-                              f"{patch_size}, got {input_shape}")
+        if len(input_shape) != 3:
+            raise ConfigError("data.dataset", f"a ViT takes images (channels, height, width), got inputs of shape "
+                                              f"{list(input_shape)}")
+        if any(side % patch_size for side in grid):  # the dataset's sides, or image_size
+            key = "model.variant" if variant is not None else "model.patch_size"
+            if image_size is not None:
+                raise ConfigError(key, f"patch size {patch_size} must divide model.image_size {image_size}")
+            raise ConfigError(key, f"patch size {patch_size} must divide the images' sides {list(grid)}; choose a "
+                                   "divisor of them, or set model.image_size to a multiple of it")
         config = dict(num_classes=num_classes, input_shape=input_shape, variant=variant,
                       patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
                       mlp_ratio=mlp_ratio, drop_path_rate=drop_path_rate, global_pool=global_pool,
