@@ -145,3 +145,63 @@ def test_set_threads_follows_the_rule(spec_factory):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("cores,threads,want", [(2, 2, 1), (8, 2, 4), (8, 3, 2), (2, 1, 2), (16, 4, 4)])
+def test_auto_fits_ranks_times_threads_to_the_cores_and_says_so(cores, threads, want):
+    """``--fabric.threads_per_rank 2`` on 2 cores took 2 ranks x 2 threads (15 times slower than
+    one rank of two): auto now divides the cores by the threads."""
+    placed = place(FabricConfig(accelerator="cpu", threads_per_rank=threads), 10, False, SMALL, machine(cores))
+    assert (placed.devices, placed.threads) == (want, threads)
+    assert placed.devices * placed.threads <= cores and "oversubscribed" not in placed.line
+    if threads > 1:
+        assert f"auto: {cores} physical core(s) / {threads} thread(s) per rank, cohort 10" in placed.line
+
+
+def test_an_explicit_oversubscribed_placement_is_named_in_its_line():
+    placed = place(FabricConfig(accelerator="cpu", devices=2, threads_per_rank=2), 10, False, SMALL, machine(2))
+    assert (placed.devices, placed.threads) == (2, 2)
+    assert "as configured; oversubscribed: 4 threads on 2 physical core(s)" in placed.line
+    fits = place(FabricConfig(accelerator="cpu", devices=2, threads_per_rank=1), 10, False, SMALL, machine(2))
+    assert "oversubscribed" not in fits.line
+    # sequential-client methods compute on rank 0 only: its threads take the cores, the rest wait
+    sequential = place(FabricConfig(accelerator="cpu", devices=3), 10, True, SMALL, machine(2))
+    assert "oversubscribed" not in sequential.line
+
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}
+SRUN = {"SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NAME": "fl"}
+
+
+@pytest.mark.parametrize("environ,want", [
+    (TORCHRUN, ("torchrun", 1, 2)),
+    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "12"}, ("torchrun", 4, 3)),
+    (SRUN, ("srun", 4, 2)),
+    ({k: v for k, v in SRUN.items() if k != "SLURM_NTASKS_PER_NODE"}, ("srun", 4, 2)),
+    ({**SRUN, "SLURM_JOB_NAME": "interactive"}, None),  # an allocation used by hand, as Lightning reads it
+    ({"LOCAL_RANK": "0"}, None),
+])
+def test_the_launcher_is_read_from_its_environment(environ, want):
+    from fl_lightning.federation.machine import Launcher
+
+    found = Launcher.of(environ)
+    assert (found.name, found.ranks_per_node, found.nodes) == want if want else found is None
+
+
+def test_auto_under_a_launcher_takes_its_rank_count_on_every_node():
+    """Every node gets the launcher's count, whatever its own cores or GPUs (probing each node
+    could make them disagree); devices or num_nodes that contradict the launcher are refused."""
+    from fl_lightning.federation.machine import Launcher
+
+    launcher = Launcher.of(TORCHRUN)
+    for node in (machine(cores=2), machine(cores=64), machine(cores=8, gpus=4)):
+        placed = place(FabricConfig(accelerator="cpu", num_nodes=2), 10, False, SMALL, node, launcher=launcher)
+        assert (placed.devices, placed.strategy) == (1, None)  # never forked: torchrun started the ranks
+        assert "auto: torchrun started 1 rank(s) on each of 2 node(s) (LOCAL_WORLD_SIZE)" in placed.line
+    srun = place(FabricConfig(accelerator="cpu", num_nodes=2), 10, False, SMALL, machine(2), launcher=Launcher.of(SRUN))
+    assert srun.devices == 4 and "srun started 4 rank(s)" in srun.line and "oversubscribed" in srun.line
+    for fabric, key in ((FabricConfig(accelerator="cpu", num_nodes=1), "fabric.num_nodes"),
+                        (FabricConfig(accelerator="cpu", num_nodes=2, devices=2), "fabric.devices")):
+        with pytest.raises(ConfigError) as err:
+            place(fabric, 10, False, SMALL, machine(8), launcher=launcher)
+        assert err.value.key == key and "torchrun started 1 rank(s) on each of 2 node(s)" in str(err.value)

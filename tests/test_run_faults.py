@@ -19,7 +19,7 @@ import torch
 import fl_lightning
 from fl_lightning.cli import main
 from fl_lightning.errors import ConfigError, RunError
-from fl_lightning.runtime import checkpoint as checkpoint_module
+from fl_lightning.runtime import output_files
 from fl_lightning.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fl_lightning.federation.provenance import check_method
 
@@ -110,15 +110,21 @@ def test_damaged_best_checkpoint_is_found_before_any_work(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------
 
 
-def _disk_full_after(monkeypatch, nbytes: int):
-    real_save = torch.save
+def _disk_full_after(monkeypatch, nbytes: int, only: str = "", skip: int = 0):
+    """Writes through ``output_files`` (every file a run writes) hit a full disk after ``nbytes``
+    bytes of a file, for files whose name contains ``only``, once ``skip`` of those went through."""
+    real = output_files._write_all
+    seen = []
 
-    def save(obj, handle, *args, **kwargs):
-        real_save(obj, handle, *args, **kwargs)
-        handle.truncate(nbytes)  # what had been written when the disk filled up
+    def write_all(fd, payload):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if only not in Path(name).name or len(seen) < skip:
+            seen.append(name) if only in Path(name).name else None
+            return real(fd, payload)
+        real(fd, payload[:nbytes])  # what had been written when the disk filled up
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", save)
+    monkeypatch.setattr(output_files, "_write_all", write_all)
 
 
 def test_disk_full_keeps_the_previous_checkpoint_and_removes_the_temporary(tmp_path, monkeypatch):
@@ -129,8 +135,8 @@ def test_disk_full_keeps_the_previous_checkpoint_and_removes_the_temporary(tmp_p
     with pytest.raises(RunError) as err:
         save_checkpoint({"model": {"w": torch.ones(1000)}, "round": 2}, path)
     message = str(err.value)
-    assert "\n" not in message and "no space left" in message and str(path) in message
-    assert "needs about" in message and "free" in message
+    assert "\n" not in message and "no space left" in message and str(tmp_path) in message
+    assert "while writing last.ckpt, which needs" in message and "free of" in message
     assert path.read_bytes() == kept and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
@@ -143,9 +149,165 @@ def test_disk_full_during_fit_is_one_line(tmp_path, capsys, monkeypatch):
     _disk_full_after(monkeypatch, 10)
     code = main(tiny_fit(out, "r", "--resume", "auto", "--data.val_size", "0"))
     line = error_line(capsys)
-    assert code == 1 and "no space left" in line and "needs about" in line
+    assert code == 1 and "no space left" in line and "which needs" in line
     assert last.read_bytes() == kept
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.fixture(scope="module")
+def one_round_run(tmp_path_factory):
+    """A run folder after 1 of 2 rounds, with every kind of file a run writes."""
+    out = tmp_path_factory.mktemp("base") / "runs"
+    assert main(tiny_fit(out, "r", "--stop_after", "1")) == 0
+    return out
+
+
+# (file that fills the disk, writes of it that go through first, file named in the error line):
+# every writer of the run folder; the logs both when rewritten on resume and when appended to
+FILLING = [("config.yaml", 0, "config.yaml"), ("partition.pt", 0, "partition.pt"),
+           ("metrics.jsonl", 0, "metrics.jsonl"), ("metrics.jsonl", 1, "metrics.jsonl"),
+           ("clients.jsonl", 0, "clients.jsonl"), ("clients.jsonl", 2, "clients.jsonl"),
+           ("best.ckpt", 0, "best.ckpt"), ("last.ckpt", 0, "last.ckpt"), ("summary.json", 0, "summary.json"),
+           ("tfevents", 0, "tensorboard")]
+
+
+@pytest.mark.parametrize("target,skip,named", FILLING, ids=[f"{t}-{k}" for t, k, _ in FILLING])
+def test_a_full_disk_at_any_file_of_the_run_is_one_line_and_loses_nothing(one_round_run, tmp_path, capsys,
+                                                                           monkeypatch, target, skip, named):
+    """Each file is written whole (or cut back) through one helper: whichever write fills the
+    disk, the command ends with one line naming it, the file is as it was, no temporary file is
+    left, every log line is whole, and the same command resumes once there is room."""
+    import shutil
+
+    out = tmp_path / "runs"
+    shutil.copytree(one_round_run, out)
+    before = snapshot(out)
+    capsys.readouterr()
+    if target == "tfevents":  # TensorBoard's own writer: its failure surfaces at a flush
+        from torch.utils.tensorboard import SummaryWriter
+
+        def full(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(SummaryWriter, "flush", full)
+    else:
+        _disk_full_after(monkeypatch, 7, only=target, skip=skip)
+    code = main(tiny_fit(out, "r", "--resume", "auto"))
+    line = error_line(capsys)
+    assert code == 1 and "no space left" in line and named in line and "--resume auto" in line
+    after = snapshot(out)
+    for name, content in before.items():
+        if Path(name).name.startswith(target) or (target == "tfevents" and "tfevents" in name):
+            if skip:  # appended to: what was there is there, and no part of a line follows it
+                assert after[name].startswith(content) and after[name].endswith(b"\n"), f"{name} lost or cut a line"
+            else:
+                assert after[name] == content, f"{name} must be as it was"
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    for log in ("metrics.jsonl", "clients.jsonl"):
+        rows = [json.loads(l) for l in (out / "r" / log).read_text().splitlines()]  # whole lines only
+        assert rows and all("round" in r for r in rows)
+    held = load_checkpoint(out / "r" / "checkpoints" / "last.ckpt")["round"]
+    assert held in (1, 2)
+    monkeypatch.undo()
+    assert main(tiny_fit(out, "r", "--resume", "auto")) == 0  # with room, the same command goes on
+    assert load_checkpoint(out / "r" / "checkpoints" / "last.ckpt")["round"] == 2
+
+
+def _in_a_small_file_system(script: str, folder: Path, size: str = "600k") -> subprocess.CompletedProcess:
+    """Run ``script`` (bash) with ``folder`` a tmpfs of ``size``, mounted in a private mount
+    namespace (unshare; as root or through a user namespace); skips where neither is allowed."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"],
+                           capture_output=True) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("needs unshare with user and mount namespaces to mount a small tmpfs")
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "FOLDER": str(folder)}
+    return subprocess.run([unshare, "--user", "--map-root-user", "--mount", "bash", "-c",
+                           f'mount -t tmpfs -o size={size} tmpfs "$FOLDER" && {script}'],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_disk_full_under_two_forked_ranks_fresh_and_resumed(tmp_path):
+    """The issue's case: configs/fedavg_digits.yaml on a 600 KiB file system with two forked
+    ranks. The first last.ckpt fits, the second does not: one line naming the folder, exit 1,
+    the first checkpoint intact, no temporary file; resuming on the full disk ends the same."""
+    config = Path(fl_lightning.__file__).parents[2] / "configs" / "fedavg_digits.yaml"
+    full, kept = tmp_path / "full", tmp_path / "kept"
+    fit = (f"{sys.executable} -m fl_lightning fit --config {config} --out_dir \"$FOLDER\" --federation.rounds 6 "
+           "--fabric.devices 2")
+    script = (f"{fit} 2> {tmp_path}/err1; echo $? > {tmp_path}/rc1; cp -a \"$FOLDER\" {tmp_path}/first; "
+              f"{fit} --resume auto 2> {tmp_path}/err2; echo $? > {tmp_path}/rc2; cp -a \"$FOLDER\" {kept}")
+    done = _in_a_small_file_system(script, full)
+    assert done.returncode == 0, done.stderr
+    for attempt, copy in (("1", tmp_path / "first"), ("2", kept)):
+        err = (tmp_path / f"err{attempt}").read_text()
+        lines = [l for l in err.splitlines() if l.startswith("error:")]
+        assert (tmp_path / f"rc{attempt}").read_text().strip() == "1", err
+        assert len(lines) == 1 and "Traceback" not in err and "distributed_backend" not in err, err
+        assert f"no space left on the device in {full}/fedavg_digits/checkpoints" in lines[0]
+        assert "while writing last.ckpt" in lines[0] and "the previous last.ckpt is kept" in lines[0]
+        assert load_checkpoint(copy / "fedavg_digits" / "checkpoints" / "last.ckpt")["round"] == 1
+        assert not [p for p in copy.rglob("*") if p.name.endswith(".tmp")]
+    first, resumed = (tmp_path / "first" / "fedavg_digits", kept / "fedavg_digits")
+    assert (first / "checkpoints" / "last.ckpt").read_bytes() == (resumed / "checkpoints" / "last.ckpt").read_bytes()
+
+
+def test_best_checkpoint_of_another_width_is_refused_before_any_round(tmp_path, capsys):
+    """A best.ckpt of the same method but another model size: refused with the resume's other
+    checks, before any rank starts or any file is rewritten (one and two ranks)."""
+    import shutil
+
+    out = tmp_path / "runs"
+    assert main(tiny_fit(out, "r", "--stop_after", "1")) == 0
+    assert main(tiny_fit(out, "narrow", "--stop_after", "1", "--model.width", "0.5")) == 0
+    shutil.copy(out / "narrow" / "checkpoints" / "best.ckpt", out / "r" / "checkpoints" / "best.ckpt")
+    capsys.readouterr()
+    before = snapshot(out)
+    for devices in ("1", "2"):
+        code = main(tiny_fit(out, "r", "--resume", "auto", "--fabric.devices", devices))
+        line = error_line(capsys)
+        assert code == 2 and line.startswith("error: resume:") and "best.ckpt does not fit the model" in line
+        assert "different shapes" in line
+        assert snapshot(out) == before, "last.ckpt, the logs and config.yaml must stay as they were"
+
+
+# ---------------------------------------------------------------------------------------
+# What only the data can refuse: before the ranks launch, in one line
+# ---------------------------------------------------------------------------------------
+
+DATA_REFUSALS = [(["--data.calib_size", "100000"], "data.calib_size"),
+                 (["--data.dataset.test_fraction", "0.9999"], "data.dataset.test_fraction"),
+                 (["--partition.num_clients", "5000", "--federation.clients_per_round", "2"], "partition.num_clients")]
+
+
+@pytest.mark.parametrize("args,key", DATA_REFUSALS, ids=[k for _, k in DATA_REFUSALS])
+def test_data_refusals_come_before_two_ranks_launch(tmp_path, capsys, args, key):
+    """With two ranks asked for, the data is still built and refused before any rank starts:
+    one line (no launch banner, no warning per rank) and no run folder."""
+    out = tmp_path / "runs"
+    code = main(tiny_fit(out, "r", "--fabric.devices", "2", *args))
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}:"), captured.err
+    assert not out.exists()
+
+
+def test_a_refusal_after_two_forked_ranks_launch_is_one_line(tmp_path):
+    """An algorithm that refuses its set-up once the ranks run (FEAST: budgets that afford no
+    cached variant) ends with the placement line and its own line, no launch banner."""
+    config = Path(fl_lightning.__file__).parents[2] / "configs" / "quickstart.yaml"
+    run = _start_fit(["fit", "--config", str(config), "--out_dir", str(tmp_path / "runs"), "--fabric.devices", "2",
+                      "--partition.budgets.b_min", "1000", "--partition.budgets.b_max", "2000"])
+    _, err = run.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert run.returncode == 2, err
+    assert len(lines) == 2 and lines[0].startswith("fit: 2 rank(s)"), err
+    assert lines[1].startswith("error: partition.budgets.b_min:") and "affords no cached variant" in lines[1]
+    assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------------------------------

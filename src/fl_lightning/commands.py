@@ -12,6 +12,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.federation.provenance import check_checkpoints, method_record
 from fl_lightning.federation.run_lock import RunLock, launching_process
 from fl_lightning.federation.run_dir import RunDir, check_resume_compatible, check_run_name, check_writable
+from fl_lightning.runtime.output_files import write_file
 
 
 def _check_model(model) -> None:
@@ -103,7 +104,7 @@ def partition_command(args, config_yaml: str) -> dict:
     report = partition_report(fed.clients, targets, fed.bundle.num_classes)
     out.mkdir(parents=True, exist_ok=True)
     save_report(report, out)
-    (out / "config.yaml").write_text(config_yaml)
+    write_file(out / "config.yaml", config_yaml)
     print(format_report(report))
     print(f"saved {out / 'partition.json'} and {out / 'partition.png'}")
     return report

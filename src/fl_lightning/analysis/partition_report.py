@@ -7,14 +7,15 @@ client mirrors the population, 1 when it shares no label mass with it.
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import BinaryIO, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from fl_lightning.runtime.output_files import write_file
 
 
 def _label_counts(client_indices: Sequence, y: np.ndarray, num_classes: int) -> np.ndarray:
@@ -104,7 +105,7 @@ def format_report(report: Dict, top_k: int = 3) -> str:
     return "\n".join(lines)
 
 
-def _plot(report: Dict, path: Path) -> None:
+def _plot(report: Dict, path: BinaryIO) -> None:
     # Figure + Agg canvas directly: no pyplot global state, no display needed.
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -142,19 +143,7 @@ def _plot(report: Dict, path: Path) -> None:
     mean_tv = "n/a" if s["mean_tv"] is None else f"{s['mean_tv']:.3f}"
     fig.suptitle(f"{n_clients} clients, sizes {s['min_size']}-{s['max_size']}, mean TV {mean_tv}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, so no half-written file remains."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    fig.savefig(path, dpi=110, format="png")
 
 
 def save_report(report: Dict, out_dir) -> Dict[str, Path]:
@@ -162,8 +151,10 @@ def save_report(report: Dict, out_dir) -> Dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "partition.json", "png": out / "partition.png"}
-    _atomic_write(paths["json"], lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
-    _atomic_write(paths["png"], lambda p: _plot(report, p))
+    write_file(paths["json"], json.dumps(report, indent=1) + "\n")
+    image = io.BytesIO()
+    _plot(report, image)
+    write_file(paths["png"], image.getbuffer())
     return paths
 
 

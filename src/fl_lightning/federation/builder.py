@@ -85,18 +85,19 @@ def build_global_model(spec: RunSpec, fed: FederatedData) -> torch.nn.Module:
 
 
 def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"] = "fit",
-                  timings: Optional[dict] = None) -> RunContext:
+                  timings: Optional[dict] = None, prepared: Optional["Prepared"] = None) -> RunContext:
     """Data, global model and client shards on this rank, with the algorithm set up on them;
     ``timings`` (if given) receives the seconds of each part (data, model, algorithm).
+    ``prepared``: the data ``prepare_run`` built before the ranks launched (else built here).
 
     Nothing is written: an algorithm that refuses the set-up (a ConfigError) leaves no trace.
     """
     timings = {} if timings is None else timings
     set_threads(fabric, spec.fabric, bool(getattr(spec.algorithm, "sequential_clients", False)))
     started = time.perf_counter()
-    fed = build_federated_data(spec.data, spec.partition, spec.seed)
+    fed = prepared.data if prepared is not None else build_federated_data(spec.data, spec.partition, spec.seed)
     bundle = fed.bundle
-    timings["data"] = time.perf_counter() - started
+    timings["data"] = prepared.seconds if prepared is not None else time.perf_counter() - started
     started = time.perf_counter()
     check_model_fits(spec.model, bundle.num_classes, bundle.input_shape, fabric.device)
     model = build_global_model(spec, fed).to(fabric.device)
@@ -112,3 +113,36 @@ def build_context(spec: RunSpec, fabric: Fabric, mode: Literal["fit", "evaluate"
     spec.algorithm.setup(ctx)
     timings["algorithm"] = time.perf_counter() - started
     return ctx
+
+
+@dataclass
+class Prepared:
+    """What ``fit`` builds before its ranks launch: the federated data, and the seconds it took."""
+
+    data: FederatedData
+    seconds: float
+
+
+def prepare_run(spec: RunSpec) -> Prepared:
+    """Build the run's data and check every checkpoint the run will read against the model it
+    builds, before any rank is launched or any file written: what only the data can refuse (a
+    pool too small for the clients, server splits larger than the dataset, a test fraction that
+    leaves no training examples) and a checkpoint of another size end in one line. Forked ranks
+    inherit the data; ranks started by a launcher each prepare their own."""
+    from fl_lightning.federation.run_dir import RunDir
+    from fl_lightning.runtime.checkpoint import check_model_state, load_checkpoint
+
+    started = time.perf_counter()
+    fed = build_federated_data(spec.data, spec.partition, spec.seed)
+    seconds = time.perf_counter() - started
+    checkpoints = []
+    if spec.resume_from is not None:
+        best = RunDir(spec.out_dir, spec.name).best
+        checkpoints = [Path(spec.resume_from)] + ([best] if best.is_file() else [])
+    if checkpoints:
+        with torch.device("meta"):  # shapes only
+            expected = build_model(spec.model, fed.bundle.num_classes, fed.bundle.input_shape).state_dict()
+        for path in checkpoints:
+            state = load_checkpoint(path, key="resume", required=("model",))
+            check_model_state(expected, state["model"], path, key="resume", names=False)
+    return Prepared(fed, seconds)

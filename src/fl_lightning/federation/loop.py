@@ -11,12 +11,13 @@ resuming from a checkpoint replays nothing.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from lightning.fabric import Fabric
@@ -25,14 +26,15 @@ from tqdm import tqdm
 
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.federation import interrupts
-from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
-from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state, save_checkpoint
+from fl_lightning.federation.builder import Prepared, RunSpec, build_context, make_fabric, prepare_run
+from fl_lightning.runtime.checkpoint import check_model_state, load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.machine import hand_down, launched_by_command_line, placement_for, process_age
 from fl_lightning.federation.provenance import METHOD, check_method, load_algorithm_state, method_record
-from fl_lightning.federation.run_dir import JsonLines, RunDir
+from fl_lightning.federation.run_dir import RESUME, JsonLines, RunDir, tensorboard_writes
 from fl_lightning.federation.run_lock import LOCK
-from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
+from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum, lost_peer
 from fl_lightning.runtime.evaluation import EvaluationPhase
+from fl_lightning.runtime.output_files import OutputError, write_file
 from fl_lightning.runtime.plan import RoundPlan
 from fl_lightning.runtime.seeding import balanced_share
 
@@ -53,15 +55,19 @@ def run_fit(spec: RunSpec) -> dict:
         print(f"{placement.line}; starting...", file=sys.stderr, flush=True)
     if placement.devices > 1 and placement.strategy is None and command_line:  # ranks re-run the command
         hand_down(placement)
+    prepared = prepare_run(spec)  # what the data can refuse, refused before any rank starts
+    quiet_launch_banner()
     run_dir = RunDir(spec.out_dir, spec.name)
     logger = TensorBoardLogger(root_dir=str(run_dir.path), name="tensorboard", version="")
     fabric = make_fabric(spec.fabric, loggers=[logger])
     forked = spec.fabric.strategy in ("ddp_fork", "ddp_notebook", "ddp_spawn")
+    if spec.fabric.strategy == "ddp_spawn":  # spawned ranks would receive the data pickled: they build it
+        prepared = None
     if not forked:
-        return fabric.launch(_fit, spec, run_dir, origin, forked)
+        return fabric.launch(_fit, spec, run_dir, origin, forked, prepared)
     with interrupts.forwarded_to_ranks() as interrupted:
         try:
-            result = fabric.launch(_fit, spec, run_dir, origin, forked)
+            result = fabric.launch(_fit, spec, run_dir, origin, forked, prepared)
         except Exception:
             if interrupted():  # a rank ended without its answer: the CLI's generic interrupt line
                 raise KeyboardInterrupt from None
@@ -71,7 +77,27 @@ def run_fit(spec: RunSpec) -> dict:
     return result
 
 
-def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: bool = False) -> dict:
+LAUNCH_BANNER = ("Initializing distributed: ", "-" * 20)
+"""Fabric's lines as ranks join (one per rank, then a block naming the backend and the rank count)."""
+
+
+def quiet_launch_banner() -> None:
+    """Leave out Fabric's launch banner: the placement line says how many ranks start, and an
+    error found once they run (an algorithm refusing its set-up) is then the only line."""
+    from lightning_utilities.core import rank_zero  # its ``log`` is whichever Lightning set last
+
+    for log in (logging.getLogger("lightning.fabric.utilities.distributed"), rank_zero.log):
+        if not any(isinstance(f, _BannerFilter) for f in log.filters):
+            log.addFilter(_BannerFilter())
+
+
+class _BannerFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LAUNCH_BANNER)
+
+
+def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: bool = False,
+         prepared: Optional[Prepared] = None) -> dict:
     """One rank's run. Forked ranks return a ConfigError or RunError instead of raising it, so
     that it reaches the launching process as the one-line error it is."""
     # a folder holding nothing but this run's lock was created for this run
@@ -79,7 +105,7 @@ def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: 
     if forked:
         interrupts.take_once_on_rank()
     try:
-        return Federation(fabric, spec, run_dir, origin).run()
+        return Federation(fabric, spec, run_dir, origin, prepared).run()
     except ConfigError as error:
         # Bad input found only once data is read (a damaged image in a lazily loaded folder):
         # a run folder this call created holds nothing worth keeping, so it goes.
@@ -101,13 +127,17 @@ def _fit(fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: float, forked: 
 class Federation:
     """One run on one rank: set-up, the round loop, evaluation, checkpoints, summary."""
 
-    def __init__(self, fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: Optional[float] = None):
-        """``origin``: the ``time.perf_counter()`` from which start-up is counted (default: now)."""
+    def __init__(self, fabric: Fabric, spec: RunSpec, run_dir: RunDir, origin: Optional[float] = None,
+                 prepared: Optional[Prepared] = None):
+        """``origin``: the ``time.perf_counter()`` from which start-up is counted (default: now);
+        ``prepared``: the data built before launch (``prepare_run``; default: built here)."""
         self.fabric, self.spec, self.run_dir = fabric, spec, run_dir
         self.origin = time.perf_counter() if origin is None else origin
         self.is_zero = fabric.is_global_zero
-        self.startup = {"launch": time.perf_counter() - self.origin}  # imports, checks, ranks joined
-        self.ctx = build_context(spec, fabric, mode="fit", timings=self.startup)
+        before_launch = prepared.seconds if prepared is not None else 0.0
+        # imports, checks, ranks joined (the data built before launch is counted as data)
+        self.startup = {"launch": time.perf_counter() - self.origin - before_launch}
+        self.ctx = build_context(spec, fabric, mode="fit", timings=self.startup, prepared=prepared)
         self.model, self.algorithm, self.fed = self.ctx.model, spec.algorithm, self.ctx.data
         self.start_round, self.best = 0, {"val_acc": -1.0, "round": -1}
         self.last_eval: tuple = (-1, {})  # (round, metrics) of the latest evaluate_round
@@ -119,6 +149,9 @@ class Federation:
             check_method(state, self.method, spec.resume_from, key="resume")
             load_model_state(self.model, state["model"], spec.resume_from, key="resume")
             load_algorithm_state(self.algorithm, state["algorithm"], spec.resume_from, key="resume")
+            if run_dir.best.is_file():  # read at the end of the run: it must fit now, before any write
+                best = load_checkpoint(run_dir.best, map_location="cpu", key="resume", required=("model",))
+                check_model_state(self.model.state_dict(), best["model"], run_dir.best, key="resume")
             self.start_round, self.best = int(state["round"]), dict(state["best"])
             if spec.stop_after is not None and spec.stop_after <= self.start_round:
                 raise ConfigError("stop_after", f"the run is already at round {self.start_round}; pass a larger value")
@@ -126,6 +159,7 @@ class Federation:
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> dict:
         spec, rounds = self.spec, self.spec.federation.rounds
+        self._check_ranks_agree()
         self._open_outputs()
         if self.is_zero and launched_by_command_line():
             parts = ", ".join(f"{k} {v:.1f} s" for k, v in self.startup.items())
@@ -139,19 +173,27 @@ class Federation:
         try:
             for round_idx in bar:
                 row, clients = self.run_round(round_idx)
+                best = False
                 if (round_idx + 1) % spec.eval.every == 0 or round_idx + 1 == rounds:
-                    row.update(self.evaluate_round(round_idx))
+                    metrics, best = self.evaluate_round(round_idx)
+                    row.update(metrics)
                     for key in ("test_acc", "val_acc"):
                         if key in row:
                             bar.set_postfix({key: f"{row[key]:.4f}"}, refresh=False)
                             break
-                self._log_round(row, clients)
-                if (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end:
-                    self._save_last(round_idx + 1)
+                last = (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end
+                self.write_round(row, clients, best, last)
         except (KeyboardInterrupt, Exception) as error:
-            if not isinstance(error, KeyboardInterrupt) and not interrupts.requested():
-                raise
             in_progress = max(round_idx, self.last_saved or 0)  # a save may have just completed the round
+            if not isinstance(error, KeyboardInterrupt) and not interrupts.requested():
+                reason = lost_peer(error) if self.fabric.world_size > 1 else None
+                if reason is None:
+                    raise
+                # Another rank's process or node died: this rank cannot finish the round. Only
+                # rank 0 writes, each file whole, so last.ckpt holds the last completed round.
+                raise RunError(f"a rank left the run in round {in_progress} ({reason}); "
+                               f"{self.checkpoint_held(resume=False)}; start every node again with "
+                               "--resume auto") from None
             raise Interrupted(f"interrupted in round {in_progress}, {self.checkpoint_held()}") from None
         finally:
             bar.close()
@@ -159,14 +201,30 @@ class Federation:
         summary = {"rounds_done": end, "rounds": rounds}
         if end == rounds:
             summary.update(self.final_evaluation())
+        self.on_zero(lambda: self._write_summary(summary))
         if self.is_zero:
-            self.run_dir.summary.write_text(json.dumps(finite_or_null(summary), indent=2))
             report = self.algorithm.report(summary)
             if report:
                 print(report)
-        for logger in self.fabric.loggers:
-            logger.finalize("success")
         return summary
+
+    def _write_summary(self, summary: dict) -> None:
+        write_file(self.run_dir.summary, json.dumps(finite_or_null(summary), indent=2), then=RESUME)
+        with tensorboard_writes(self.run_dir):
+            for logger in self.fabric.loggers:
+                logger.finalize("success")
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank continues from the same round. Nodes that read different run folders (no
+        shared file system, or a node that kept a stale copy) would otherwise train on from
+        different models; refused on every rank before anything is written."""
+        if self.fabric.world_size == 1:
+            return
+        rounds = all_gather_objects(self.fabric, {self.fabric.global_rank: self.start_round})
+        if len(set(rounds.values())) > 1:
+            shown = ", ".join(f"rank {rank}: {done}" for rank, done in sorted(rounds.items()))
+            raise ConfigError("resume", f"the ranks found different checkpoints (rounds done: {shown}); every node must "
+                                        f"read the same run folder, {self.run_dir.path} (a shared file system)")
 
     def owned_tasks(self, plan: RoundPlan) -> list:
         """This rank's share of the plan (all of it on rank 0 for sequential-client methods)."""
@@ -201,7 +259,7 @@ class Federation:
         rows = all_gather_objects(fabric, rows)
         clients = [{"round": round_idx, "client": c, **rows[c]} for c in plan.cohort]
         if int(sums["round/committed"]) == 0:
-            self._log_clients(clients)
+            self.on_zero(lambda: self._log_clients(clients))
             reasons = "; ".join(f"client {r['client']}: {r['skipped']}" for r in clients[:3])
             raise RunError(f"round {round_idx}: every client's update was non-finite ({reasons}; all in "
                            f"{self.run_dir.clients.name}); {self.checkpoint_held(resume=False)}. Lower train.lr "
@@ -217,20 +275,18 @@ class Federation:
         metrics = self.evaluation(split)
         return {f"{split}_{k}": v for k, v in metrics.items()}
 
-    def evaluate_round(self, round_idx: int) -> dict:
-        """Validation (selects best.ckpt) and, with eval.test=every, the test set (never selects)."""
-        out = {}
+    def evaluate_round(self, round_idx: int) -> tuple[dict, bool]:
+        """Validation (selects best.ckpt) and, with eval.test=every, the test set (never selects);
+        returns the metrics and whether this model is the new best."""
+        out, best = {}, False
         if len(self.fed.val):
             out.update(self._split_metrics("val"))
             if out["val_acc"] > self.best["val_acc"] and model_is_finite(self.model):
-                self.best = {"val_acc": out["val_acc"], "round": round_idx}
-                if self.is_zero:
-                    # the algorithm's state too: personalized methods score per-client models
-                    save_checkpoint(self._state(round_idx + 1), self.run_dir.best)
+                self.best, best = {"val_acc": out["val_acc"], "round": round_idx}, True
         if self.spec.eval.test == "every":
             out.update(self._split_metrics("test"))
         self.last_eval = (round_idx, dict(out))
-        return out
+        return out, best
 
     def _final_split(self, split: str) -> dict:
         """The last model's metrics on ``split``: those of the last round's evaluation when it
@@ -261,32 +317,68 @@ class Federation:
         return summary
 
     # -- outputs --------------------------------------------------------------------------------
+    # Rank 0 writes the run folder. Each batch of writes is one ``on_zero`` call, after which
+    # every rank knows whether it succeeded: a full disk ends all ranks with rank 0's one line
+    # instead of leaving the others waiting in the next round's all-reduce.
+    def on_zero(self, write: Callable[[], None]) -> None:
+        """Run ``write`` on rank 0; an OutputError there is raised on every rank."""
+        failure = None
+        if self.is_zero:
+            try:
+                write()
+            except OutputError as error:
+                failure = str(error)
+        if self.fabric.world_size > 1:
+            failure = self.fabric.broadcast(failure, src=0)
+        if failure is not None:
+            raise OutputError(failure)
+
     def _open_outputs(self) -> None:
         keep = self.start_round if self.spec.resume_from else None
         # rounds held by this folder's last.ckpt (None: no checkpoint yet, e.g. a fresh run)
         self.last_saved = self.start_round if self.run_dir.last.exists() else None
-        if self.is_zero:
-            self.run_dir.create()
-            (self.run_dir.path / "config.yaml").write_text(self.spec.config_yaml)
-            for name, text in self.algorithm.artifacts().items():
-                (self.run_dir.path / name).write_text(text)
-            save_checkpoint(self.fed.state_dict(), self.run_dir.path / "partition.pt")
-            self.metrics = JsonLines(self.run_dir.metrics, keep)
-            self.client_log = JsonLines(self.run_dir.clients, keep)
+        self.on_zero(lambda: self._create_outputs(keep))
         self.fabric.barrier()
 
+    def _create_outputs(self, keep: Optional[int]) -> None:
+        self.run_dir.create()
+        write_file(self.run_dir.path / "config.yaml", self.spec.config_yaml, then=RESUME)
+        for name, text in self.algorithm.artifacts().items():
+            write_file(self.run_dir.path / name, text, then=RESUME)
+        save_checkpoint(self.fed.state_dict(), self.run_dir.path / "partition.pt")
+        self.metrics = JsonLines(self.run_dir.metrics, keep)
+        self.client_log = JsonLines(self.run_dir.clients, keep)
+
+    def write_round(self, row: dict, clients: List[dict], best: bool, last: bool) -> None:
+        """The round's rows (metrics, clients, TensorBoard), best.ckpt if this model is the best
+        so far, and last.ckpt when due. The logs are written first: a resume drops rows past
+        the checkpoint it continues from."""
+        rounds_done = row["round"] + 1
+
+        def write() -> None:
+            self._log_round(row, clients)
+            if best:  # the algorithm's state too: personalized methods score per-client models
+                save_checkpoint(self._state(rounds_done), self.run_dir.best)
+            if last:
+                save_checkpoint(self._state(rounds_done), self.run_dir.last)
+
+        self.on_zero(write)
+        if last:
+            self.last_saved = rounds_done
+
     def _log_round(self, row: dict, clients: List[dict]) -> None:
-        round_idx = row["round"]
-        self.fabric.log_dict({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "round"},
-                             step=round_idx)
-        if self.is_zero:
-            self.metrics.write(finite_or_null(row))
+        with tensorboard_writes(self.run_dir):
+            self.fabric.log_dict({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "round"},
+                                 step=row["round"])
+            for logger in self.fabric.loggers:  # on disk each round: a full disk shows at this round
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.flush()
+        self.metrics.write(finite_or_null(row))
         self._log_clients(clients)
 
     def _log_clients(self, clients: List[dict]) -> None:
-        if self.is_zero:
-            for client in clients:
-                self.client_log.write(finite_or_null(client))
+        for client in clients:
+            self.client_log.write(finite_or_null(client))
 
     def checkpoint_held(self, resume: bool = True) -> str:
         """What the run folder's last checkpoint holds, truthfully (there may be none yet). Rounds
@@ -295,11 +387,6 @@ class Federation:
             return "no checkpoint has been written yet" + (", run the same command to start again" if resume else "")
         held = f"the last checkpoint holds round {self.last_saved - 1}"
         return held + (", resume with --resume auto" if resume else "")
-
-    def _save_last(self, rounds_done: int) -> None:
-        if self.is_zero:
-            save_checkpoint(self._state(rounds_done), self.run_dir.last)
-        self.last_saved = rounds_done
 
     def _state(self, rounds_done: int) -> dict:
         """What a checkpoint holds: weights, server state, progress and the method that wrote it."""

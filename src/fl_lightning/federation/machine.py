@@ -2,10 +2,13 @@
 
 ``fabric.devices: auto`` (the default) means, for ``fit`` from the command line:
 
-- on CPU, one rank per physical core this process may run on, never more than the cohort
+- on CPU, one rank per physical core this process may run on (per ``threads_per_rank`` cores
+  when that is set above 1, so that ranks x threads fit the cores), never more than the cohort
   (``federation.clients_per_round``: a rank without a client only waits), and no more than fit
   in the available memory (each rank holds the data, the global model and its training state);
 - on a GPU node, every visible GPU (again at most the cohort);
+- under a launcher that started the ranks itself (torchrun, SLURM's srun), its count per node
+  (``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS_PER_NODE``), so that every node agrees;
 - one rank for sequential-client methods (their whole cohort trains on rank 0), for
   ``evaluate`` and ``extract``, and for a run started from Python (``run_fit`` on a RunSpec):
   Fabric starts ranks by re-running the command line, which only ``python -m fl_lightning``
@@ -23,6 +26,7 @@ refused in one line before anything is loaded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -153,6 +157,40 @@ class Placement:
                        strategy=self.strategy or fabric.strategy)
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """A launcher that started this process and its peers (torchrun, SLURM's srun): it, not this
+    process, decides how many ranks each node runs, so every node takes the same count from it."""
+
+    name: str
+    ranks_per_node: int
+    nodes: int
+    source: str
+    """The variable the rank count came from."""
+
+    @classmethod
+    def of(cls, environ=None) -> Optional["Launcher"]:
+        """The launcher named by the environment (as Lightning Fabric detects it), else None."""
+        env = os.environ if environ is None else environ
+        if "TORCHELASTIC_RUN_ID" in env and "LOCAL_WORLD_SIZE" in env:  # torchrun
+            local = int(env["LOCAL_WORLD_SIZE"])
+            return cls("torchrun", local, max(1, int(env.get("WORLD_SIZE", local)) // local), "LOCAL_WORLD_SIZE")
+        if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):  # srun
+            nodes = _leading_int(env.get("SLURM_NNODES")) or 1
+            per_node = _leading_int(env.get("SLURM_NTASKS_PER_NODE"))
+            source = "SLURM_NTASKS_PER_NODE"
+            if per_node is None:
+                per_node, source = max(1, int(env["SLURM_NTASKS"]) // nodes), "SLURM_NTASKS / SLURM_NNODES"
+            return cls("srun", per_node, nodes, source)
+        return None
+
+
+def _leading_int(text: Optional[str]) -> Optional[int]:
+    """SLURM's counts may read ``2(x3)`` (2 on each of 3 nodes): the leading number."""
+    digits = "".join(itertools.takewhile(str.isdigit, text or ""))
+    return int(digits) if digits else None
+
+
 def uses_gpu(fabric: FabricConfig, machine: Machine) -> bool:
     return fabric.accelerator in ("cuda", "gpu") and machine.gpus > 0 or (fabric.accelerator == "auto"
                                                                             and machine.gpus > 0)
@@ -166,12 +204,16 @@ def resolve_threads(threads, sequential: bool, on_gpu: bool, cores: int) -> Opti
 
 
 def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footprint, machine: Machine,
-          launchable: bool = True) -> Placement:
+          launchable: bool = True, launcher: Optional[Launcher] = None) -> Placement:
     """Ranks and threads per rank for ``fit``; refuses (ConfigError) when they would not fit.
 
     ``cohort`` is the largest number of clients a round trains; ``launchable`` is False when
-    Fabric cannot start ranks by re-running the command line (a run started from Python).
+    Fabric cannot start ranks by re-running the command line (a run started from Python);
+    ``launcher``: the torchrun or srun that started the ranks (they are not this process's to
+    choose).
     """
+    if launcher is not None:
+        return _place_launched(fabric, sequential, footprint, machine, launcher)
     gpu = uses_gpu(fabric, machine)
     threads = resolve_threads(fabric.threads_per_rank, sequential, gpu, machine.cores)
     per_rank = footprint.per_rank
@@ -196,8 +238,12 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
         elif gpu:
             devices, why = max(1, min(machine.gpus, cohort)), f"auto: {machine.gpus} GPU(s), cohort {cohort}"
         else:
-            devices = max(1, min(machine.cores, cohort))
-            why = f"auto: {machine.cores} physical core(s), cohort {cohort}"
+            # ranks x threads fit the cores: more would only take turns on them
+            per_rank = threads if threads is not None else 1
+            devices = max(1, min(machine.cores // per_rank, cohort))
+            why = f"auto: {machine.cores} physical core(s)"
+            why += f" / {per_rank} thread(s) per rank" if per_rank > 1 else ""
+            why += f", cohort {cohort}"
             if fits is not None and fits < devices:
                 devices = max(1, fits)
                 why += f", lowered to {devices} by memory"
@@ -213,8 +259,29 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
         strategy = "ddp_fork"
     where = "gpu" if gpu else "cpu"
     thread_words = "" if gpu else f" x {threads if threads is not None else 'cores/ranks'} thread(s)"
+    busy = devices * threads if not gpu and not sequential and threads is not None else 0
+    if busy > machine.cores:  # explicit devices, or more threads per rank than cores: they take turns
+        why += f"; oversubscribed: {busy} threads on {machine.cores} physical core(s)"
     line = f"fit: {devices} rank(s){thread_words} on {where} ({why}; {need}, {have})"
     return Placement(devices, threads, line, strategy)
+
+
+def _place_launched(fabric: FabricConfig, sequential: bool, footprint: Footprint, machine: Machine,
+                    launcher: Launcher) -> Placement:
+    """The ranks a launcher started: ``devices: auto`` is its count per node, on every node alike;
+    a ``devices`` or ``num_nodes`` that disagrees with it is refused."""
+    started = f"{launcher.name} started {launcher.ranks_per_node} rank(s) on each of {launcher.nodes} node(s)"
+    if fabric.num_nodes != launcher.nodes:
+        raise ConfigError("fabric.num_nodes", f"{fabric.num_nodes}, but {started}; set --fabric.num_nodes "
+                                              f"{launcher.nodes}")
+    if fabric.devices != "auto" and int(fabric.devices) != launcher.ranks_per_node:
+        raise ConfigError("fabric.devices", f"{fabric.devices} rank(s) per node, but {started} ({launcher.source}); "
+                                            f"set --fabric.devices {launcher.ranks_per_node} or auto")
+    fixed = replace(fabric, devices=launcher.ranks_per_node, strategy=fabric.strategy)
+    placed = place(fixed, launcher.ranks_per_node, sequential, footprint, machine, launchable=False)
+    why = f"auto: {started} ({launcher.source})" if fabric.devices == "auto" else f"as configured; {started}"
+    line = placed.line.replace("(as configured", f"({why}", 1)
+    return Placement(placed.devices, placed.threads, line, None)  # never forked: the launcher started them
 
 
 def can_fork() -> bool:
@@ -237,8 +304,16 @@ def placement_for(fabric: FabricConfig, model, data: DataConfig, cohort: int,
     if inherited and os.environ.get("LOCAL_RANK", "0") != "0":
         devices, threads = json.loads(inherited)
         return Placement(devices, threads, "")
+    launcher = Launcher.of()
+    lightning_nodes = all(name in os.environ for name in ("MASTER_ADDR", "NODE_RANK"))  # Fabric's own multi-node
+    if fabric.num_nodes > 1 and launcher is None and not lightning_nodes:  # the other nodes would be waited for
+        raise ConfigError("fabric.num_nodes", f"{fabric.num_nodes} nodes, but no launcher started this process as "
+                                              "one of them: start every node with torchrun or srun, or set "
+                                              "MASTER_ADDR, MASTER_PORT and NODE_RANK on each (docs/runtime.md, "
+                                              "Several nodes)")
     machine = Machine.probe()
-    return place(fabric, cohort, sequential, Footprint.of(model, data), machine, launched_by_command_line())
+    return place(fabric, cohort, sequential, Footprint.of(model, data), machine, launched_by_command_line(),
+                 launcher)
 
 
 def hand_down(placement: Placement) -> None:

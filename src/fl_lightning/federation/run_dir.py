@@ -9,12 +9,15 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path, PurePath
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import yaml
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.output_files import OutputError, append_line, problem, write_file
 
 LAST, BEST = "last.ckpt", "best.ckpt"
 
@@ -243,7 +246,8 @@ def _show(value) -> str:
 
 class JsonLines:
     """Append-only JSON-lines file; on resume, rows at or after the resumed round are dropped
-    so the file reads as one uninterrupted run."""
+    so the file reads as one uninterrupted run. Rows are appended whole or not at all, and the
+    file is rewritten atomically (``output_files``)."""
 
     def __init__(self, path: Path, keep_before_round: Optional[int] = None):
         self.path = path
@@ -254,10 +258,36 @@ class JsonLines:
             path.unlink()
 
     def _rewrite(self, rows: Iterable[dict]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(self.path)
+        write_file(self.path, "".join(json.dumps(r) + "\n" for r in rows), kept="the file is as it was", then=RESUME)
 
     def write(self, row: dict) -> None:
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
+        append_line(self.path, json.dumps(row), then=RESUME)
+
+
+RESUME = "run the same command with --resume auto"
+
+
+@contextmanager
+def tensorboard_writes(run_dir: RunDir) -> Iterator[None]:
+    """TensorBoard's event writer, whose failures surface as an OSError from a later call, as
+    an OutputError naming its folder. Its writer thread's own report of the failure (a
+    traceback from ``threading``) is left out: the failure reaches the caller anyway."""
+    _quiet_event_writer_thread()
+    try:
+        yield
+    except OSError as error:
+        folder = run_dir.path / "tensorboard"
+        raise OutputError(problem(error, folder / "events", None, "the earlier events are kept", RESUME)) from None
+
+
+def _quiet_event_writer_thread() -> None:
+    if getattr(threading.excepthook, "quiet_event_writer", False):
+        return
+    default = threading.excepthook
+
+    def hook(args) -> None:
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            default(args)
+
+    hook.quiet_event_writer = True
+    threading.excepthook = hook

@@ -22,8 +22,10 @@ LOCK = "run.lock"
 
 
 def launching_process() -> bool:
-    """False in the rank processes a launcher started for this run (they run under its lock)."""
-    return all(os.environ.get(name, "0") == "0" for name in ("LOCAL_RANK", "NODE_RANK", "RANK"))
+    """False in the rank processes a launcher started for this run (they run under its lock):
+    Fabric's and torchrun's ranks (``RANK``...) and SLURM's tasks (``SLURM_PROCID``) other than
+    the first."""
+    return all(os.environ.get(name, "0") == "0" for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID"))
 
 
 class RunLock:

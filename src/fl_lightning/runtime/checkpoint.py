@@ -8,11 +8,9 @@ path came from (``resume``, ``checkpoint``) and the file.
 
 from __future__ import annotations
 
-import errno
-import os
+import io
 import pickle
 import re
-import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -20,62 +18,26 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from fl_lightning.errors import ConfigError, RunError
+from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.output_files import write_file
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive format (the only one save_checkpoint writes)
 
 
 def save_checkpoint(state: Mapping[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same directory, then rename over ``path``.
+    """Serialize ``state`` in memory, then write it atomically (``output_files.write_file``).
 
     A kill mid-write leaves the previous checkpoint intact (rename is atomic on POSIX). A write
-    that fails (disk full, Ctrl-C) removes the temporary file and keeps the previous checkpoint;
-    an operating-system error becomes a one-line ``RunError`` that says how much space the
-    save needs.
+    that fails (disk full) removes the temporary file, keeps the previous checkpoint and raises
+    a one-line ``OutputError`` saying how much space the save needs and how much is free.
+    Serializing first keeps torch's own writer, whose errors on a full disk are C++ messages
+    about stream positions, away from the file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(dict(state), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:
-        tmp.unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise RunError(_save_problem(error, state, path)) from None
-        raise
-
-
-def _save_problem(error: OSError, state: Mapping[str, Any], path: Path) -> str:
-    kept = "the previous checkpoint is kept" if path.exists() else "no earlier checkpoint exists"
-    needed = f"about {_megabytes(_state_bytes(state))}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        try:
-            free = f"{_megabytes(shutil.disk_usage(path.parent).free)} are free"
-        except OSError:
-            free = "the free space is unknown"
-        return (f"no space left on the device while saving {path}: the next save needs {needed} and {free}; "
-                f"{kept}. Free some space and run the same command with --resume auto")
-    return (f"cannot save {path} ({error.strerror or error}); the save needs {needed}; {kept}. "
-            "Fix the folder and run the same command with --resume auto")
-
-
-def _state_bytes(value: Any) -> int:
-    """Bytes of the tensors in a checkpoint's state (what torch.save writes, less a little framing)."""
-    if isinstance(value, torch.Tensor):
-        return value.nelement() * value.element_size()
-    if isinstance(value, Mapping):
-        return sum(_state_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_state_bytes(v) for v in value)
-    return 0
-
-
-def _megabytes(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{max(nbytes, 1) / 2**10:.1f} KiB"
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    kept = f"the previous {path.name} is kept" if path.exists() else f"no earlier {path.name} exists"
+    write_file(path, buffer.getbuffer(), kept=kept, then="run the same command with --resume auto")
 
 
 def load_checkpoint(path: Path, map_location: Any = "cpu", key: str = "checkpoint",
@@ -115,11 +77,19 @@ def load_model_state(model: torch.nn.Module, state: Any, path: Path, key: str = 
     """``model.load_state_dict(state)``, with a ``ConfigError`` naming a few differing entries when
     the checkpoint was saved from another architecture or size (missing or unexpected
     parameters, different shapes) instead of torch's multi-line error."""
+    check_model_state(model.state_dict(), state, path, key)
+    model.load_state_dict(state)
+
+
+def check_model_state(expected: Mapping[str, torch.Tensor], state: Any, path: Path, key: str = "checkpoint",
+                      names: bool = True) -> None:
+    """The checks of ``load_model_state`` against the state dict ``expected`` (which may live on
+    the meta device: only names and shapes are compared). ``names=False`` compares only the
+    shapes of the entries both hold (a model an algorithm's set-up has yet to extend)."""
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise ConfigError(key, f"{path}: its 'model' entry is not a state dict (names to tensors)")
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
+    missing = [k for k in expected if k not in state] if names else []
+    unexpected = [k for k in state if k not in expected] if names else []
     not_tensors = [k for k in state if k in expected and not isinstance(state[k], torch.Tensor)]
     shapes = [f"{k} (checkpoint {list(state[k].shape)}, model {list(expected[k].shape)})"
               for k in expected if isinstance(state.get(k), torch.Tensor) and state[k].shape != expected[k].shape]
@@ -131,7 +101,6 @@ def load_model_state(model: torch.nn.Module, state: Any, path: Path, key: str = 
     if problems:
         raise ConfigError(key, f"{path} does not fit the model ({'; '.join(problems)}); it was saved from "
                                "another architecture or size (model.class_path, model, data classes)")
-    model.load_state_dict(state)
 
 
 def _check_file(path: Path, key: str) -> None:

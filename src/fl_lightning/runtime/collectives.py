@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import traceback
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -37,3 +38,17 @@ def all_gather_objects(fabric, items: Dict[int, Any]) -> Dict[int, Any]:
     for part in gathered:
         merged.update(part)
     return merged
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """The reason, when ``error`` is a collective failing because another rank is gone (its
+    process or node died: gloo's "Connection closed by peer", NCCL's errors, a timeout), else
+    None. Recognized by where it was raised: inside ``torch.distributed``."""
+    if not isinstance(error, RuntimeError) or "out of memory" in str(error).lower():
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or "torch/distributed/" not in frames[-1].filename.replace("\\", "/"):
+        return None
+    text = " ".join(str(error).split())
+    text = text.split("] ", 1)[-1] if text.startswith("[") else text  # gloo's source position
+    return text.split(". ", 1)[0][:160]

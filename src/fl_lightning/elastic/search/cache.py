@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,19 +156,9 @@ class VariantCache:
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the JSON file atomically (a crash leaves no half-written cache)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.write("\n")
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from others
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        from fl_lightning.runtime.output_files import write_file
+
+        write_file(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: Union[str, Path], model: Optional["Space"] = None,
@@ -239,12 +227,6 @@ def _checked(model: Space, cost: CostModel, spec: OFASpec) -> OFASpec:
     if isinstance(model, OFAResNet):
         return model.check_spec(spec)
     return cost.decode(cost.encode(spec))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _plain(value: Any) -> Any:
