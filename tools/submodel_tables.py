@@ -26,6 +26,14 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.tool_parser import ToolParser
 
 
+BEYOND_PAPER = {"fedrolex"}
+"""Policies the sub-model study runs beside the paper's comparison."""
+
+
+def label(policy: str) -> str:
+    return f"{policy} (beyond the paper)" if policy in BEYOND_PAPER else policy
+
+
 def run_figures(run) -> dict:
     accs = [m["test_acc"] for m in run["metrics"] if m.get("test_acc") is not None]
     final = run["summary"]["final"]["test_acc"] if run["summary"] else (accs[-1] if accs else float("nan"))
@@ -215,7 +223,7 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- |")
     for policy, seeds in figures.items():
         vals = list(seeds.values())
-        print(f"| {policy} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
+        print(f"| {label(policy)} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
               f"{pm([v['p'] for v in vals], 1.0, 2)} |")
     print_paired(figures, reference, "policy")
     if args.noise:

@@ -84,7 +84,18 @@ class Algorithm:
         # global tensors into it copies values without allocating a model per client.
         self.worker = ctx.make_model().to(ctx.fabric.device)
         self.worker_regions = full_region_map(self.worker.state_dict())
-        self.statistics = self.served_statistics(ctx)
+        self._statistics = self.served_statistics(ctx)
+
+    _statistics = None
+
+    @property
+    def statistics(self):
+        """The method's served-statistics part (``bn_protocol.ServedStatistics``): built at
+        set-up by the families with a ``bn`` option (which checks it before any work), on
+        first use by the methods whose set-up is their own."""
+        if self._statistics is None:
+            self._statistics = self.served_statistics(self.ctx)
+        return self._statistics
 
     def served_statistics(self, ctx: RunContext):
         """The method's served-statistics part, per its ``bn`` options."""

@@ -131,7 +131,7 @@ class SplitFed(FedAvg):
         self.client_worker = ctx.make_model().to(device)
         self.server_worker = ctx.make_model().to(device)
         self.pair = nn.ModuleDict({"front": self.client_worker, "back": self.server_worker})
-        self.statistics = self.served_statistics(ctx)
+        self._statistics = self.served_statistics(ctx)
         self.unsent = statistics_keys(ctx.model) if self.statistics.protocol == "sbn" else set()
         self._server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
         self._server_weight: Dict[str, float] = {}  # V2: per back key, the committed clients' examples

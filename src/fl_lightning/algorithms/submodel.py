@@ -139,7 +139,7 @@ class SubmodelAlgorithm(FedAvg):
         self.last_widths: Dict[int, float] = {}
         self._round_figures: Dict[str, float] = {}
         self._costs: Dict[object, tuple] = {}
-        self.statistics = self.served_statistics(ctx)
+        self._statistics = self.served_statistics(ctx)
 
     # -- the plan ---------------------------------------------------------------------------
     def widths_for(self, round_idx: int, cohort: List[int]) -> Dict[int, float]:
