@@ -4,6 +4,7 @@ computation, exact resume of the stateful ones, one-line errors for bad options.
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -440,7 +441,7 @@ def test_fedmut_mutations_cancel_in_the_aggregate_only_with_equal_weights(spec_f
     plan = alg.plan(1)
     sizes = [len(ctx.shards[t.client]) for t in plan.tasks]
     assert len(set(sizes)) > 1
-    weights = [alg.aggregation_weight(n) for n in sizes]
+    weights = [alg.weight(SimpleNamespace(num_samples=n)) for n in sizes]
     offsets = []
     for task in plan.tasks:
         local = alg.route(task, plan).module.state_dict()

@@ -55,6 +55,8 @@ from fl_lightning.runtime.schedule import round_lr
 from fl_lightning.runtime.seeding import sample_clients, seed_client
 
 
+Weighting = Literal["samples", "uniform"]
+
 class Algorithm:
     """Base policy: every client trains the whole model; dense sample-weighted averaging.
 
@@ -69,6 +71,9 @@ class Algorithm:
     """Where served models get their BN statistics (``bn_protocol.ServedStatistics``); the
     families that expose it as an option set it in their constructor."""
     sbn_data, calib_batch_size, calib_transform = "train", CALIB_BATCH_SIZE, "train"
+    default_weighting = "samples"
+    """A committed result's weight in the round's means when ``weighting`` is not given."""
+    weighting = default_weighting
     sequential_clients = False
     """True when a round's clients must train one after another against shared server state
     (SplitFed V2's single server model): the whole cohort then runs on rank 0, in plan order,
@@ -167,7 +172,12 @@ class Algorithm:
     def commit(self, acc: SparseAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
         """Merge a finite result into the round's accumulators (weighted by its examples)."""
         if result.update is not None:
-            acc.add(result.update.module.state_dict(), float(result.num_samples), result.update.regions)
+            acc.add(result.update.module.state_dict(), self.weight(result), result.update.regions)
+
+    def weight(self, result: ClientResult) -> float:
+        """A committed result's weight in the round's means: its examples (samples) or one
+        per client (uniform)."""
+        return float(result.num_samples) if self.weighting == "samples" else 1.0
 
     def close_cohort(self, acc: SparseAccumulator, plan: RoundPlan, owned: List[int]) -> None:
         """Server-side contributions to the accumulators once this rank's clients are committed."""
@@ -222,7 +232,8 @@ class FedAvg(Algorithm):
     """
 
     def __init__(self, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
-                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train"):
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 weighting: Optional[Weighting] = None):
         """
         Args:
             bn: where served models get their BN statistics: aggregated (the clients' tracked
@@ -236,6 +247,10 @@ class FedAvg(Algorithm):
             calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
             calib_transform: images of that pass through the training augmentation (train,
                 drawn once from a fixed seed) or none (eval).
+            weighting: a client's weight in the round's means: samples (its examples, McMahan
+                et al.'s n_k / n) or uniform (one per client, the plain mean several authors'
+                code takes). None: the method's own default (samples; FedMut's: uniform).
         """
         self.bn, self.sbn_data = bn if bn is not None else self.default_bn, sbn_data
+        self.weighting = weighting if weighting is not None else self.default_weighting
         self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform

@@ -4,7 +4,7 @@ the global model along the last global update; the returned models are averaged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Literal
+from typing import Dict
 
 import torch
 
@@ -14,8 +14,6 @@ from fl_lightning.option_types import NonNegativeFloat, PositiveInt, number_type
 from fl_lightning.runtime.seeding import derive_seed
 
 MUTATION_STREAM = 31  # seed stream of the mutation signs (one draw per round)
-
-Weighting = Literal["samples", "uniform"]
 
 
 def balanced_signs(generator: torch.Generator, cohort_size: int, num_layers: int,
@@ -60,9 +58,11 @@ class FedMut(FedAvg):
     depend on ranks. Details: docs/fl_baselines.md.
     """
 
+    default_weighting = "uniform"
+
     def __init__(self, alpha: NonNegativeFloat = 4.0, acc_rate: number_type(float, ge=0, lt=1) = 0.0,
                  acc_rounds: PositiveInt = 50,
-                 mutate_buffers: bool = False, weighting: Weighting = "uniform", **kwargs):
+                 mutate_buffers: bool = False, **kwargs):
         """
         Args:
             alpha: mutation radius (the official code's ``--radius``, default 4.0).
@@ -73,18 +73,16 @@ class FedMut(FedAvg):
                 official code mutates every state-dict entry; false (default): parameters only,
                 the layers the paper mutates along their gradient (statistics have none, and
                 ``var + alpha v dvar`` goes negative).
-            weighting: aggregation weights of the returned models: uniform (default, the
-                official code's plain mean, under which the balanced mutations cancel) or
-                samples (FedAvg's n_i: the mutations then leave ``alpha sum_i n_i v_i / n``
-                times the last update in the aggregate).
-            **kwargs: FedAvg's served-statistics options (``bn``, ...).
+            **kwargs: FedAvg's options (``bn``; ``weighting``: uniform by default here, the
+                official code's plain mean, under which the balanced mutations cancel; samples:
+                FedAvg's n_i, the mutations then leave ``alpha sum_i n_i v_i / n`` times the
+                last update in the aggregate).
         """
         super().__init__(**kwargs)
         self.alpha = alpha
         self.acc_rate = acc_rate
         self.acc_rounds = acc_rounds
         self.mutate_buffers = mutate_buffers
-        self.weighting = weighting
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -122,14 +120,6 @@ class FedMut(FedAvg):
                 if sign != 0:
                     local[key].add_(self._delta[key], alpha=self.alpha * sign)
         return self.statistics.route(Routed(self.worker, self.worker_regions))
-
-    def aggregation_weight(self, num_samples: int) -> float:
-        """A returned model's weight in the mean: 1 (uniform) or its sample count."""
-        return float(num_samples) if self.weighting == "samples" else 1.0
-
-    def commit(self, acc, task, result, plan):
-        acc.add(result.update.module.state_dict(), self.aggregation_weight(result.num_samples),
-                result.update.regions)
 
     def finish_round(self, new_state, sums, plan, owned):
         with torch.no_grad():

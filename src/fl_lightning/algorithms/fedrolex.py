@@ -13,12 +13,10 @@ coordinate-wise over the clients that trained each position (``dense = False``).
 
 from __future__ import annotations
 
-from typing import Dict, Literal
+from typing import Dict
 
 from fl_lightning.algorithms.submodel import SubmodelAlgorithm
 from fl_lightning.errors import ConfigError
-
-Weighting = Literal["samples", "uniform"]
 
 
 class FedRolex(SubmodelAlgorithm):
@@ -30,19 +28,17 @@ class FedRolex(SubmodelAlgorithm):
     Shakespeare ``CharLSTM``) are refused under ``model``.
     """
 
-    def __init__(self, scaler: bool = False, weighting: Weighting = "samples", **kwargs):
+    def __init__(self, scaler: bool = False, **kwargs):
         """
         Args:
             scaler: HeteroFL's Scaler (the authors' runs set it): a width-p client divides
                 every conv output by p in training. Needs bn sbn or recalibrate.
-            weighting: a client's weight in each position's mean: samples (its examples, the
-                project's common rule for every sub-model policy) or uniform (one per client:
-                the paper's selective averaging and the authors' plain mean).
-            **kwargs: ``SubmodelAlgorithm``'s options (tiers, tier_probs, caps, bn, ...).
+            **kwargs: ``SubmodelAlgorithm``'s options (tiers, tier_probs, caps, bn, weighting:
+                samples by default, uniform for the paper's selective averaging and the
+                authors' plain mean, ...).
         """
         super().__init__(**kwargs)
         self.scaler = scaler
-        self.weighting = weighting
 
     def check(self, train) -> None:
         if self.scaler and self.bn in ("aggregated", "client"):
@@ -88,12 +84,6 @@ class FedRolex(SubmodelAlgorithm):
 
             attach_scaler(routed.module, task.choice.p)
         return super().client_module(routed, task, plan)
-
-    def commit(self, acc, task, result, plan):
-        if result.update is None:
-            return
-        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
-        acc.add(result.update.module.state_dict(), weight, result.update.regions)
 
     def finish_round(self, new_state, sums, plan, owned) -> None:
         super().finish_round(new_state, sums, plan, owned)

@@ -299,8 +299,7 @@ class FIARSE(FedAvg):
         regions = result.update.regions
         if self.support == "changed":
             regions = changed_region_map(regions, local, self.global_state)
-        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
-        acc.add(local, weight, regions)
+        acc.add(local, self.weight(result), regions)
 
     def finish_round(self, new_state, sums, plan, owned) -> None:
         """``x <- x + server_lr (mean - x)`` for parameters; buffers take the mean."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Literal
+from typing import Dict
 
 import torch
 
@@ -21,19 +21,15 @@ class Scaffold(FedAvg):
     moved by ``server_lr``; ``c <- c + (1/N) sum_{i in S} (c_i+ - c_i)``.
     """
 
-    def __init__(self, server_lr: PositiveFloat = 1.0, weighting: Literal["samples", "uniform"] = "samples",
-                 **kwargs):
+    def __init__(self, server_lr: PositiveFloat = 1.0, **kwargs):
         """
         Args:
             server_lr: global step size eta_g applied to the aggregated model change.
-            weighting: a client's weight in the mean of the returned models: samples (its
-                examples, the project's common rule) or uniform (``1/|S|``: the paper's
-                ``x + eta_g / |S| sum dy_i`` and PFLlib's).
-            **kwargs: FedAvg's served-statistics options (``bn``, ...).
+            **kwargs: FedAvg's options (``bn``, ``weighting``: samples by default, uniform for the
+                paper's ``x + eta_g / |S| sum dy_i`` and PFLlib's).
         """
         super().__init__(**kwargs)
         self.server_lr = server_lr
-        self.weighting = weighting
 
     def check(self, train):
         if train.momentum != 0:
@@ -61,9 +57,7 @@ class Scaffold(FedAvg):
     def commit(self, acc, task, result, plan):
         from fl_lightning.modules.control_variates import option_ii_update
 
-        if result.update is not None:
-            weight = float(result.num_samples) if self.weighting == "samples" else 1.0
-            acc.add(result.update.module.state_dict(), weight, result.update.regions)
+        super().commit(acc, task, result, plan)
         if result.steps == 0:
             return
         c_i = self.store.get(task.client)

@@ -21,7 +21,7 @@ from typing import Dict, List, Literal, Optional
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.base import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.algorithms.split_common import SplitClient, key_regions, split_metrics
 from fl_lightning.elastic.bn import statistics_keys
@@ -68,7 +68,7 @@ class SplitFed(FedAvg):
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
                  server_lr: Optional[PositiveFloat] = None, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
                  calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
-                 weighting: Literal["samples", "uniform"] = "samples"):
+                 weighting: Optional[Weighting] = None):
         """
         Args:
             cut: block name after which the model is split (the last block the client runs);
@@ -88,15 +88,14 @@ class SplitFed(FedAvg):
             calib_transform: images of that pass through the training augmentation (train,
                 drawn once from a fixed seed) or none (eval).
             weighting: a client's weight in the averages of fronts (and V1's server copies):
-                samples (its examples, the project's common rule) or uniform (one per client:
-                the authors' ``FedAvg``, a plain mean).
+                samples (its examples, the project's common rule; the default) or uniform (one
+                per client: the authors' ``FedAvg``, a plain mean).
         """
         super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
-                         calib_transform=calib_transform)
+                         calib_transform=calib_transform, weighting=weighting)
         self.cut = cut
         self.version = version
         self.server_lr = server_lr
-        self.weighting = weighting
 
     @property
     def sequential_clients(self) -> bool:
@@ -263,9 +262,8 @@ class SplitFed(FedAvg):
 
     # -- V2: the shared server half -------------------------------------------------------------
     def commit(self, acc, task, result, plan) -> None:
-        weight = float(result.num_samples) if self.weighting == "samples" else 1.0
-        if result.update is not None:
-            acc.add(result.update.module.state_dict(), weight, result.update.regions)
+        super().commit(acc, task, result, plan)
+        weight = self.weight(result)
         if self.version == "v2":  # the server half holds this client's share of its back
             for key in self.exchanged(self.halves.back(task.cut)):
                 self._server_weight[key] = self._server_weight.get(key, 0.0) + weight

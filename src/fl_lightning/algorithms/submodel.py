@@ -34,7 +34,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.base import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
@@ -85,7 +85,7 @@ class SubmodelAlgorithm(FedAvg):
     def __init__(self, tiers: List[UnitFraction] = list(TIERS), tier_probs: List[NonNegativeFloat] = list(TIER_PROBS),
                  caps: Optional[List[UnitFraction]] = None, log_layers: bool = True, bn: Optional[Protocol] = None,
                  sbn_data: SbnData = "train", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
-                 calib_transform: Literal["train", "eval"] = "train"):
+                 calib_transform: Literal["train", "eval"] = "train", weighting: Optional[Weighting] = None):
         """
         Args:
             tiers: capacity tiers (width ratios in (0, 1]) a client's cap is drawn from.
@@ -103,9 +103,12 @@ class SubmodelAlgorithm(FedAvg):
             calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
             calib_transform: images of that pass through the training augmentation (train,
                 drawn once from a fixed seed) or none (eval).
+            weighting: a client's weight in each position's mean: samples (its examples, the
+                study's rule; the default) or uniform (one per client, as HeteroFL's and
+                FedRolex's code combine).
         """
         super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
-                         calib_transform=calib_transform)
+                         calib_transform=calib_transform, weighting=weighting)
         self.tiers = [float(t) for t in tiers]
         self.tier_probs = [float(p) for p in tier_probs]
         self.caps_given = None if caps is None else [float(c) for c in caps]
@@ -235,8 +238,7 @@ class HeteroFL(SubmodelAlgorithm):
     def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[UnitFraction]] = None,
                  tier_probs: Optional[List[NonNegativeFloat]] = None, scaler: bool = False,
                  mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
-                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0,
-                 weighting: Literal["samples", "uniform"] = "samples", **kwargs):
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0, **kwargs):
         """
         Args:
             assign: caps (each client's cap drawn from ``tiers`` with ``tier_probs``, or
@@ -252,8 +254,6 @@ class HeteroFL(SubmodelAlgorithm):
                 (FEAST's protocol for every method), random, mixup or cutmix.
             mixup_alpha: Mixup's Beta parameter.
             cutmix_alpha: CutMix's Beta parameter.
-            weighting: a client's weight in each position's mean: samples (its examples, the
-                project's common rule) or uniform (one per client: the authors' ``combine``).
         """
         from fl_lightning.algorithms.heterofl_tiers import HETEROFL_TIERS
 
@@ -266,7 +266,6 @@ class HeteroFL(SubmodelAlgorithm):
         super().__init__(tiers=tiers, tier_probs=tier_probs, **kwargs)
         self.scaler = scaler
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
-        self.weighting = weighting
         self.assignment = None
 
     def check(self, train) -> None:
@@ -331,11 +330,6 @@ class HeteroFL(SubmodelAlgorithm):
                              derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
         return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
                                         macs=self.cost(task.spec)[1], mixer=mixer)
-
-    def commit(self, acc, task, result, plan):
-        if result.update is not None:
-            weight = float(result.num_samples) if self.weighting == "samples" else 1.0
-            acc.add(result.update.module.state_dict(), weight, result.update.regions)
 
     def client_figures(self, task, result, plan):
         figures = super().client_figures(task, result, plan)
