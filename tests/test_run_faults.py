@@ -256,10 +256,12 @@ def test_disk_full_under_two_forked_ranks_fresh_and_resumed(tmp_path):
     assert (first / "checkpoints" / "last.ckpt").read_bytes() == (resumed / "checkpoints" / "last.ckpt").read_bytes()
 
 
-def test_best_checkpoint_of_another_width_is_refused_before_any_round(tmp_path, capsys):
+def test_best_checkpoint_of_another_width_is_refused_before_any_round(tmp_path, capsys, monkeypatch):
     """A best.ckpt of the same method but another model size: refused with the resume's other
     checks, before any rank starts or any file is rewritten (one and two ranks)."""
     import shutil
+
+    from fl_lightning.federation import loop
 
     out = tmp_path / "runs"
     assert main(tiny_fit(out, "r", "--stop_after", "1")) == 0
@@ -267,6 +269,11 @@ def test_best_checkpoint_of_another_width_is_refused_before_any_round(tmp_path, 
     shutil.copy(out / "narrow" / "checkpoints" / "best.ckpt", out / "r" / "checkpoints" / "best.ckpt")
     capsys.readouterr()
     before = snapshot(out)
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank started: the checkpoint was not refused before launch")
+
+    monkeypatch.setattr(loop, "_fit", no_rank)
     for devices in ("1", "2"):
         code = main(tiny_fit(out, "r", "--resume", "auto", "--fabric.devices", devices))
         line = error_line(capsys)
