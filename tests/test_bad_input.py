@@ -187,6 +187,7 @@ FIT_CASES = [
     (["--train.lr", "1e308"], "train.lr"),  # finite in float64, not in the float32 the optimizer steps in
     (["--train.weight_decay", "1e39"], "train.weight_decay"),
     (["--partition.alpha", "-1e308"], "partition.alpha"),
+    (["--partition.alpha", "1e308"], "partition.alpha"),  # past float32; up to it, near-iid (test_partition)
     (["--model", "fl_lightning.elastic.models.ResNet18", "--model.channels", "[8, 16, 32]"], "model.channels"),
     (["--model", VIT, "--model.patch_size", "5"], "model.patch_size"),
     (["--fabric.num_nodes", "2"], "fabric.num_nodes"),  # no launcher started the other node

@@ -86,6 +86,24 @@ def test_dirichlet_is_label_skewed_and_large_alpha_is_not():
     assert tv(dirichlet_partition(y, 10, 1000.0, seed=0)) < 0.1
 
 
+@pytest.mark.parametrize("alpha", [1e38, 3.4e38, 1e308])
+def test_a_huge_alpha_is_near_iid_not_an_overflow(alpha):
+    """Dir(alpha 1) tends to the uniform split as alpha grows; past float64's reach the draw is
+    made at MAX_CONCENTRATION, where it equals its mean: every class splits as its mean
+    proportions do, up to the one example per class that floor(N_k cumsum p) moves when p is a
+    rounding below an integer cut (numpy's sampler returned zeros at 1e308 before)."""
+    y = torch.arange(200) % 5  # 5 classes of 40 over 4 clients: 10 each
+    shards = dirichlet_partition(y, 4, alpha, seed=0, min_size=1)
+    assert_exact_cover(shards, 200)
+    assert max(abs(len(s) - 50) for s in shards) <= 5
+    q = np.array([0.1, 0.2, 0.3, 0.4])  # gamma-Dirichlet: the mean proportions q
+    shards = gamma_dirichlet_partition(y, q, alpha, seed=0, min_size=1)
+    assert max(abs(len(s) - want) for s, want in zip(shards, (20, 40, 60, 80))) <= 5
+    c = dirichlet_concentrations(q, alpha, [40] * 5)
+    assert torch.isfinite(c).all() and torch.allclose(c / c.sum(1, keepdim=True), torch.as_tensor(q).expand(5, 4))
+    assert alpha_data_for(alpha, 200, 5, 4) <= 1e100
+
+
 def test_dirichlet_gives_up_with_config_error_naming_alpha():
     y = random_targets(n=300, k=10)
     with pytest.raises(ConfigError) as err:
