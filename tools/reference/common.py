@@ -8,6 +8,8 @@ update code from it, runs it on the stored case and writes its outputs under
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import subprocess
 import sys
@@ -28,6 +30,17 @@ from fl_lightning.elastic.models import CNN, ViT
 
 
 _ADDED: list = []
+
+
+def repository_args(name: str = "repo") -> argparse.Namespace:
+    """An adapter's command line: the reference repository's folder (``name``) and, for a folder
+    extracted with ``git archive``, the commit it comes from; the run then uses one thread."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(name)
+    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return args
 
 
 def add_repo(path: str, sub: str = "") -> Path:

@@ -24,7 +24,6 @@ pass runs on one test batch.
 from __future__ import annotations
 
 import csv
-import argparse
 import tempfile
 import types
 
@@ -106,10 +105,7 @@ def authors(repo, case) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
+    args = common.repository_args()
     repo = common.add_repo(args.repo, "src")
     fr.record("deepfednas", authors, repo)
     import importlib.metadata as md

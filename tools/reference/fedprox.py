@@ -15,7 +15,6 @@ model and the global model (each state packed into one tensor, ``reference_case.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -56,11 +55,7 @@ def authors(repo, case, batches):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = common.repository_args()
     out = common.out_dir("fedprox")
     case, batches = rounds_.record(FedProx(mu=MU))
     case["mu"] = MU

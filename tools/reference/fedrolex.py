@@ -41,7 +41,6 @@ convolution weights, checked below). Their unmodified ``combine`` output is stor
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import os
@@ -225,12 +224,8 @@ def authors(repo, run, case):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("fedrolex")
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
+    args = common.repository_args("fedrolex")
     repo = common.add_repo(args.fedrolex)
-    torch.set_num_threads(1)
     out = common.out_dir("fedrolex")
     run, _, _ = run_case()
     case = case_record(run)

@@ -29,7 +29,6 @@ model and the global model.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import functools
@@ -232,12 +231,8 @@ def authors(repo, case, batches):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
+    args = common.repository_args()
     repo = common.add_repo(args.repo)
-    torch.set_num_threads(1)
     out = common.out_dir("fiarse")
     for variant in VARIANTS:
         case, batches = record(variant)

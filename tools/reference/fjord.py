@@ -42,7 +42,6 @@ strategy classes, which are not called) and ``coloredlogs`` (the logger's colour
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import sys
@@ -330,11 +329,7 @@ def widths_grid(fj):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("flower")
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = common.repository_args("flower")
     out = common.out_dir("fjord")
     fj = baseline(args.flower)
     for form in CASES:

@@ -31,7 +31,6 @@ receives no gradient (checked below). Also stored: ``distribute`` of a wider CNN
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import os
@@ -212,12 +211,8 @@ def extraction(repo):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
+    args = common.repository_args()
     repo = common.add_repo(args.repo)
-    torch.set_num_threads(1)
     out = common.out_dir("heterofl")
     for variant in VARIANTS:
         case, run, sbn = record(variant)

@@ -27,7 +27,6 @@ requirement per class and what the assistants provide).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import sys
@@ -236,11 +235,7 @@ def select_helpers(repo):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = common.repository_args()
     out = common.out_dir("multisfl")
     for variant in VARIANTS:
         case, batches, replayed = record(variant)

@@ -21,7 +21,6 @@ server control variate (each state packed into one tensor, ``reference_case.pack
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
@@ -86,11 +85,7 @@ def authors(repo, case, batches):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = common.repository_args()
     out = common.out_dir("scaffold")
     for variant, options in VARIANTS.items():
         case, batches = rounds_.record(Scaffold(**options))

@@ -33,7 +33,6 @@ the client. Both sides run in float64 (networks and batches converted).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import copy
@@ -195,11 +194,7 @@ def authors(repo, case, batches):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = common.repository_args()
     out = common.out_dir("splitfed")
     for variant in VARIANTS:
         case, batches = record(variant)

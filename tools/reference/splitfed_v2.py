@@ -45,7 +45,6 @@ round and the script's global.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import copy
@@ -135,11 +134,7 @@ def authors(repo, case, batches):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("repo")
-    parser.add_argument("--commit", default=None, help="the commit a folder extracted by git archive comes from")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = common.repository_args()
     out = common.out_dir("splitfed_v2")
     for variant in VARIANTS:
         case, batches = record(variant, "v2", CLIENTS_PER_ROUND)
