@@ -28,7 +28,7 @@ def statistics_of_own_width(model, active, own):
     norm normalizes with the batch's statistics but leaves the running statistics alone, so
     they stay those of the client's own width (FjORD's statistics per width, kept by its
     ``ODBatchNorm2d``); at ``own`` they update as usual."""
-    norms = batch_norms(model) if active != own else []
+    norms = batch_norms(model) if active != own else []  # the tracking ones (none under static BN)
     for norm in norms:
         norm.track_running_stats = False
     try:

@@ -3,7 +3,7 @@
 The paper extracts with "the training-free objective in Eq. (10)" and "the cache-construction
 thresholds", so everything but the search size comes from the cache's own provenance
 (``cache.search`` and each variant's ``target`` and ``rho_limit``, written by
-:func:`~.cache.build_cache`):
+:func:`~fl_lightning.elastic.search.cache.build_cache`):
 
 - **ceiling** ``rho_0``: each segment of the cache's search applies from the cheapest variant it
   built (its stored ``target`` and ``rho_limit`` name the segment) up to where the next segment
