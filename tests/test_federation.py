@@ -180,12 +180,14 @@ def _cli(args, cwd):
 @pytest.mark.parametrize("algorithm,momentum,several", [
     ("FedAvg", "0.9", []),  # the default: devices auto, forked ranks
     ("Scaffold", "0.0", ["--fabric.devices", "2", "--fabric.strategy", "ddp"]),  # ranks re-run the command
+    ("FedGH", "0.9", ["--fabric.devices", "2"]),  # per-client sums and a store in the round's reduction
 ])
 def test_two_processes_match_one_process(tmp_path, algorithm, momentum, several):
     """Clients split over gloo ranks give the 1-rank model, with the default devices (one rank
     per physical core, at most the cohort of 5) and with 2 ranks started by Fabric's ddp
     launcher; SCAFFOLD also checks that the per-client control variates are synchronized
-    across ranks (round 2 reuses clients)."""
+    across ranks (round 2 reuses clients), FedGH that every rank trains the header on every
+    client's prototypes and holds every client's body."""
     from fl_lightning.federation.machine import physical_cores
 
     common = ["fit", "--data.dataset", "fl_lightning.data.Digits", "--data.val_size", "100", "--partition.num_clients", "6",

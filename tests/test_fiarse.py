@@ -147,8 +147,8 @@ def test_aggregation_is_the_sample_weighted_mean_of_deltas_over_the_clients_that
     samples = {"A": 10, "B": 30}
     if support == "changed":  # the authors' count: positions a client changed, whatever its mask
         keeps = {"A": list(range(alg.global_state[key].numel())), "B": list(range(alg.global_state[key].numel()))}
-    acc = alg.new_accumulator()
     plan = RoundPlan(0, 0.1, [ClientTask(0), ClientTask(1)])
+    acc = alg.new_accumulator(plan)
     for client, name in enumerate(("A", "B")):
         module = ctx.make_model()
         module.load_state_dict(before)
@@ -164,7 +164,8 @@ def test_aggregation_is_the_sample_weighted_mean_of_deltas_over_the_clients_that
         regions = masked_region_map(alg.worker_regions, masks)
         result = ClientResult(client, samples[name], 0.0, update=Routed(module, regions))
         alg.commit(acc, plan.tasks[client], result, plan)
-    alg.finish_round(acc.result(), {}, plan, [0, 1])
+    acc.reduce(ctx.fabric, plan.cohort, plan.cohort)
+    alg.finish_round(acc, plan)
 
     w = {"samples": samples, "uniform": {"A": 1, "B": 1}}[weighting]
     mean_1 = (w["A"] * deltas["A"] + w["B"] * deltas["B"]) / (w["A"] + w["B"])

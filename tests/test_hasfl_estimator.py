@@ -44,8 +44,8 @@ def one_round(spec_factory, algorithm, on_commit=None):
         commit(acc, task, result, plan)
 
     alg.commit = keep
-    fed.run_round(0)
-    hats = {int(k.split("/")[1]): v for k, v in alg._round_figures.items() if k.startswith("H_hat/")}
+    row, _ = fed.run_round(0)
+    hats = {int(k.split("/")[1]): v for k, v in row.items() if k.startswith("H_hat/")}
     return fed, hats, returned
 
 

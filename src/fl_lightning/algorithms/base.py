@@ -16,11 +16,12 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
   the method's own per-client figures. A method whose client does more (FedAS's alignment,
   FedGH's prototypes, the split methods' server half in the loop) returns its own client
   object, which keeps what the round learns about that client.
-- ``commit(acc, task, result)``: a finite result's per-client bookkeeping and its merge into
-  the round's accumulators. A client whose loss or update is not finite is never committed.
-- ``close_cohort(acc, plan, owned)``: after this rank's clients are committed, server-side
-  contributions to the round's accumulators (a shared server half).
-- ``finish_round``: apply the aggregate once the accumulators are summed over ranks.
+- ``new_accumulator(plan)``: the round's state (``runtime/round_state.py``): the global
+  tensors' weighted means, plus whatever sums and client stores the method declares.
+- ``commit(acc, task, result)``: what a finite result teaches, written into the accumulator
+  and nowhere else. A client whose loss or update is not finite is never committed.
+- ``finish_round(acc, plan)``: once the loop has reduced the accumulator over ranks (one
+  reduction; no method calls a collective), apply it and return the round's figures.
 
 Evaluation is a phase of the loop (``runtime.evaluation.EvaluationPhase``): ``evaluate(split)``
 scores on the server what the method serves (the global model; HeteroFL's tiers, FEAST's
@@ -51,6 +52,7 @@ from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.evaluation import evaluate
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.round_state import RoundAccumulator
 from fl_lightning.runtime.schedule import round_lr
 from fl_lightning.runtime.seeding import sample_clients, seed_client
 
@@ -165,12 +167,15 @@ class Algorithm:
         t = self.ctx.train
         return SupervisedClient(routed.module, plan.lr, t.momentum, t.weight_decay)
 
-    def new_accumulator(self) -> SparseAccumulator:
-        return SparseAccumulator(self.global_state, dense=self.dense,
-                                 pooled_variances=self.statistics.pooled_variances)
+    def new_accumulator(self, plan: RoundPlan) -> RoundAccumulator:
+        """The round's accumulator (``runtime/round_state.py``): the global tensors' weighted
+        means; a method declares its own sums and registers its client stores here."""
+        return RoundAccumulator(SparseAccumulator(self.global_state, dense=self.dense,
+                                                  pooled_variances=self.bn == "client"))
 
-    def commit(self, acc: SparseAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
-        """Merge a finite result into the round's accumulators (weighted by its examples)."""
+    def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
+        """Write what a finite result teaches into the round's accumulator (nothing else):
+        by default its tensors, weighted by :meth:`weight`."""
         if result.update is not None:
             acc.add(result.update.module.state_dict(), self.weight(result), result.update.regions)
 
@@ -179,20 +184,14 @@ class Algorithm:
         per client (uniform)."""
         return float(result.num_samples) if self.weighting == "samples" else 1.0
 
-    def close_cohort(self, acc: SparseAccumulator, plan: RoundPlan, owned: List[int]) -> None:
-        """Server-side contributions to the accumulators once this rank's clients are committed."""
-
-    def round_tensors(self) -> Dict[str, torch.Tensor]:
-        """Extra per-round sums to all-reduce across ranks (besides the accumulators)."""
+    def finish_round(self, acc: RoundAccumulator, plan: RoundPlan) -> Dict[str, float]:
+        """Apply the reduced accumulator to the server's state; returns the round's figures
+        for the metrics file and TensorBoard (none by default)."""
+        self.apply(acc.result())
         return {}
 
-    def round_metrics(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
-        """Extra per-round figures for the metrics file and TensorBoard (from the reduced sums)."""
-        return {}
-
-    def finish_round(self, new_state: Dict[str, torch.Tensor], sums: Dict[str, torch.Tensor],
-                     plan: RoundPlan, owned: List[int]) -> None:
-        """Apply the aggregated tensors to the global model."""
+    def apply(self, new_state: Dict[str, torch.Tensor]) -> None:
+        """Write new global values into the global model."""
         with torch.no_grad():
             for key, value in new_state.items():
                 self.global_state[key].copy_(value)

@@ -101,11 +101,15 @@ class Feast(ServesCachedVariants, Algorithm):
             print(description)
 
     def start_round_sums(self, ctx) -> None:
-        """Zeroed per-round sums: forward MACs, and per parameter group the examples x
-        parameters routed to clients and the part their rule trained."""
-        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
+        """The parameter groups of the round's data-mass sums (``new_accumulator``)."""
         self.mass_group_names, self.mass_groups = parameter_groups(ctx.model)
-        self._mass = torch.zeros(2, len(self.mass_group_names), dtype=torch.float64, device=ctx.fabric.device)
+
+    def new_accumulator(self, plan):
+        """Besides the model: per parameter group, the examples x parameters routed to clients
+        and the part their rule trained."""
+        acc = super().new_accumulator(plan)
+        acc.declare("feast/mass", torch.zeros(2, len(self.mass_group_names)))
+        return acc
 
     def describe_population(self) -> str:
         from fl_lightning.analysis import feast_accounting as accounting
@@ -154,34 +158,34 @@ class Feast(ServesCachedVariants, Algorithm):
         client.track_gradient_support()
         return client
 
+    def client_figures(self, task, result, plan) -> Dict[str, float]:
+        """The client's training MACs (the proxy of Eq. 26: kappa times its forward MACs)."""
+        return {"train_macs": float(result.module.forward_macs()) * self.kappa}
+
     def commit(self, acc, task, result, plan) -> None:
-        self._forward_macs += result.module.forward_macs()
         if result.update is not None:
-            self._count_mass(result.update, result.module.gradient_support, float(result.num_samples))
+            acc.add_sum("feast/mass", self._count_mass(result.update, result.module.gradient_support,
+                                                       float(result.num_samples)))
         super().commit(acc, task, result, plan)
 
-    def _count_mass(self, update, touched: Dict[str, torch.Tensor], num_samples: float) -> None:
+    def _count_mass(self, update, touched: Dict[str, torch.Tensor], num_samples: float) -> torch.Tensor:
         """Eq. 7 weighs every routed position by the client's examples, whether the client's
         rule trained it or not; count both masses. A position counts as trained when a
         trained variant reaches it (a nonzero gradient; weight decay alone also moves the
         inactive slices of a routed tensor, so a changed value is not the test)."""
+        mass = torch.zeros(2, len(self.mass_group_names), dtype=torch.float64)
         for local_key, (global_key, region) in update.regions.items():
             group = self.mass_groups.get(global_key)
             if group is None:  # BN statistics and counters: not trained parameters
                 continue
-            self._mass[0, group] += num_samples * region.numel()
+            mass[0, group] += num_samples * region.numel()
             if local_key in touched:
-                self._mass[1, group] += num_samples * float(touched[local_key].sum())
+                mass[1, group] += num_samples * float(touched[local_key].sum())
+        return mass
 
-    def round_tensors(self) -> Dict[str, torch.Tensor]:
-        out = {"feast/forward_macs": self._forward_macs.clone(), "feast/mass": self._mass.clone()}
-        self._forward_macs.zero_()
-        self._mass.zero_()
-        return out
-
-    def round_metrics(self, sums) -> Dict[str, float]:
-        out = {"train_macs": float(sums["feast/forward_macs"]) * self.kappa}
-        routed, trained = sums["feast/mass"].double().cpu()
+    def finish_round(self, acc, plan) -> Dict[str, float]:
+        out = super().finish_round(acc, plan)
+        routed, trained = acc["feast/mass"].double().cpu()
         if routed.sum() > 0:
             out["mass/trained_frac"] = float(trained.sum() / routed.sum())
             for name, r, t in zip(self.mass_group_names, routed.tolist(), trained.tolist()):

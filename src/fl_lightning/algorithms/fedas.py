@@ -220,11 +220,12 @@ class FedAS(FedAvg):
         acc.add(state, float(result.fisher), result.update.regions)
         kept = {k: v.detach().clone() for k, v in state.items()}
         kept[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
-        self.store.set(task.client, kept)
+        acc.keep("models", task.client, kept)
 
-    def finish_round(self, new_state, sums, plan, owned):
-        super().finish_round(new_state, sums, plan, owned)
-        self.store.sync(self.ctx.fabric, plan.cohort, owned)
+    def new_accumulator(self, plan):
+        acc = super().new_accumulator(plan)
+        acc.register("models", self.store)  # each client's local model, served to it
+        return acc
 
     # -- evaluation -----------------------------------------------------------------------------
     def client_models(self, split):

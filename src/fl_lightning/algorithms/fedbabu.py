@@ -87,12 +87,11 @@ class FedBABU(FedAvg):
         """The head is fixed and known to everyone: only the body goes back."""
         channel.send_state(UP, "model", routed.module.state_dict(), self.body_keys)
 
-    def finish_round(self, new_state, sums, plan, owned):
-        with torch.no_grad():
-            for key in self.body_keys:
-                if key in new_state:
-                    self.global_state[key].copy_(new_state[key])
+    def finish_round(self, acc, plan):
+        new_state = acc.result()
+        self.apply({key: new_state[key] for key in self.body_keys if key in new_state})
         self.rounds_done = plan.round_idx + 1
+        return {}
 
     # -- evaluation -----------------------------------------------------------------------------
     def client_models(self, split):

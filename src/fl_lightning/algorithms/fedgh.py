@@ -4,7 +4,7 @@ clients' class-averaged representations; clients keep their own feature extracto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.evaluation import ClientModels
 from fl_lightning.runtime.plan import ClientTask
 from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.round_state import RoundAccumulator
 
 TRAINED = "fedgh/trained"  # per-client flag in the store: 1 once the client holds a trained body
 
@@ -96,17 +97,18 @@ class FedGH(FedAvg):
         body = {k: self.global_state[k] for k in self.body_keys}
         self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in body.items()},
                                                TRAINED: torch.zeros((), device=ctx.fabric.device)})
-        self._cohort: List[int] = []
-        self._protos: Dict[int, tuple] = {}
 
-    def new_accumulator(self):
-        return SparseAccumulator({}, dense=True)  # nothing is averaged
+    def new_accumulator(self, plan):
+        """No model is averaged: each cohort client's prototypes and class mask (zeros where
+        it was not committed), so every rank trains the same header, and its body."""
+        acc = RoundAccumulator(SparseAccumulator({}, dense=True))
+        for client in plan.cohort:
+            acc.declare(f"proto/{client}", torch.zeros(self.ctx.num_classes, self.feature_dim))
+            acc.declare(f"has/{client}", torch.zeros(self.ctx.num_classes))
+        acc.register("bodies", self.store)
+        return acc
 
     # -- a round --------------------------------------------------------------------------------
-    def plan(self, round_idx):
-        plan = super().plan(round_idx)
-        self._cohort = plan.cohort
-        return plan
 
     def route(self, task, plan):
         """The client's model: its own body (the initial one until it has trained) with the
@@ -131,35 +133,19 @@ class FedGH(FedAvg):
         local = result.update.module.state_dict()
         state = {k: local[k].detach().clone() for k in self.body_keys}
         state[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
-        self.store.set(task.client, state)
-        self._protos[task.client] = (result.payload.means, result.payload.present)
+        acc.keep("bodies", task.client, state)
+        acc.add_sum(f"proto/{task.client}", result.payload.means)
+        acc.add_sum(f"has/{task.client}", result.payload.present)
 
-    def round_tensors(self):
-        """Every committed client's prototypes and class mask, summed across ranks (clients a
-        rank did not commit contribute zeros), so every rank trains the same header."""
-        out = {}
-        zeros = None
-        for client in self._cohort:
-            if client in self._protos:
-                protos, mask = self._protos[client]
-            else:
-                if zeros is None:
-                    zeros = (torch.zeros(self.ctx.num_classes, self.feature_dim, device=self.ctx.fabric.device),
-                             torch.zeros(self.ctx.num_classes, device=self.ctx.fabric.device))
-                protos, mask = zeros
-            out[f"proto/{client}"], out[f"has/{client}"] = protos, mask
-        return out
-
-    def finish_round(self, new_state, sums, plan, owned):
+    def finish_round(self, acc, plan):
         features, labels = [], []
         for client in plan.cohort:
-            mask = sums[f"has/{client}"] > 0
-            features.append(sums[f"proto/{client}"][mask])
+            mask = acc[f"has/{client}"] > 0
+            features.append(acc[f"proto/{client}"][mask])
             labels.append(torch.nonzero(mask).flatten())
         if features:
             self.train_header(torch.cat(features), torch.cat(labels), plan.lr)
-        self.store.sync(self.ctx.fabric, plan.cohort, owned)
-        self._protos = {}
+        return {}
 
     def train_header(self, prototypes: torch.Tensor, labels: torch.Tensor, round_lr: float) -> None:
         """SGD on ``cross_entropy(header(prototype), class)`` over the prototypes in order."""

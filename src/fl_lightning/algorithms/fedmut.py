@@ -121,11 +121,11 @@ class FedMut(FedAvg):
                     local[key].add_(self._delta[key], alpha=self.alpha * sign)
         return self.statistics.route(Routed(self.worker, self.worker_regions))
 
-    def finish_round(self, new_state, sums, plan, owned):
+    def finish_round(self, acc, plan):
         with torch.no_grad():
             for key, value in self.previous.items():
                 value.copy_(self.global_state[key])
-        super().finish_round(new_state, sums, plan, owned)
+        return super().finish_round(acc, plan)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Dict, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -258,8 +258,6 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
         self.steps = self.maxnet_steps if self.maxnet_steps is not None else max(ctx.rounds - 1, 1)
         self.largest = torch.zeros(ctx.num_clients, dtype=torch.int64)
         self.smallest = torch.zeros(ctx.num_clients, dtype=torch.int64)
-        self._forward_macs = torch.zeros((), dtype=torch.float64, device=ctx.fabric.device)
-        self._round_c = float("nan")
         description = self.describe_population()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(description)
@@ -323,7 +321,6 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
                 "smallest" if role == "min" or (role == "random" and spec == bottom) else None
             tasks.append(ClientTask(client, spec=spec, choice=SandwichChoice(
                 role=role, maxnet_weight=weight, macs=self.cost.spec_macs(spec), track=track, fell_back=fell_back)))
-        self._round_c = c
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
     def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
@@ -350,18 +347,19 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
     def client_figures(self, task: ClientTask, result, plan: RoundPlan) -> Dict[str, float]:
         o = task.choice
         return {"role": o.role, "arch": str(task.spec), "arch_macs": o.macs,
-                "maxnet_weight": o.maxnet_weight, "arch_fallback": int(o.fell_back)}
+                "maxnet_weight": o.maxnet_weight, "arch_fallback": int(o.fell_back),
+                "train_macs": float(result.module.forward_macs()) * self.kappa}
 
     def commit(self, acc, task: ClientTask, result, plan: RoundPlan) -> None:
         """MaxNet weighting: the client's slices enter the position-wise mean with its MaxNet
         weight (not its sample count)."""
-        self._forward_macs += result.module.forward_macs()
         if result.update is not None:
             acc.add(result.update.module.state_dict(), float(task.choice.maxnet_weight), result.update.regions)
 
-    def finish_round(self, new_state, sums, plan: RoundPlan, owned: List[int]) -> None:
-        super().finish_round(new_state, sums, plan, owned)
+    def finish_round(self, acc, plan: RoundPlan) -> Dict[str, float]:
+        super().finish_round(acc, plan)
         self.track(plan)
+        return {"maxnet_coefficient": self.coefficient(plan.round_idx)}
 
     def track(self, plan: RoundPlan) -> None:
         """Count who trained the largest / smallest architecture this round (the originals'
@@ -371,14 +369,6 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
                 self.largest[task.client] += 1
             elif task.choice.track == "smallest":
                 self.smallest[task.client] += 1
-
-    def round_tensors(self) -> Dict[str, torch.Tensor]:
-        out = {"fednas/forward_macs": self._forward_macs.clone()}
-        self._forward_macs.zero_()
-        return out
-
-    def round_metrics(self, sums) -> Dict[str, float]:
-        return {"train_macs": float(sums["fednas/forward_macs"]) * self.kappa, "maxnet_coefficient": self._round_c}
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:

@@ -30,8 +30,9 @@ class FedOpt(FedAvg):
         super().setup(ctx)
         self.server_step = self.server.build(self.global_state, [name for name, _ in ctx.model.named_parameters()])
 
-    def finish_round(self, new_state, sums, plan, owned):
-        self.server_step.apply(new_state)
+    def finish_round(self, acc, plan):
+        self.server_step.apply(acc.result())
+        return {}
 
     def state_dict(self):
         return self.server_step.state_dict()

@@ -85,9 +85,10 @@ class FedRolex(SubmodelAlgorithm):
             attach_scaler(routed.module, task.choice.p)
         return super().client_module(routed, task, plan)
 
-    def finish_round(self, new_state, sums, plan, owned) -> None:
-        super().finish_round(new_state, sums, plan, owned)
-        self._round_figures["window_offset"] = float(self.window_offset(plan.round_idx))
+    def finish_round(self, acc, plan) -> Dict[str, float]:
+        figures = super().finish_round(acc, plan)
+        figures["window_offset"] = float(self.window_offset(plan.round_idx))
+        return figures
 
 
 __all__ = ["FedRolex"]

@@ -189,8 +189,6 @@ class FedSGA(SplitFed):
         self._probe_count = probe
         self._probes: Dict[int, tuple] = {}
         self.afford = self._affordable(ctx)
-        self._reset_round()
-        self._round_figures: Dict[str, float] = {}
 
     def _affordable(self, ctx) -> Optional[List[int]]:
         """Per client, the deepest candidate index whose client forward fits its budget."""
@@ -214,19 +212,27 @@ class FedSGA(SplitFed):
         return {k: v for k, v in h.state_dict().items()
                 if v.is_floating_point() and k not in ("prototypes", "has_prototype")}
 
-    def _reset_round(self) -> None:
+    def new_accumulator(self, plan):
+        """Besides the model: the harmonizer's averaged tensors and their weight (server
+        copies: every client's, sample-weighted; the shared server: the one harmonizer, from the
+        rank that trained it), the prototypes' class sums and counts, the calibration pairs,
+        every client's probe interfaces, and the clients' new store entries."""
+        acc = super().new_accumulator(plan)
         h = self.harmonizer
-        device = h.prototypes.device
         n = self.ctx.num_clients
-        self._harm_sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in self._harmonizer_tensors(h).items()}
-        self._harm_weight = torch.zeros((), dtype=torch.float64, device=device)
-        self._proto_sums = torch.zeros_like(h.prototypes, dtype=torch.float64)
-        self._proto_counts = torch.zeros(h.prototypes.shape[0], dtype=torch.float64, device=device)
-        self._cal_pairs = torch.zeros(n, 5, dtype=torch.float64, device=device)
-        self._probe_rows = {d: torch.zeros(n, self._probe_count, self.widths[d], dtype=torch.float64, device=device)
-                            for d in self.probed}
-        self._probe_mask = torch.zeros(n, dtype=torch.float64, device=device)
-        self._trained_here = False
+        for name, value in self._harmonizer_tensors(h).items():
+            acc.declare(f"harmonizer/{name}", torch.zeros_like(value))
+        acc.declare("harmonizer/weight", torch.zeros(()))
+        acc.declare("prototypes/sums", torch.zeros_like(h.prototypes))
+        acc.declare("prototypes/counts", torch.zeros(h.prototypes.shape[0]))
+        acc.declare("calibration/pairs", torch.zeros(n, 5))
+        for d in self.probed:
+            acc.declare(f"probe/rows{d}", torch.zeros(n, self._probe_count, self.widths[d]))
+        acc.declare("probe/mask", torch.zeros(n))
+        acc.register("clients", self.store)
+        if self.version == "v2" and self.use_harmonizer:
+            acc.before_reduce(self.add_shared_harmonizer)
+        return acc
 
     # -- the plan -------------------------------------------------------------------------------
     def is_calibration(self, round_idx: int) -> bool:
@@ -308,7 +314,6 @@ class FedSGA(SplitFed):
         this rank as one that trained the round's harmonizer (its tensors enter the round sums)."""
         if self.version == "v1" or task is plan.tasks[0]:
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
-        self._trained_here = True
 
     def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
         """The client's round with its prompt from the store (``algorithms/fedsga_client.py``)."""
@@ -330,50 +335,45 @@ class FedSGA(SplitFed):
         weight = float(result.num_samples)
         if self.version == "v1" and self.use_harmonizer:  # server copies: the projector is averaged
             for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
-                self._harm_sums[name] += weight * value.detach().double()
-            self._harm_weight += weight
-        self._proto_sums += pending.class_sums
-        self._proto_counts += pending.class_counts
+                acc.add_sum(f"harmonizer/{name}", weight * value.detach().double())
+            acc.add_sum("harmonizer/weight", weight)
+        acc.add_sum("prototypes/sums", pending.class_sums)
+        acc.add_sum("prototypes/counts", pending.class_counts)
         for depth, rows in pending.probe_rows.items():
-            self._probe_rows[depth][task.client] = rows.double()
-        self._probe_mask[task.client] = 1.0
+            acc.add_sum(f"probe/rows{depth}", rows, at=task.client)
+        acc.add_sum("probe/mask", 1.0, at=task.client)
         if pending.sufficient is not None and pending.had_descriptor:
-            self._cal_pairs[task.client, :3] = pending.old_descriptor.double()
-            self._cal_pairs[task.client, 3] = pending.sufficient
-            self._cal_pairs[task.client, 4] = 1.0
-        self.store.set(task.client, pending.store)
+            pair = torch.cat([pending.old_descriptor.double().cpu(), torch.tensor([pending.sufficient, 1.0],
+                                                                                  dtype=torch.float64)])
+            acc.add_sum("calibration/pairs", pair, at=task.client)
+        acc.keep("clients", task.client, pending.store)
 
     # -- the server's round end -----------------------------------------------------------------
-    def round_tensors(self) -> Dict[str, torch.Tensor]:
-        if self.version == "v2" and self._trained_here and self.use_harmonizer:
-            # the shared harmonizer, from the rank that trained it
-            for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
-                self._harm_sums[name] = value.detach().double().clone()
-            self._harm_weight = torch.ones_like(self._harm_weight)
-        out = {f"harmonizer/{k}": v for k, v in self._harm_sums.items()}
-        out.update({"harmonizer/weight": self._harm_weight, "prototypes/sums": self._proto_sums,
-                    "prototypes/counts": self._proto_counts, "calibration/pairs": self._cal_pairs,
-                    "probe/mask": self._probe_mask})
-        out.update({f"probe/rows{d}": rows for d, rows in self._probe_rows.items()})
-        return out
+    def add_shared_harmonizer(self, acc) -> None:
+        """The shared server's harmonizer, from the rank that trained it (weight 1)."""
+        if acc.committed == 0:
+            return
+        for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
+            acc.add_sum(f"harmonizer/{name}", value.detach().double())
+        acc.add_sum("harmonizer/weight", 1.0)
 
-    def finish_round(self, new_state, sums, plan, owned) -> None:
-        super().finish_round(new_state, sums, plan, owned)
+    def finish_round(self, acc, plan) -> Dict[str, float]:
+        figures = super().finish_round(acc, plan)
         h = self.harmonizer
         with torch.no_grad():
-            weight = sums["harmonizer/weight"]
+            weight = acc["harmonizer/weight"]
             if weight > 0:
                 for name, value in self._harmonizer_tensors(h).items():
-                    value.copy_((sums[f"harmonizer/{name}"] / weight).to(value.dtype))
+                    value.copy_((acc[f"harmonizer/{name}"] / weight).to(value.dtype))
         if self.use_harmonizer:
-            h.update_prototypes(sums["prototypes/sums"], sums["prototypes/counts"])
-        probe_fit = self.fit_probes(sums)
+            h.update_prototypes(acc["prototypes/sums"].to(h.prototypes.device), acc["prototypes/counts"].to(h.prototypes.device))
+        probe_fit = self.fit_probes(acc)
         cuts = [t.choice.index for t in plan.tasks]
-        figures = {"split/mean_index": sum(cuts) / len(cuts),
-                   "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)}
+        figures.update({"split/mean_index": sum(cuts) / len(cuts),
+                        "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)})
         figures.update({f"split/frac_cut{k}": sum(c == k for c in cuts) / len(cuts) for k in range(len(self.cuts))})
         figures.update(probe_fit)
-        pairs = sums["calibration/pairs"].cpu()
+        pairs = acc["calibration/pairs"].cpu()
         new_pairs = pairs[pairs[:, 4] > 0, :4]
         if len(new_pairs):
             self.pairs = torch.cat([self.pairs, new_pairs])[-self.estimator_buffer:]
@@ -381,9 +381,7 @@ class FedSGA(SplitFed):
             if self.use_estimator and self.split_strategy == "sufficiency":
                 fit = self.estimator.fit(self.pairs[:, :3], self.pairs[:, 3])
                 figures.update({f"estimator/{k}": v for k, v in fit.items()})
-        self._round_figures = figures
-        self.store.sync(self.ctx.fabric, plan.cohort, owned)
-        self._reset_round()
+        return figures
 
     def fit_probes(self, sums) -> Dict[str, float]:
         """Refit every probed depth's probe on the round's probe interfaces of every committed
@@ -392,11 +390,9 @@ class FedSGA(SplitFed):
         if not clients:
             return {}
         labels = torch.cat([self.probe(c)[1] for c in clients])
-        features = {d: sums[f"probe/rows{d}"][clients].flatten(0, 1) for d in self.probed}
+        device = labels.device
+        features = {d: sums[f"probe/rows{d}"][clients].flatten(0, 1).to(device) for d in self.probed}
         return {f"probe/{k}": v for k, v in self.probes.fit(features, labels).items()}
-
-    def round_metrics(self, sums) -> Dict[str, float]:
-        return dict(self._round_figures)
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:

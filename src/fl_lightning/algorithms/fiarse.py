@@ -301,15 +301,17 @@ class FIARSE(FedAvg):
             regions = changed_region_map(regions, local, self.global_state)
         acc.add(local, self.weight(result), regions)
 
-    def finish_round(self, new_state, sums, plan, owned) -> None:
+    def finish_round(self, acc, plan) -> Dict[str, float]:
         """``x <- x + server_lr (mean - x)`` for parameters; buffers take the mean."""
+        new_state = acc.result()
         if self.server_lr != 1.0:
             for key, value in new_state.items():
                 if key in self.param_keys:
                     old = self.global_state[key]
                     new_state[key] = old + self.server_lr * (value.to(old.dtype) - old)
-        super().finish_round(new_state, sums, plan, owned)
+        self.apply(new_state)
         self._family, self._family_round, self._round_masks = None, None, {}
+        return {}
 
     # -- evaluation -----------------------------------------------------------------------------
     def grid_points(self, family=None) -> List[dict]:

@@ -148,7 +148,6 @@ class MergeSFL(SplitFed):
         total = self.counts.sum(0)
         self.reference = total / total.sum()
         self.slots: List[torch.nn.Module] = []
-        self._kl = float("nan")
 
     # -- the plan -------------------------------------------------------------------------------
     def batch_sizes(self, cohort: Sequence[int]) -> List[int]:
@@ -169,7 +168,6 @@ class MergeSFL(SplitFed):
                 kl = merged_kl(self.counts[candidate], self.batch_sizes(candidate), self.reference)
                 if kl < best_kl:
                     best, best_kl = candidate, kl
-        self._kl = best_kl
         tasks = [ClientTask(c, cut=self.cut, choice=MergedBatch(b))
                  for c, b in zip(best, self.batch_sizes(best))]
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
@@ -184,8 +182,11 @@ class MergeSFL(SplitFed):
         rows = sum(task.choice.batch_size for task in plan.tasks)
         return t.epochs * math.ceil(examples / rows)
 
-    def round_metrics(self, sums) -> Dict[str, float]:
-        return {"merge/kl": self._kl}
+    def finish_round(self, acc, plan) -> Dict[str, float]:
+        figures = super().finish_round(acc, plan)
+        figures["merge/kl"] = merged_kl(self.counts[plan.cohort], [t.choice.batch_size for t in plan.tasks],
+                                        self.reference)
+        return figures
 
     # -- the lock-stepped cohort ----------------------------------------------------------------
     def fit_cohort(self, plan: RoundPlan, owned):

@@ -200,8 +200,6 @@ class MultiSFL(SplitFed):
         self.distribution_weight = torch.zeros(self.num_branches, dtype=torch.float64)
         self.helper_worker = ctx.make_model().to(device)
         self._by_class: Dict[int, List[torch.Tensor]] = {}
-        self._trained: Dict[int, Dict[str, torch.Tensor]] = {}
-        self._stats: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.client_cut = None
         if self.adaptive_split:
             macs = [self.halves.front_macs[c] for c in self.cuts]
@@ -216,15 +214,20 @@ class MultiSFL(SplitFed):
         cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
         order = torch.randperm(len(cohort), generator=torch.Generator().manual_seed(
             derive_seed(ctx.seed, ASSIGN_STREAM, round_idx))).tolist()
-        tasks, self._stats = [], {}
+        tasks = []
         for branch, position in enumerate(order):
             client = cohort[position]
-            self._stats[branch] = decayed_distribution(self.distribution[branch], self.distribution_weight[branch],
-                                                       self.counts[client], self.replay_decay)
             cut = self.client_cut[client] if self.client_cut is not None else self.cut
             tasks.append(ClientTask(client, cut=cut, choice=Branch(branch)))
         tasks.sort(key=lambda t: t.client)
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
+
+    def branch_statistic(self, task: ClientTask) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The task's branch's label statistic with the task's client added (it replaces the
+        branch's when the round ends)."""
+        branch = task.choice.branch
+        return decayed_distribution(self.distribution[branch], self.distribution_weight[branch],
+                                    self.counts[task.client], self.replay_decay)
 
     # -- knowledge replay -----------------------------------------------------------------------
     def _class_indices(self, client: int) -> List[torch.Tensor]:
@@ -236,7 +239,7 @@ class MultiSFL(SplitFed):
 
     def replay_set(self, task: ClientTask, round_idx: int) -> Tuple[torch.Tensor, int]:
         """Dataset indices the assistants replay for this client's branch, and how many assistants."""
-        distribution, _ = self._stats[task.choice.branch]
+        distribution, _ = self.branch_statistic(task)
         need = replay_requirement(distribution, len(self.ctx.data.clients[task.client]), self.replay_budget)
         generator = torch.Generator().manual_seed(derive_seed(self.ctx.seed, REPLAY_STREAM, round_idx, task.client))
         chosen = choose_assistants(need, self.counts, task.client, generator)
@@ -253,40 +256,41 @@ class MultiSFL(SplitFed):
     def new_client(self, task: ClientTask, plan: RoundPlan) -> BranchClient:
         return BranchClient(self, task, plan)
 
+    def new_accumulator(self, plan):
+        """Besides the master: every branch's trained state (from the rank that trained it,
+        zeros elsewhere) and whether it trained."""
+        acc = super().new_accumulator(plan)
+        for branch, values in enumerate(self.branches):
+            for key, value in values.items():
+                acc.declare(f"branch/{branch}/{key}", torch.zeros_like(value))
+            acc.declare(f"branch/{branch}/trained", torch.zeros(()))
+        return acc
+
     def commit(self, acc, task, result, plan) -> None:
         """Every branch weighs the same in the master (the authors' plain mean); the trained
-        branch is kept for the round's end."""
+        branch is summed for the round's end (a key the branch did not send, BN statistics
+        under sbn, keeps its value)."""
         acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
         local = result.update.module.state_dict()
-        regions = result.update.regions
-        self._trained[task.choice.branch] = {
-            global_key: local[local_key].detach().clone() for local_key, (global_key, _) in regions.items()}
+        trained = {global_key: local[local_key].detach() for local_key, (global_key, _) in result.update.regions.items()}
+        branch = task.choice.branch
+        for key, value in self.branches[branch].items():
+            acc.add_sum(f"branch/{branch}/{key}", trained.get(key, value))
+        acc.add_sum(f"branch/{branch}/trained", torch.ones(()))
 
     # -- the round's end ------------------------------------------------------------------------
-    def round_tensors(self) -> Dict[str, torch.Tensor]:
-        """The trained branches, for every rank (owners send values, the others zeros)."""
-        out = {}
-        for branch in range(self.num_branches):
-            trained = self._trained.get(branch)
-            for key, value in self.branches[branch].items():
-                # a key the branch did not send (BN statistics under sbn) keeps its value
-                out[f"branch/{branch}/{key}"] = trained.get(key, value) if trained is not None else torch.zeros_like(value)
-            out[f"branch/{branch}/trained"] = torch.tensor(float(trained is not None), dtype=torch.float64,
-                                                           device=self.ctx.fabric.device)
-        return out
-
-    def finish_round(self, new_state, sums, plan, owned) -> None:
-        super().finish_round(new_state, sums, plan, owned)  # the master: the mean of the branches
+    def finish_round(self, acc, plan) -> Dict[str, float]:
+        figures = super().finish_round(acc, plan)  # the master: the mean of the branches
         with torch.no_grad():
             for branch in range(self.num_branches):
-                if sums[f"branch/{branch}/trained"] > 0:
+                if acc[f"branch/{branch}/trained"] > 0:
                     for key, value in self.branches[branch].items():
-                        value.copy_(sums[f"branch/{branch}/{key}"].to(value.dtype))
+                        value.copy_(acc[f"branch/{branch}/{key}"].to(value.dtype))
                 weak_aggregate(self.branches[branch], self.global_state, self.pull)
-        for branch, (distribution, weight) in self._stats.items():
-            self.distribution[branch] = distribution
-            self.distribution_weight[branch] = weight
-        self._trained, self._stats = {}, {}
+        for task in plan.tasks:
+            self.distribution[task.choice.branch], self.distribution_weight[task.choice.branch] = \
+                self.branch_statistic(task)
+        return figures
 
     # -- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:

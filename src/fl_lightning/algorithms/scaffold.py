@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
 from fl_lightning.algorithms.base import FedAvg
@@ -43,9 +41,16 @@ class Scaffold(FedAvg):
         # the model moves by server_lr along the averaged change: a server SGD step
         self.server_step = ServerOptimizer("sgd", lr=self.server_lr).build(self.global_state, self.param_names)
         self.store = ClientStateStore(lambda: {name: torch.zeros_like(v) for name, v in self.c.items()})
-        # Summed over the round's clients in float64, like the model accumulators, so the sum
-        # does not depend on how clients are spread over ranks.
-        self._delta_c = {name: torch.zeros_like(v, dtype=torch.float64) for name, v in self.c.items()}
+
+    def new_accumulator(self, plan):
+        """Besides the model: the sum of the clients' control-variate changes (float64, like the
+        model accumulators, so the sum does not depend on how clients are spread over ranks),
+        and the clients' new control variates."""
+        acc = super().new_accumulator(plan)
+        for name, value in self.c.items():
+            acc.declare(f"delta_c/{name}", torch.zeros_like(value))
+        acc.register("control", self.store)
+        return acc
 
     def client_module(self, routed, task, plan):
         from fl_lightning.modules.control_variates import ControlVariateClient
@@ -67,20 +72,16 @@ class Scaffold(FedAvg):
                                    [self.global_state[n] for n in names],
                                    [local[n].detach() for n in names], result.steps, plan.lr)
         for name, value in zip(names, new_c_i):
-            self._delta_c[name] += value - c_i[name]
-        self.store.set(task.client, dict(zip(names, new_c_i)))
+            acc.add_sum(f"delta_c/{name}", value - c_i[name])
+        acc.keep("control", task.client, dict(zip(names, new_c_i)))
 
-    def round_tensors(self) -> Dict[str, torch.Tensor]:
-        return {f"delta_c/{k}": v for k, v in self._delta_c.items()}
-
-    def finish_round(self, new_state, sums, plan, owned):
-        self.server_step.apply(new_state)
+    def finish_round(self, acc, plan):
+        self.server_step.apply(acc.result())
         with torch.no_grad():
             for name in self.param_names:
-                update = sums[f"delta_c/{name}"] / self.ctx.num_clients
+                update = acc[f"delta_c/{name}"] / self.ctx.num_clients
                 self.c[name].add_(update.to(self.c[name].dtype))
-                self._delta_c[name].zero_()
-        self.store.sync(self.ctx.fabric, plan.cohort, owned)
+        return {}
 
     def state_dict(self):
         state = {f"c/{k}": v for k, v in self.c.items()}

@@ -133,7 +133,6 @@ class SplitFed(FedAvg):
         self._statistics = self.served_statistics(ctx)
         self.unsent = statistics_keys(ctx.model) if self.statistics.protocol == "sbn" else set()
         self._server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
-        self._server_weight: Dict[str, float] = {}  # V2: per back key, the committed clients' examples
 
     # -- a round --------------------------------------------------------------------------------
     def plan(self, round_idx: int) -> RoundPlan:
@@ -261,29 +260,50 @@ class SplitFed(FedAvg):
                 self._server_momentum[self._server_names[pid]] = buffer
 
     # -- V2: the shared server half -------------------------------------------------------------
+    def new_accumulator(self, plan):
+        """V2: the server half enters once this rank's clients are committed, and every rank
+        gets its momentum (rank 0 trained it) through the same reduction."""
+        acc = super().new_accumulator(plan)
+        if self.version == "v2":
+            acc.before_reduce(self.add_server_half)
+            if self.ctx.train.momentum:
+                for name, tensor in self._server_tensors().items():
+                    acc.declare(f"momentum/{name}", torch.zeros_like(tensor, dtype=torch.float64))
+        return acc
+
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)
-        weight = self.weight(result)
         if self.version == "v2":  # the server half holds this client's share of its back
-            for key in self.exchanged(self.halves.back(task.cut)):
-                self._server_weight[key] = self._server_weight.get(key, 0.0) + weight
+            acc.hold("server_half", task.client, (self.exchanged(self.halves.back(task.cut)), self.weight(result)))
 
-    def close_cohort(self, acc, plan: RoundPlan, owned: List[int]) -> None:
+    def add_server_half(self, acc) -> None:
         """V2: the shared server half enters the average of every back tensor with the weight
         of the committed clients it trained for (all of them when everyone cuts alike, so the
-        back becomes the server half's), unless its values went non-finite."""
-        weights, self._server_weight = self._server_weight, {}
-        if self.version != "v2" or not weights:
+        back becomes the server half's), unless its values went non-finite; its momentum goes
+        to every rank (a tensor that has no buffer yet gets zeros, which SGD's next step treats
+        as it treats none)."""
+        weights: Dict[str, float] = {}
+        for keys, weight in acc.held.get("server_half", {}).values():
+            for key in keys:
+                weights[key] = weights.get(key, 0.0) + weight
+        if not weights:
             return
         state = self.server_worker.state_dict()
         if all(torch.isfinite(state[k]).all() for k in weights if state[k].is_floating_point()):
             for key, weight in weights.items():
                 acc.add(state, weight, key_regions(self.global_state, [key]))
+        if self.ctx.train.momentum:
+            for name in self._server_tensors():
+                buffer = self._server_momentum.get(name)
+                if buffer is not None:
+                    acc.add_sum(f"momentum/{name}", buffer)
 
-    def finish_round(self, new_state, sums, plan, owned) -> None:
-        super().finish_round(new_state, sums, plan, owned)
+    def finish_round(self, acc, plan) -> Dict[str, float]:
+        figures = super().finish_round(acc, plan)
         if self.version == "v2" and self.ctx.train.momentum:
-            self._publish_server_momentum(owned)
+            tensors = self._server_tensors()
+            self._server_momentum = {name: acc[f"momentum/{name}"].to(t.dtype) for name, t in tensors.items()}
+        return figures
 
     def _server_tensors(self) -> Dict[str, torch.Tensor]:
         """Every server-side tensor V2 may train, by name: the backbone's parameters behind the
@@ -292,21 +312,6 @@ class SplitFed(FedAvg):
         out = {name: p for name, p in self.server_worker.named_parameters() if name in behind}
         out.update(self.server_trainables())
         return out
-
-    def _publish_server_momentum(self, owned: List[int]) -> None:
-        """V2: every rank holds the server half's momentum (rank 0 trained it; a tensor that has
-        no buffer yet gets zeros, which SGD's next step treats as it treats none)."""
-        from fl_lightning.runtime.collectives import all_reduce_sum
-
-        trained = bool(owned)
-        tensors = self._server_tensors()
-        values = {}
-        for name, tensor in tensors.items():
-            buffer = self._server_momentum.get(name) if trained else None
-            values[f"momentum/{name}"] = (buffer.to(torch.float64) if buffer is not None
-                                          else torch.zeros_like(tensor, dtype=torch.float64))
-        reduced = all_reduce_sum(self.ctx.fabric, values)
-        self._server_momentum = {name: reduced[f"momentum/{name}"].to(t.dtype) for name, t in tensors.items()}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {f"server_momentum/{k}": v for k, v in self._server_momentum.items()}

@@ -40,7 +40,6 @@ from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
-from fl_lightning.runtime.collectives import all_reduce_sum
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -140,7 +139,6 @@ class SubmodelAlgorithm(FedAvg):
         self.ever = {k: torch.zeros(self.global_state[k].shape, dtype=torch.bool, device=self.global_state[k].device)
                      for k in self.param_keys}
         self.last_widths: Dict[int, float] = {}
-        self._round_figures: Dict[str, float] = {}
         self._costs: Dict[object, tuple] = {}
         self._statistics = self.served_statistics(ctx)
 
@@ -186,11 +184,11 @@ class SubmodelAlgorithm(FedAvg):
         return {"p": task.choice.p, "p_max": float(self.caps[task.client]), "params": params, "macs": macs}
 
     # -- the server step --------------------------------------------------------------------
-    def finish_round(self, new_state, sums, plan, owned) -> None:
+    def finish_round(self, acc, plan) -> Dict[str, float]:
         figures = {"p_bar": float(np.mean([t.choice.p for t in plan.tasks]))}
         total = uncovered = never = 0
         for key in self.param_keys:
-            covered = sums[f"c/{key}"] > 0
+            covered = acc.counts(key) > 0
             self.ever[key] |= covered
             n = covered.numel()
             u, e = n - int(covered.sum()), n - int(self.ever[key].sum())
@@ -200,13 +198,10 @@ class SubmodelAlgorithm(FedAvg):
                 figures[f"never_trained/{key}"] = e / n
         figures["uncovered/all"] = uncovered / total
         figures["never_trained/all"] = never / total
-        self._round_figures = figures
         for task in plan.tasks:
             self.last_widths[task.client] = task.choice.p
-        super().finish_round(new_state, sums, plan, owned)
-
-    def round_metrics(self, sums) -> Dict[str, float]:
-        return dict(self._round_figures)
+        figures.update(super().finish_round(acc, plan))
+        return figures
 
     def artifacts(self) -> Dict[str, str]:
         return {"caps.json": json.dumps([float(c) for c in self.caps])}
@@ -627,9 +622,6 @@ class HASFL(SubmodelAlgorithm):
         self.h_tilde = torch.ones(n, dtype=torch.float64)
         # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).
         self.widths = self.caps.clone() if self.t_warm > 0 else self.allocate()
-        # Server round state: each committed client's update on its own coordinates, held until
-        # the round's aggregate D_bar is known (H_hat needs both); emptied at the round's end.
-        self.round_deltas: Dict[int, Dict[str, tuple]] = {}
 
     # -- allocation rule --------------------------------------------------------------------
     def allocate(self) -> torch.Tensor:
@@ -643,29 +635,39 @@ class HASFL(SubmodelAlgorithm):
         return done >= self.t_warm and (done - self.t_warm) % self.t_adapt == 0
 
     # -- estimation -------------------------------------------------------------------------
+    def new_accumulator(self, plan):
+        """Besides the model: each committed client's update on its own coordinates stays on
+        its rank until the aggregate D_bar is known; then the owners' H_hat, one vector summed
+        over ranks (a late sum), makes the estimates identical everywhere."""
+        acc = super().new_accumulator(plan)
+        acc.after_reduce(self.estimates)
+        return acc
+
     def commit(self, acc, task, result, plan):
         super().commit(acc, task, result, plan)
-        # Keep this client's update on its own coordinates until the aggregate is known.
         local = result.update.module.state_dict()
         delta = {}
         for local_key, (global_key, region) in result.update.regions.items():
             if global_key in self.ever:
                 old = region.gather(self.global_state[global_key]).to(torch.float64)
                 delta[global_key] = (local[local_key].detach().to(torch.float64) - old, region)
-        self.round_deltas[task.client] = delta
+        acc.hold("delta", task.client, delta)
 
-    def finish_round(self, new_state, sums, plan, owned):
+    def estimates(self, acc) -> Dict[str, torch.Tensor]:
+        """H_hat of the clients this rank committed (zeros for the others), and which they are;
+        the global state is still the round's old one."""
         h_hat = torch.zeros(self.ctx.num_clients, dtype=torch.float64)
         trained = torch.zeros(self.ctx.num_clients, dtype=torch.float64)
-        for client, delta in self.round_deltas.items():
+        new_state = acc.result()
+        for client, delta in acc.held.get("delta", {}).items():
             h_hat[client] = update_divergence(delta, new_state, self.global_state, self.eps)
             trained[client] = 1.0
-        self.round_deltas = {}
-        # Owners computed their clients' estimates; one sum makes them identical on every rank.
-        reduced = all_reduce_sum(self.ctx.fabric, {"h_hat": h_hat.to(self.ctx.fabric.device),
-                                                   "trained": trained.to(self.ctx.fabric.device)})
-        h_hat, trained = reduced["h_hat"].cpu(), reduced["trained"].cpu() > 0
-        super().finish_round(new_state, sums, plan, owned)
+        device = self.ctx.fabric.device
+        return {"h_hat": h_hat.to(device), "trained": trained.to(device)}
+
+    def finish_round(self, acc, plan):
+        h_hat, trained = acc["h_hat"].cpu(), acc["trained"].cpu() > 0
+        figures = super().finish_round(acc, plan)
         done = plan.round_idx + 1  # rounds completed
         adapting = self.adapts_after(done)
         if adapting or self.ema == "round":
@@ -674,14 +676,14 @@ class HASFL(SubmodelAlgorithm):
             self.h_tilde = self.h_tilde / self.h_tilde.mean().clamp_min(self.eps)
         if adapting:
             self.widths = self.allocate()
-        figures = {"H_bar": float(self.h_tilde.mean())}
+        figures["H_bar"] = float(self.h_tilde.mean())
         for task in plan.tasks:
             c = task.client
             figures[f"H_hat/{c}"] = float(h_hat[c])
         for c in range(self.ctx.num_clients):
             figures[f"H_tilde/{c}"] = float(self.h_tilde[c])
             figures[f"p/{c}"] = float(self.widths[c])
-        self._round_figures.update(figures)
+        return figures
 
     def state_dict(self):
         out = super().state_dict()

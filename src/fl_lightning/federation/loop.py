@@ -32,7 +32,7 @@ from fl_lightning.federation.machine import hand_down, launched_by_command_line,
 from fl_lightning.federation.provenance import METHOD, check_method, load_algorithm_state, method_record
 from fl_lightning.federation.run_dir import RESUME, JsonLines, RunDir, tensorboard_writes
 from fl_lightning.federation.run_lock import LOCK
-from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum, lost_peer
+from fl_lightning.runtime.collectives import all_gather_objects, lost_peer
 from fl_lightning.runtime.evaluation import EvaluationPhase
 from fl_lightning.runtime.output_files import OutputError, write_file
 from fl_lightning.runtime.plan import RoundPlan
@@ -241,33 +241,28 @@ class Federation:
         started = time.perf_counter()
         plan = algorithm.plan(round_idx)
         owned = self.owned_tasks(plan)
-        acc = algorithm.new_accumulator()
+        acc = algorithm.new_accumulator(plan)
         rows: Dict[int, dict] = {}
-        committed = 0
         for task, result in algorithm.fit_cohort(plan, owned):
             problem = result.non_finite()
             if problem is None:
                 algorithm.commit(acc, task, result, plan)
-                committed += 1
+                acc.committed += 1
                 rows[task.client] = result.row()
             else:  # left out of the round; the global model and the client's state stay as they were
                 rows[task.client] = {**result.row(), "skipped": problem}
-        algorithm.close_cohort(acc, plan, [t.client for t in owned])
-        sums = all_reduce_sum(fabric, {**acc.tensors(), **algorithm.round_tensors(),
-                                       "round/committed": torch.tensor(float(committed), dtype=torch.float64,
-                                                                        device=fabric.device)})
+        acc.reduce(fabric, plan.cohort, [t.client for t in owned])
         rows = all_gather_objects(fabric, rows)
         clients = [{"round": round_idx, "client": c, **rows[c]} for c in plan.cohort]
-        if int(sums["round/committed"]) == 0:
+        if acc.committed == 0:
             self.on_zero(lambda: self._log_clients(clients))
             reasons = "; ".join(f"client {r['client']}: {r['skipped']}" for r in clients[:3])
             raise RunError(f"round {round_idx}: every client's update was non-finite ({reasons}; all in "
                            f"{self.run_dir.clients.name}); {self.checkpoint_held(resume=False)}. Lower train.lr "
                            "or set train.grad_clip")
-        acc.load_tensors(sums)
-        algorithm.finish_round(acc.result(), sums, plan, [t.client for t in owned])
+        figures = algorithm.finish_round(acc, plan)
         row = round_row(round_idx, plan.lr, clients, time.perf_counter() - started)
-        row.update(algorithm.round_metrics(sums))
+        row.update(figures)
         return row, clients
 
     # -- evaluation -----------------------------------------------------------------------------

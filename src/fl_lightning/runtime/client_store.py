@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
-
-from fl_lightning.runtime.collectives import all_reduce_sum
 
 ClientState = Dict[str, torch.Tensor]
 PREFIX = "clients/"  # where a store's entries sit in an algorithm's checkpointed state
@@ -15,13 +13,15 @@ PREFIX = "clients/"  # where a store's entries sit in an algorithm's checkpointe
 class ClientStateStore:
     """Server-side store of per-client tensors, created on first use from ``initial``.
 
-    Ranks train disjoint clients, so after a round :meth:`sync` sums each cohort member's
-    state across ranks (owners contribute their values, the others zeros) to give every rank
+    Ranks train disjoint clients: a method registers its store with the round's accumulator
+    (``runtime/round_state.py``), which sums each cohort member's entry across ranks in the
+    round's reduction (owners contribute their values, the others zeros), so every rank holds
     the same store.
     """
 
     def __init__(self, initial: Callable[[], ClientState]):
-        """``initial()`` returns a new client's state; it must be all zeros (see :meth:`sync`)."""
+        """``initial()`` returns a new client's state; it must be all zeros (what a rank that
+        does not hold the client contributes to the reduction)."""
         self.initial = initial
         self.states: Dict[int, ClientState] = {}
 
@@ -32,19 +32,6 @@ class ClientStateStore:
 
     def set(self, client: int, state: ClientState) -> None:
         self.states[client] = state
-
-    def sync(self, fabric, cohort: Iterable[int], owned: Iterable[int]) -> None:
-        if fabric.world_size == 1:
-            return
-        owned = set(owned)
-        contributions = {}
-        for client in cohort:
-            # initial() is all zeros: what a rank that did not train the client contributes.
-            state = self.get(client) if client in owned else self.initial()
-            contributions.update({f"{client}/{k}": v for k, v in state.items()})
-        reduced = all_reduce_sum(fabric, contributions)
-        for client in cohort:
-            self.states[client] = {k: reduced[f"{client}/{k}"] for k in self.get(client)}
 
     def kept(self, client: int, flag: str) -> Optional[ClientState]:
         """The client's state when its ``flag`` entry is set (e.g. once it holds a trained
