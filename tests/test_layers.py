@@ -22,7 +22,10 @@ def imported_modules(path: Path) -> set:
 
 
 @pytest.mark.parametrize("layer, forbidden", [
-    ("algorithms", ("fl_lightning.federation",)),
+    # methods compute what they need themselves or in neutral parts; reports read runs; no
+    # method talks to other ranks (the loop reduces the round's accumulator once)
+    ("algorithms", ("fl_lightning.federation", "fl_lightning.analysis", "fl_lightning.runtime.collectives",
+                    "torch.distributed")),
     ("analysis", ("fl_lightning.federation",)),
     ("elastic", ("fl_lightning.federation", "fl_lightning.algorithms", "fl_lightning.feast_protocol")),
     ("runtime", ("fl_lightning.federation", "fl_lightning.algorithms")),
@@ -52,4 +55,12 @@ def test_no_method_file_imports_another_method_file():
     offenders = [f"{module} imports {name}" for module in sorted(methods)
                  for name in sorted(imported_modules(PACKAGE / "algorithms" / f"{module.rsplit('.', 1)[1]}.py"))
                  if any(name == other or name.startswith(other + ".") for other in methods - {module})]
+    assert not offenders, "; ".join(offenders)
+
+
+def test_no_method_calls_a_collective():
+    """The loop reduces a round's accumulator over ranks, once; a method never does."""
+    calls = (".all_reduce(", ".all_gather(", ".broadcast(", ".barrier(", "all_reduce_sum(", "all_gather_objects(")
+    offenders = [f"{path.relative_to(PACKAGE)}: {call}" for path in sorted((PACKAGE / "algorithms").rglob("*.py"))
+                 for call in calls if call in path.read_text()]
     assert not offenders, "; ".join(offenders)

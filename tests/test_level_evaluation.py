@@ -3,7 +3,7 @@ the level report's layout."""
 
 import pytest
 
-from fl_lightning.analysis.level_report import tier_report
+from fl_lightning.algorithms.level_report import tier_report
 from fl_lightning.runtime.evaluation import evaluate_levels
 
 

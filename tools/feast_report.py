@@ -49,7 +49,7 @@ from pathlib import Path
 
 import yaml
 
-from fl_lightning.analysis.feast_accounting import default_anchors
+from fl_lightning.algorithms.feast_accounting import default_anchors
 from fl_lightning.analysis.serving_controls import anchor_accuracy
 from fl_lightning.algorithms.extraction_search import nearest_distance
 from fl_lightning.errors import ConfigError

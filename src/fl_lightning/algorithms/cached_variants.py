@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fl_lightning.analysis.level_report import variant_report
+from fl_lightning.algorithms.level_report import variant_report
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CACHE_SEGMENTS, SEARCH_GENERATIONS, SEARCH_MUTATION, SEARCH_POPULATION
 from fl_lightning.option_types import ClosedUnitInterval, FiniteFloat, NonNegativeInt, PositiveInt, number_type
@@ -74,7 +74,7 @@ class CachedVariants:
                  calib_transform: str, method: str, required_by: str):
         """``method`` names the algorithm in the report; ``required_by`` says, when the run holds
         no calibration split, what needs one."""
-        from fl_lightning.analysis.feast_accounting import affordable_sets
+        from fl_lightning.algorithms.feast_accounting import affordable_sets
 
         self.ctx, self.method = ctx, method
         self.calibration = ServerCalibration(ctx, calib_batch_size, calib_transform,

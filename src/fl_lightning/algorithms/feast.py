@@ -84,7 +84,7 @@ class Feast(ServesCachedVariants, Algorithm):
         check_cache_options(self.cache_path, self.search)
 
     def setup(self, ctx) -> None:
-        from fl_lightning.analysis import feast_accounting as accounting
+        from fl_lightning.algorithms import feast_accounting as accounting
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
 
         if not isinstance(ctx.model, OFAResNet):
@@ -112,7 +112,7 @@ class Feast(ServesCachedVariants, Algorithm):
         return acc
 
     def describe_population(self) -> str:
-        from fl_lightning.analysis import feast_accounting as accounting
+        from fl_lightning.algorithms import feast_accounting as accounting
         from fl_lightning.elastic.envelope import full_param_count
 
         ctx = self.ctx

@@ -30,7 +30,7 @@ import torch
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.levels import LevelAssignment
-from fl_lightning.analysis.level_report import scalefl_report
+from fl_lightning.algorithms.level_report import scalefl_report
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, UnitFraction

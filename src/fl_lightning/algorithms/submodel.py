@@ -353,7 +353,7 @@ class HeteroFL(SubmodelAlgorithm):
         return out
 
     def report(self, summary: dict) -> str:
-        from fl_lightning.analysis.level_report import tier_report
+        from fl_lightning.algorithms.level_report import tier_report
 
         a = self.assignment
         if a is None:
