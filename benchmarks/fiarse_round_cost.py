@@ -38,7 +38,7 @@ TARGET = 1.15  # the masked model executes the dense one: only masking and round
 
 
 def make_spec(args, out_dir: str):
-    from fl_lightning.algorithms.fiarse import FIARSE
+    from fl_lightning.algorithms.supernet.fiarse import FIARSE
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                      PartitionConfig)
     from fl_lightning.federation.builder import RunSpec

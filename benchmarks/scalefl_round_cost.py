@@ -34,7 +34,7 @@ from fl_lightning.elastic.models import ScaleFLResNet18
 
 
 def make_spec(out_dir: str, image_size: int, width: float, rounds: int, steps: int, b_min: float, b_max: float):
-    from fl_lightning.algorithms.scalefl import ScaleFL
+    from fl_lightning.algorithms.supernet.scalefl import ScaleFL
     from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FabricConfig, FederationConfig,
                                      LocalTrainConfig, PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
@@ -52,7 +52,7 @@ def make_spec(out_dir: str, image_size: int, width: float, rounds: int, steps: i
 
 
 def level_macs(image_size: int, width: float) -> list:
-    from fl_lightning.algorithms.scalefl import LEVELS
+    from fl_lightning.algorithms.supernet.scalefl import LEVELS
     from fl_lightning.elastic.macs import spec_macs
     from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.models.scalefl_resnet import DepthWidthSpec

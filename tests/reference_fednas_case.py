@@ -1,7 +1,7 @@
 """The tiny two-round case of the SuperFedNAS / DeepFedNAS golden values (``tools/reference/
 superfednas.py``, ``tools/reference/deepfednas.py``, ``tests/test_reference_fednas.py``).
 
-Our side: the project's transfer (``algorithms/fednas.py``, unconstrained) on a narrowed
+Our side: the project's transfer (``algorithms/supernet/fednas.py``, unconstrained) on a narrowed
 ``ofa_resnet`` built to be the same network as the reference's supernet, synthetic 3 x 8 x 8
 images of 4 classes, 3 clients all in every round (so both sides' cohort is every client, in
 id order), two rounds of one local epoch of batches of 8, plain SGD (no momentum, weight decay,
@@ -59,7 +59,7 @@ def build_model(method: str):
 def algorithm(method: str, out_dir: Path, frozen_bn: bool = False):
     """Our transfer, unconstrained, evaluated on a two-variant cache (evaluation is not part of
     the case); ``frozen_bn``: the originals' client without ``--use_bn``."""
-    from fl_lightning.algorithms.fednas import DeepFedNAS, PathSearch, SuperFedNAS
+    from fl_lightning.algorithms.supernet.fednas import DeepFedNAS, PathSearch, SuperFedNAS
     from fl_lightning.elastic.search.cache import VariantCache
 
     model = build_model(method)

@@ -10,7 +10,7 @@ import pytest
 
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.elastic.search.cost import DeepFedNASArch, cost_model
-from fl_lightning.algorithms.extraction_search import (cache_ceiling, cached_answer, extraction_architecture,
+from fl_lightning.algorithms.supernet.extraction_search import (cache_ceiling, cached_answer, extraction_architecture,
                                                     extraction_search, gene_distance, nearest_distance,
                                                     trained_bounds)
 from fl_lightning.elastic.search.fitness import Fitness

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_lightning.algorithms.fednas import (ARCH_STREAM, DeepFedNAS, PathSearch, SuperFedNAS, sandwich_roles,
+from fl_lightning.algorithms.supernet.fednas import (ARCH_STREAM, DeepFedNAS, PathSearch, SuperFedNAS, sandwich_roles,
                                             uniform_architecture)
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)

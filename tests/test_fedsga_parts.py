@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.algorithms.split_common import default_candidates
+from fl_lightning.algorithms.split.common import default_candidates
 from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
 from fl_lightning.modules.prompts import PromptChannel, border_order
 from fl_lightning.modules.sufficiency import (DepthProbes, SufficiencyEstimator, handcrafted_score, prompt_variation,

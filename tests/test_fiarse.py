@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.algorithms.fiarse import FIARSE, geometric_grid, masked_region_map, serve
+from fl_lightning.algorithms.supernet.fiarse import FIARSE, geometric_grid, masked_region_map, serve
 from fl_lightning.data import Digits
 from fl_lightning.elastic.magnitude_masks import MaskFamily, group_keys, layer_macs, maskable_keys
 from fl_lightning.errors import ConfigError

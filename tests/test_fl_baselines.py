@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
-from fl_lightning.algorithms.fedas import TRAINED, FedAS, alignment_loss
-from fl_lightning.algorithms.fedbabu import FedBABU
-from fl_lightning.algorithms.fedgh import FedGH
+from fl_lightning.algorithms.personalized.fedas import TRAINED, FedAS, alignment_loss
+from fl_lightning.algorithms.personalized.fedbabu import FedBABU
+from fl_lightning.algorithms.personalized.fedgh import FedGH
 from fl_lightning.algorithms.fedmut import FedMut, balanced_signs
 from fl_lightning.config import FederationConfig, LocalTrainConfig, PartitionConfig
 from fl_lightning.data.federated import build_federated_data
@@ -189,7 +189,7 @@ def test_fedgh_server_header_step_and_personal_bodies(spec_factory):
 def test_prototypes_of_an_absent_class_are_finite_and_never_sent(spec_factory):
     """A class a client does not hold has count 0 and a zero row (no 0/0), and the server's
     header steps see exactly the (client, class) pairs the clients hold."""
-    from fl_lightning.algorithms.head_body import class_prototypes
+    from fl_lightning.algorithms.personalized.head_body import class_prototypes
 
     spec = spec_factory(name="absent", algorithm=FedGH(), train=TRAIN,
                         partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.1),
@@ -221,7 +221,7 @@ def test_batch_statistics_ignore_and_keep_the_running_statistics(spec_factory):
     """Prototypes with batch statistics are the same whatever the running statistics hold,
     and leave them untouched; evaluation-mode prototypes follow the running statistics (the
     FedGH divergence: they were up to 100 times the training-mode features)."""
-    from fl_lightning.algorithms.head_body import class_prototypes, find_classifier
+    from fl_lightning.algorithms.personalized.head_body import class_prototypes, find_classifier
 
     spec = spec_factory(name="bs", algorithm=FedGH(), train=TRAIN)
     ctx = federation(spec).ctx
@@ -246,7 +246,7 @@ def test_batch_statistics_ignore_and_keep_the_running_statistics(spec_factory):
 
 
 def test_a_one_row_batch_joins_the_one_before():
-    from fl_lightning.algorithms.head_body import without_single_rows
+    from fl_lightning.algorithms.personalized.head_body import without_single_rows
 
     rows = lambda n, v: (torch.full((n, 3), float(v)), torch.full((n,), v))  # noqa: E731
     joined = list(without_single_rows([rows(2, 0), rows(2, 1), rows(1, 2)]))
@@ -307,7 +307,7 @@ def test_fedas_fisher_weights_and_aggregate(spec_factory):
 def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec_factory):
     """The alignment pass updates the received global body only (head and BN statistics
     untouched), and lowers the alignment loss to the client's previous-model prototypes."""
-    from fl_lightning.algorithms.head_body import class_prototypes
+    from fl_lightning.algorithms.personalized.head_body import class_prototypes
 
     spec = spec_factory(name="align", algorithm=FedAS(align_epochs=3), train=TRAIN,
                         federation=FederationConfig(rounds=2, clients_per_round=2))
@@ -341,7 +341,7 @@ def test_fedas_alignment_and_fisher_do_not_follow_the_running_statistics(spec_fa
     running statistics scrambled (what a few local steps leave) they give the same result and
     leave the statistics as they were. In evaluation mode the alignment diverged (loss 2.2e27)
     and one round's traces spanned five orders of magnitude."""
-    from fl_lightning.algorithms.fedas import fisher_trace
+    from fl_lightning.algorithms.personalized.fedas import fisher_trace
 
     spec = spec_factory(name="asbn", algorithm=FedAS(align_epochs=2), train=TRAIN,
                         federation=FederationConfig(rounds=1, clients_per_round=2))

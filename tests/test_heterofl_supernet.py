@@ -13,7 +13,7 @@ from torch import nn
 
 from fl_lightning.algorithms import HeteroFL, SubmodelAlgorithm
 from fl_lightning.algorithms.bn_protocol import estimate_statistics, without_statistics
-from fl_lightning.algorithms.heterofl_tiers import HETEROFL_TIERS, TierAssignment
+from fl_lightning.algorithms.submodel.heterofl_tiers import HETEROFL_TIERS, TierAssignment
 from fl_lightning.algorithms.submodel import TIER_PROBS, TIERS
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)

@@ -38,9 +38,14 @@ def test_layer_does_not_import_above_itself(layer, forbidden):
     assert not offenders, "; ".join(offenders)
 
 
-# the rounds other methods build on: FedAvg's (base), split learning's (splitfed) and the
-# sub-model family's (submodel: SubmodelAlgorithm, which FedRolex extends)
-FAMILY_BASES = {"fl_lightning.algorithms.base", "fl_lightning.algorithms.splitfed", "fl_lightning.algorithms.submodel"}
+# the rounds other methods build on: FedAvg's (base), split learning's (split.splitfed) and the
+# sub-model family's (submodel.base: SubmodelAlgorithm)
+FAMILY_BASES = {"fl_lightning.algorithms.base", "fl_lightning.algorithms.split.splitfed",
+                "fl_lightning.algorithms.submodel.base"}
+
+
+def module_file(module: str) -> Path:
+    return PACKAGE.parent / (module.replace(".", "/") + ".py")
 
 
 def test_no_method_file_imports_another_method_file():
@@ -51,9 +56,9 @@ def test_no_method_file_imports_another_method_file():
     methods = {getattr(algorithms, name).__module__ for name in algorithms.__all__
                if isinstance(getattr(algorithms, name), type)
                and issubclass(getattr(algorithms, name), algorithms.Algorithm)} - FAMILY_BASES
-    assert "fl_lightning.algorithms.feast" in methods and "fl_lightning.algorithms.fednas" in methods
+    assert "fl_lightning.algorithms.supernet.feast" in methods and "fl_lightning.algorithms.supernet.fednas" in methods
     offenders = [f"{module} imports {name}" for module in sorted(methods)
-                 for name in sorted(imported_modules(PACKAGE / "algorithms" / f"{module.rsplit('.', 1)[1]}.py"))
+                 for name in sorted(imported_modules(module_file(module)))
                  if any(name == other or name.startswith(other + ".") for other in methods - {module})]
     assert not offenders, "; ".join(offenders)
 

@@ -125,7 +125,7 @@ def test_mask_region_accumulation_equals_the_where_reference():
 def test_a_round_shares_one_region_map_per_kept_fraction(spec_factory):
     from lightning.fabric import Fabric
 
-    from fl_lightning.algorithms.fiarse import FIARSE
+    from fl_lightning.algorithms.supernet.fiarse import FIARSE
     from fl_lightning.config import DataConfig, FederationConfig, PartitionConfig
     from fl_lightning.federation.builder import build_context
     from fl_lightning.runtime.plan import ClientTask, RoundPlan

@@ -20,7 +20,7 @@ BATCH_TERMS = 32 * 8 * 8  # the longest sums of a step: a batch's 8x8 positions 
 
 
 def run_ours(case, out_dir):
-    from fl_lightning.algorithms.fiarse import FIARSE
+    from fl_lightning.algorithms.supernet.fiarse import FIARSE
 
     alg = FIARSE(fractions=case["fractions"], threshold="global", recalibrate_bn=False, **case["options"])
     spec = make_spec(out_dir, alg, rounds=case["rounds"],

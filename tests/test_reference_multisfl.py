@@ -32,7 +32,7 @@ def floats(state):
 
 @pytest.fixture(scope="module", params=["replay", "no_replay"])
 def compared(request, tmp_path_factory):
-    from fl_lightning.algorithms.multisfl import MultiSFL
+    from fl_lightning.algorithms.split.multisfl import MultiSFL
 
     golden = load("multisfl", f"{request.param}.pt")
     case = golden["case"]

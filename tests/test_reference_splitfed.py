@@ -23,7 +23,7 @@ BATCH_TERMS = 32 * 8 * 8  # the longest sums of a step: a batch's 8x8 positions 
 
 
 def run_ours(case, out_dir, **options):
-    from fl_lightning.algorithms.splitfed import SplitFed
+    from fl_lightning.algorithms.split.splitfed import SplitFed
 
     variant = {"weighting": "uniform"} if case["variant"] == "uniform" else {}
     alg = SplitFed(cut=case["cut"], version=case["version"], **{"bn": "aggregated", **variant, **options})

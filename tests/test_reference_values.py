@@ -59,7 +59,7 @@ def test_fedbabu_round_matches_reference(tmp_path, source):
     shards, plain mean of the state dicts): every floating entry, running statistics included.
     PFLlib (plain SGD, unequal shards, sample weights): parameters (PFLlib keeps the first
     client's buffers)."""
-    from fl_lightning.algorithms.fedbabu import FedBABU
+    from fl_lightning.algorithms.personalized.fedbabu import FedBABU
 
     golden = load("fedbabu", f"{source}.pt")
     case = golden["case"]
@@ -81,8 +81,8 @@ def test_fedgh_round_matches_pfllib(tmp_path):
     """Local training of the whole model from the initial body and global header, the
     prototypes (class means of the trained body's representations), and the server's header
     step on them, against PFLlib's clientGH/FedGH on a network without batch norm."""
-    from fl_lightning.algorithms.fedgh import FedGH
-    from fl_lightning.algorithms.head_body import class_prototypes, find_classifier
+    from fl_lightning.algorithms.personalized.fedgh import FedGH
+    from fl_lightning.algorithms.personalized.head_body import class_prototypes, find_classifier
 
     from reference_case import VIT
 
@@ -118,7 +118,7 @@ def test_fedas_round_matches_reference(tmp_path, source):
     """Alignment of the global body to the client's prototypes, local training, Fisher trace and
     the Fisher-weighted aggregate, against the authors' clientAS/FedAS (one client per round)
     and PFLlib's (two), on a network without batch norm."""
-    from fl_lightning.algorithms.fedas import FedAS
+    from fl_lightning.algorithms.personalized.fedas import FedAS
 
     from reference_case import VIT
 
@@ -205,7 +205,7 @@ def test_multisfl_replay_requirement_matches_select_helpers():
     down) and what the greedy pass over the other clients provides, against the authors'
     selectHelpers (their candidate order is Python's shuffle, ours a seeded permutation: the
     per-class totals do not depend on it while the supply suffices)."""
-    from fl_lightning.algorithms.multisfl import choose_assistants, replay_requirement
+    from fl_lightning.algorithms.split.multisfl import choose_assistants, replay_requirement
 
     replay = load("multisfl", "authors.pt")["replay"]
     need = replay_requirement(replay["distribution"], replay["client_examples"], replay["budget"])

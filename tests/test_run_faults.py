@@ -84,8 +84,8 @@ def test_evaluate_refuses_a_checkpoint_of_another_method(tmp_path, capsys):
 
 
 def test_method_check_unit(tmp_path):
-    record = {"class_path": "fl_lightning.algorithms.splitfed.SplitFedV2", "init_args": {"cut": "block2"}}
-    fedsga = {"class_path": "fl_lightning.algorithms.fedsga.FedSGA", "init_args": {}}
+    record = {"class_path": "fl_lightning.algorithms.split.splitfed.SplitFedV2", "init_args": {"cut": "block2"}}
+    fedsga = {"class_path": "fl_lightning.algorithms.split.fedsga.FedSGA", "init_args": {}}
     with pytest.raises(ConfigError, match="written by FedSGA, and this run is SplitFedV2"):
         check_method({"method": fedsga}, record, tmp_path / "x.ckpt", "resume")
     check_method({"method": record}, record, tmp_path / "x.ckpt", "resume")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fl_lightning.algorithms.levels import assign_levels
-from fl_lightning.algorithms.scalefl import LEVELS, ScaleFL
+from fl_lightning.algorithms.supernet.scalefl import LEVELS, ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
 from fl_lightning.data import Digits

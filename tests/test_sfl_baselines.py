@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.algorithms.mergesfl import MergeSFL, merged_kl, regulate_batch_sizes
-from fl_lightning.algorithms.musplitfed import MUSplitFed
-from fl_lightning.algorithms.multisfl import (MultiSFL, choose_assistants, decayed_distribution,
+from fl_lightning.algorithms.split.mergesfl import MergeSFL, merged_kl, regulate_batch_sizes
+from fl_lightning.algorithms.split.musplitfed import MUSplitFed
+from fl_lightning.algorithms.split.multisfl import (MultiSFL, choose_assistants, decayed_distribution,
                                               replay_requirement, weak_aggregate)
-from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.config import FederationConfig, LocalTrainConfig
 from fl_lightning.elastic.models import build_model
 from fl_lightning.errors import ConfigError

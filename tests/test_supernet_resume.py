@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fl_lightning.algorithms import Feast, HeteroFL
-from fl_lightning.algorithms.fiarse import FIARSE
-from fl_lightning.algorithms.mergesfl import MergeSFL
-from fl_lightning.algorithms.scalefl import ScaleFL
+from fl_lightning.algorithms.supernet.fiarse import FIARSE
+from fl_lightning.algorithms.split.mergesfl import MergeSFL
+from fl_lightning.algorithms.supernet.scalefl import ScaleFL
 from fl_lightning.config import (BudgetConfig, DataConfig, EvalConfig, FederationConfig, LocalTrainConfig,
                                  PartitionConfig)
 from fl_lightning.data import Digits, Synthetic

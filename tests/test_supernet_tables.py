@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from fl_lightning.algorithms.feast_accounting import PAPER_ANCHORS
+from fl_lightning.algorithms.supernet.feast_accounting import PAPER_ANCHORS
 from fl_lightning.analysis.serving import (RunFormatError, ServingRun, largest_affordable, load_run,
                                            training_proxy)
 from fl_lightning.analysis.serving_controls import (anchor_accuracy, client_wins, density_control,
@@ -142,7 +142,7 @@ def tiny_runs(tmp_path_factory):
             "init_args": {"cache": _cache(root / "cache.json"), "mix_schedule": "none"}}},
         "scalefl": {"model": {"class_path": "fl_lightning.elastic.models.ScaleFLResNet18",
                               "init_args": {"width": 0.125}},
-                    "algorithm": {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL"}},
+                    "algorithm": {"class_path": "fl_lightning.algorithms.supernet.scalefl.ScaleFL"}},
     }
     for name, extra in configs.items():
         path = root / f"{name}.yaml"
@@ -152,7 +152,7 @@ def tiny_runs(tmp_path_factory):
 
 
 def test_loader_reads_feast_and_scalefl_runs_into_one_form(tiny_runs):
-    from fl_lightning.algorithms.feast_accounting import affordable_sets, training_computation
+    from fl_lightning.algorithms.supernet.feast_accounting import affordable_sets, training_computation
     from fl_lightning.elastic.search.cache import VariantCache
 
     feast, scalefl = load_run(tiny_runs / "feast"), load_run(tiny_runs / "scalefl")

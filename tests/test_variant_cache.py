@@ -348,7 +348,7 @@ def test_shipped_quickstart_cache_equals_a_fresh_search():
 
     import yaml
 
-    from fl_lightning.algorithms.cached_variants import CacheSearch
+    from fl_lightning.algorithms.supernet.cached_variants import CacheSearch
 
     root = pathlib.Path(__file__).parents[1]
     config = yaml.safe_load((root / "configs" / "quickstart.yaml").read_text())

@@ -4,7 +4,7 @@
     python tools/extraction_distances.py CACHE --budgets ... --space full --no-reuse-cache   # as published
 
 For each budget it runs the search of ``python -m fl_lightning extract`` (the same settings,
-derived from the cache: ``fl_lightning.algorithms.extraction_search``) and prints the architecture
+derived from the cache: ``fl_lightning.algorithms.supernet.extraction_search``) and prints the architecture
 found, its MACs, and how many genes (depths, expansions, widths, position by position) it
 differs from the nearest cached variant; then the mean distance and how many budgets land
 within 0 and 1 genes. The search is analytic, so this needs only the cache file (a cache of
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fl_lightning.elastic.search.cache import VariantCache
 from fl_lightning.elastic.search.cost import DeepFedNASArch
-from fl_lightning.algorithms.extraction_search import (SPACES, extraction_architecture, extraction_search,
+from fl_lightning.algorithms.supernet.extraction_search import (SPACES, extraction_architecture, extraction_search,
                                                     nearest_distance)
 from fl_lightning.elastic.search.genetic import InfeasibleError
 from fl_lightning.errors import ConfigError

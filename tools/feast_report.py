@@ -49,9 +49,9 @@ from pathlib import Path
 
 import yaml
 
-from fl_lightning.algorithms.feast_accounting import default_anchors
+from fl_lightning.algorithms.supernet.feast_accounting import default_anchors
 from fl_lightning.analysis.serving_controls import anchor_accuracy
-from fl_lightning.algorithms.extraction_search import nearest_distance
+from fl_lightning.algorithms.supernet.extraction_search import nearest_distance
 from fl_lightning.errors import ConfigError
 from fl_lightning.federation.run_dir import check_writable
 from fl_lightning.tool_parser import ToolParser, existing_run

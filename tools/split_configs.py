@@ -84,7 +84,7 @@ OFFLINE_BACKBONES = {
 
 def fedsga_budgets(model: dict, num_classes: int, input_shape) -> dict:
     """Zipf MAC budgets from the client forward cost at p_ref to 1.5 times the deepest one's."""
-    from fl_lightning.algorithms.split_common import default_candidates
+    from fl_lightning.algorithms.split.common import default_candidates
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
 

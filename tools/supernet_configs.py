@@ -141,11 +141,11 @@ def config_for(where: str, dataset: str, method: str, width: float | None = None
                                           "scaler": True, **mixing(source)}}
     elif method == "scalefl":
         cfg["model"] = substrate("fl_lightning.elastic.models.ScaleFLResNet18", dataset, width)
-        cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.scalefl.ScaleFL",  # defaults: Supp. E.1's levels
+        cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.ScaleFL",  # defaults: Supp. E.1's levels
                             "init_args": mixing(source)}
     elif method == "fiarse":
         cfg["model"] = substrate("fl_lightning.elastic.models.ResNet18", dataset, width)
-        cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.fiarse.FIARSE", "init_args": mixing(source)}
+        cfg["algorithm"] = {"class_path": "fl_lightning.algorithms.FIARSE", "init_args": mixing(source)}
         cfg["train"]["weight_decay"] = 0.0
     else:
         raise KeyError(method)
@@ -156,7 +156,7 @@ def offline_width(source_path: str) -> dict:
     """The narrowed substrate of an offline family: the k/64 whose full-width ResNet-18 MACs
     (fvcore) are nearest in log to the largest variant of the FEAST config's cache (its shipped
     file, or else the one its search builds)."""
-    from fl_lightning.algorithms.cached_variants import CacheSearch
+    from fl_lightning.algorithms.supernet.cached_variants import CacheSearch
     from fl_lightning.elastic.macs import count_macs
     from fl_lightning.elastic.models import build_model
     from fl_lightning.elastic.search.cache import VariantCache, build_cache

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fl_lightning.algorithms.feast_accounting import default_anchors, human
+from fl_lightning.algorithms.supernet.feast_accounting import default_anchors, human
 from fl_lightning.analysis.serving import RunFormatError, ServingRun, load_run
 from fl_lightning.analysis.serving_controls import (anchor_row, compare_clients, density_runs, end_to_end_change,
                                                    horizon_command, matched_rounds, range_ends, same_population)

@@ -138,8 +138,8 @@ def models_command(args, config_yaml: str) -> list:
 
 def extract_command(args, config_yaml: str) -> dict:
     """Search, extract, recalibrate and score a subnet of a trained FEAST supernet."""
-    from fl_lightning.algorithms.cached_variants import ServesCachedVariants
-    from fl_lightning.algorithms.feast_extraction import extract_subnet, parse_macs
+    from fl_lightning.algorithms.supernet.cached_variants import ServesCachedVariants
+    from fl_lightning.algorithms.supernet.feast_extraction import extract_subnet, parse_macs
     from fl_lightning.saved_runs import load_run_spec, open_saved_run
 
     budget = parse_macs(args.budget)

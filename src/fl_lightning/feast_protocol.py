@@ -23,7 +23,7 @@ def extraction_rho(budget: float) -> float:
     """The ceiling as Supp. E.3 states it for the paper's cache: the low-compute segment's rho_0
     below the main segment's lowest target (0.40 below 50M), else the main segment's (0.31).
     Post-hoc extraction reads the ceilings off the run's own cache instead
-    (``algorithms/extraction_search.py``) and falls back to this only for a cache that records no
+    (``algorithms/supernet/extraction_search.py``) and falls back to this only for a cache that records no
     search; DeepFedNAS's Pareto path over the complete supernet uses it as stated."""
     main, low = CACHE_SEGMENTS
     return low[3] if budget < main[0] else main[3]

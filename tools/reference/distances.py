@@ -125,7 +125,7 @@ def fedprox_scaffold():
 def multisfl():
     import test_reference_multisfl as t
     from reference_case import float64_bound, make_spec, run_rounds, TRAIN
-    from fl_lightning.algorithms.multisfl import MultiSFL
+    from fl_lightning.algorithms.split.multisfl import MultiSFL
 
     for variant in ("replay", "no_replay"):
         g = load("multisfl", f"{variant}.pt")

@@ -31,7 +31,7 @@ import torch
 import common
 from reference_case import TRAIN, VIT, make_spec, run_one_round
 
-from fl_lightning.algorithms.fedas import FedAS
+from fl_lightning.algorithms.personalized.fedas import FedAS
 
 
 def record(clients_per_round):

@@ -26,7 +26,7 @@ import torch
 import common
 from reference_case import TRAIN, make_spec, run_one_round
 
-from fl_lightning.algorithms.fedbabu import FedBABU
+from fl_lightning.algorithms.personalized.fedbabu import FedBABU
 
 
 def record(partition, train):

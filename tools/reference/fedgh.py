@@ -29,7 +29,7 @@ from torch import nn
 import common
 from reference_case import TRAIN, VIT, make_spec, run_one_round
 
-from fl_lightning.algorithms.fedgh import FedGH
+from fl_lightning.algorithms.personalized.fedgh import FedGH
 
 SERVER_LR = 0.1
 SERVER_BATCH = 1000

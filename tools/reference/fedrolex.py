@@ -48,7 +48,6 @@ import sys
 import time
 from types import ModuleType
 
-import numpy as np
 import torch
 from torch import nn
 

@@ -44,7 +44,7 @@ from torch import nn
 import common
 from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, make_spec, run_rounds
 
-from fl_lightning.algorithms.fiarse import FIARSE
+from fl_lightning.algorithms.supernet.fiarse import FIARSE
 
 FRACTIONS = [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25]
 NAMES = {"conv0.": "features.block0.conv.", "bn0.": "features.block0.bn.", "conv1.": "features.block1.conv.",

@@ -41,7 +41,7 @@ from torch import nn
 import common
 from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, make_spec, run_rounds, shard
 
-from fl_lightning.algorithms.multisfl import MultiSFL
+from fl_lightning.algorithms.split.multisfl import MultiSFL
 
 FRONT = {"features.block0.conv.": "0.", "features.block0.bn.": "1."}
 BACK = {"features.block1.conv.": "0.", "features.block1.bn.": "1.", "fc.": "5."}

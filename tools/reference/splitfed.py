@@ -47,7 +47,7 @@ import common
 from multisfl import halves, to_ours
 from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, make_spec, run_rounds
 
-from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.algorithms.split.splitfed import SplitFed
 
 SCRIPT = "SFLV1_ResNet_HAM10000.py"
 DEFINITIONS = ("FedAvg", "calculate_accuracy", "prRed", "prGreen", "train_server", "DatasetSplit", "Client")

@@ -265,7 +265,7 @@ def _variant_points(files: RunFiles) -> Tuple[List[Point], object]:
 
 def feast_form(files: RunFiles) -> ServingRun:
     """FEAST: the cached variants; the proxy is the run's own Eq. 26 accounting."""
-    from fl_lightning.algorithms.feast_accounting import affordable_sets, pass_macs_per_example
+    from fl_lightning.algorithms.supernet.feast_accounting import affordable_sets, pass_macs_per_example
 
     points, cache = _variant_points(files)
     rule = files.init_args().get("rule", "full")

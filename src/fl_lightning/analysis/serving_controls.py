@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fl_lightning.algorithms.feast_accounting import scaled_anchors, spans_paper
+from fl_lightning.algorithms.supernet.feast_accounting import scaled_anchors, spans_paper
 from fl_lightning.analysis.serving import ServingRun, largest_affordable
 
 

@@ -1,7 +1,7 @@
 """MaxNet aggregation (SuperFedNAS, Khare et al. 2024), as SuperFedNAS's and DeepFedNAS's code compute it.
 
 MaxNet gives one client of the cohort, the one that trains the largest subnet that round (the
-"max role", see ``algorithms/fednas.py``), the aggregation weight ``c(t)``, and every other
+"max role", see ``algorithms/supernet/fednas.py``), the aggregation weight ``c(t)``, and every other
 client ``(1 - c(t)) / (K - 1)``. The weights are then applied *position by position*: every
 global position ``u`` becomes the weighted mean over the clients whose subnet covers ``u``,
 

@@ -1,6 +1,6 @@
 """A client that trains one extracted subnet on (optionally mixed) mini-batches.
 
-The client side of SuperFedNAS and DeepFedNAS (``algorithms/fednas.py``): every mini-batch goes
+The client side of SuperFedNAS and DeepFedNAS (``algorithms/supernet/fednas.py``): every mini-batch goes
 through the mixer (Mixup / CutMix, FEAST's canonical augmentation for every method) and one
 forward-backward pass of the client's single architecture with soft-target cross-entropy.
 """

@@ -20,14 +20,14 @@ Every formula and the choices the paper leaves open: docs/fedsga.md.
 
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional, Tuple
+from typing import Dict, List, Literal, Optional
 
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.fedsga_client import CutChoice, FedSGAClient
-from fl_lightning.algorithms.split_common import default_candidates
-from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.algorithms.split.fedsga_client import CutChoice, FedSGAClient
+from fl_lightning.algorithms.split.common import default_candidates
+from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import Channel
@@ -316,7 +316,7 @@ class FedSGA(SplitFed):
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
 
     def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
-        """The client's round with its prompt from the store (``algorithms/fedsga_client.py``)."""
+        """The client's round with its prompt from the store (``algorithms/split/fedsga_client.py``)."""
         return FedSGAClient(self, task, plan, self.store.get(task.client))
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 import torch
 
-from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.seeding import client_generator, derive_seed
 

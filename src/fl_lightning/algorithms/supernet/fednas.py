@@ -18,7 +18,7 @@ Both keep their originals' round structure (SuperFedNAS's ``TS_all_random`` and 
   ``c(t)`` (cosine from 0.9 to 0.125) and the others ``(1 - c(t)) / (K - 1)``
   (``elastic/maxnet.py``).
 
-Evaluation is FEAST's (through :class:`~fl_lightning.algorithms.cached_variants.CachedVariants`,
+Evaluation is FEAST's (through :class:`~fl_lightning.algorithms.supernet.cached_variants.CachedVariants`,
 as FEAST's own): every cached variant extracted, BN-recalibrated on the server's calibration
 split and scored, and the population accuracy under largest-affordable serving, so the numbers sit next to FEAST's.
 docs/fednas_transfers.md gives the originals' rules, how each is realized, and the doubts.
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.algorithms.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
+from fl_lightning.algorithms.supernet.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
                                                      check_cache_options)
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.routing import Routed

@@ -2,7 +2,7 @@
 cache's training-free objective, cut it out of the trained supernet, recalibrate its batch
 norm on the server's calibration split and score it, with no further training. The search
 takes its ceiling, objective and seed from the run's own cache
-(:mod:`fl_lightning.algorithms.extraction_search`)."""
+(:mod:`fl_lightning.algorithms.supernet.extraction_search`)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def extract_subnet(feast, budget: float, rho: Optional[float], population: int, 
     """Search, extract, recalibrate and score a subnet of ``feast``'s trained supernet (set up
     on a saved run); optionally save the subnet's weights and architecture to ``out``.
     ``rho`` and ``seed`` (None: derived from the run's cache), ``space`` and ``reuse_cache`` as
-    in :func:`~fl_lightning.algorithms.extraction_search.extraction_search`."""
-    from fl_lightning.algorithms.extraction_search import extraction_architecture, extraction_search, nearest_distance
+    in :func:`~fl_lightning.algorithms.supernet.extraction_search.extraction_search`."""
+    from fl_lightning.algorithms.supernet.extraction_search import extraction_architecture, extraction_search, nearest_distance
     from fl_lightning.elastic.search.genetic import InfeasibleError
     from fl_lightning.elastic.specs import spec_to_dict
     from fl_lightning.runtime.checkpoint import save_checkpoint

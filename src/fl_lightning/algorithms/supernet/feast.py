@@ -15,7 +15,7 @@ from typing import Dict, List, Literal, Optional, Tuple
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.algorithms.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
+from fl_lightning.algorithms.supernet.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
                                                      check_cache_options)
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE, KAPPA_FB
 from fl_lightning.elastic.routing import Routed

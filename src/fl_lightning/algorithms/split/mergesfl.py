@@ -21,8 +21,8 @@ from typing import Dict, List, Literal, Optional, Sequence
 
 import torch
 
-from fl_lightning.algorithms.split_common import label_counts
-from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.algorithms.split.common import label_counts
+from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.plan import ClientTask, RoundPlan

@@ -13,7 +13,7 @@ from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.client import LocalClient
-from fl_lightning.algorithms.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
+from fl_lightning.algorithms.personalized.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
                                                head_keys, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveInt

@@ -74,7 +74,7 @@ class CachedVariants:
                  calib_transform: str, method: str, required_by: str):
         """``method`` names the algorithm in the report; ``required_by`` says, when the run holds
         no calibration split, what needs one."""
-        from fl_lightning.algorithms.feast_accounting import affordable_sets
+        from fl_lightning.algorithms.supernet.feast_accounting import affordable_sets
 
         self.ctx, self.method = ctx, method
         self.calibration = ServerCalibration(ctx, calib_batch_size, calib_transform,

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fl_lightning.algorithms.split_common import SplitClient, key_regions, label_counts
-from fl_lightning.algorithms.splitfed import SplitFed
+from fl_lightning.algorithms.split.common import SplitClient, key_regions, label_counts
+from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import ClosedUnitInterval, PositiveFloat
@@ -179,7 +179,7 @@ class MultiSFL(SplitFed):
     def candidate_cuts(self, model) -> List[str]:
         if not self.adaptive_split:
             return super().candidate_cuts(model)
-        from fl_lightning.algorithms.split_common import default_candidates
+        from fl_lightning.algorithms.split.common import default_candidates
 
         names = list(model.block_names)
         cuts = list(self.candidates) if self.candidates is not None else default_candidates(names)

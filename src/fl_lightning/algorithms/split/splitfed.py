@@ -23,7 +23,7 @@ from torch import nn
 
 from fl_lightning.algorithms.base import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
-from fl_lightning.algorithms.split_common import SplitClient, key_regions, split_metrics
+from fl_lightning.algorithms.split.common import SplitClient, key_regions, split_metrics
 from fl_lightning.elastic.bn import statistics_keys
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.errors import ConfigError

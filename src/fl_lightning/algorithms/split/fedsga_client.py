@@ -2,7 +2,7 @@
 its prompt, the server's loss with the alignment term, and the descriptors it reports after
 training (docs/fedsga.md).
 
-The method (``algorithms/fedsga.py``) makes one :class:`FedSGAClient` per task from the
+The method (``algorithms/split/fedsga.py``) makes one :class:`FedSGAClient` per task from the
 client's store entry; the object carries everything the round learns about that client (its
 prompt and the prompt's gradient statistics, the alignment term of the batch in flight, the
 labels it added to the prototypes) and hands the server its new store entry in a
@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.algorithms.split_common import SplitClient
+from fl_lightning.algorithms.split.common import SplitClient
 from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 

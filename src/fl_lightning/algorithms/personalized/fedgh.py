@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fl_lightning.algorithms.base import FedAvg
 from fl_lightning.algorithms.client import LocalClient
-from fl_lightning.algorithms.head_body import class_prototypes, find_classifier, head_keys
+from fl_lightning.algorithms.personalized.head_body import class_prototypes, find_classifier, head_keys
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import PositiveFloat, PositiveInt

@@ -1,0 +1,174 @@
+"""HeteroFL (Diao et al., 2021) as a sub-model policy, and as FEAST's supernet baseline
+(``docs/heterofl_supernet.md``)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Literal, Optional
+
+import torch
+
+from fl_lightning.algorithms.submodel.base import MIXING_STREAM, TIER_PROBS, TIERS, SubmodelAlgorithm
+from fl_lightning.errors import ConfigError
+from fl_lightning.option_types import NonNegativeFloat, UnitFraction
+from fl_lightning.runtime.seeding import derive_seed
+
+
+class HeteroFL(SubmodelAlgorithm):
+    """HeteroFL (Diao et al., 2021) with coordinate-wise averaging: every client at its cap.
+
+    The defaults are the sub-model study's (caps drawn per seed, the global model evaluated)
+    with the authors' static batch norm (``bn: sbn``: clients track no statistics; the served
+    model's come from one pass over the union of the client shards, as HeteroFL's ``stats``).
+    FEAST's supernet baseline (``docs/heterofl_supernet.md``) sets ``assign: budget``: the cap is the largest of HeteroFL's five tiers that the client's MAC
+    budget affords (the smallest as a counted fallback), and evaluation scores every tier and
+    the population under largest-affordable serving. Either way ``bn`` chooses where evaluated
+    models get their BN statistics, ``scaler`` adds HeteroFL's Scaler to client training and
+    ``mix_schedule`` FEAST's Mixup / CutMix.
+    """
+
+    def __init__(self, assign: Literal["caps", "budget"] = "caps", tiers: Optional[List[UnitFraction]] = None,
+                 tier_probs: Optional[List[NonNegativeFloat]] = None, scaler: bool = False,
+                 mix_schedule: Literal["none", "alternate", "random", "mixup", "cutmix"] = "none",
+                 mixup_alpha: NonNegativeFloat = 0.4, cutmix_alpha: NonNegativeFloat = 1.0, **kwargs):
+        """
+        Args:
+            assign: caps (each client's cap drawn from ``tiers`` with ``tier_probs``, or
+                ``caps``: the sub-model study) or budget (the largest tier whose served MACs fit
+                the client's ``partition.budgets`` budget; the smallest tier when none does).
+            tiers: width tiers; default (0.25, 0.5, 0.75, 1) with caps, HeteroFL's
+                (1/16, 1/8, 1/4, 1/2, 1) with budget (distinct, smallest first).
+            tier_probs: probability of each tier with caps; default favours small devices.
+                Unused (and refused) with budget.
+            scaler: HeteroFL's Scaler: a width-p client divides every conv output by p in
+                training (identity at evaluation). Needs bn sbn or recalibrate.
+            mix_schedule: Mixup / CutMix on client batches: none (HeteroFL), alternate
+                (FEAST's protocol for every method), random, mixup or cutmix.
+            mixup_alpha: Mixup's Beta parameter.
+            cutmix_alpha: CutMix's Beta parameter.
+        """
+        from fl_lightning.algorithms.submodel.heterofl_tiers import HETEROFL_TIERS
+
+        self.assign = assign
+        self.tier_probs_given = tier_probs
+        if tiers is None:
+            tiers = HETEROFL_TIERS if assign == "budget" else TIERS
+        if tier_probs is None:  # unused with budget: a placeholder the shared checks accept
+            tier_probs = [1.0] * len(tiers) if assign == "budget" else TIER_PROBS
+        super().__init__(tiers=tiers, tier_probs=tier_probs, **kwargs)
+        self.scaler = scaler
+        self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
+        self.assignment = None
+
+    def check(self, train) -> None:
+        from fl_lightning.modules.mixing import mixing_checks
+
+        budget = self.assign == "budget"
+        checks = [
+            # tracked statistics would see conv outputs divided by p, evaluation undivided ones
+            ("scaler", not (self.scaler and self.bn in ("aggregated", "client")),
+             "needs bn sbn or recalibrate (tracked statistics would be of scaled activations)"),
+            *mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha),
+            ("tier_probs", not (budget and self.tier_probs_given is not None),
+             "is unused with assign budget (tiers follow the MAC budgets); remove it"),
+            ("caps", not (budget and self.caps_given is not None),
+             "is unused with assign budget (tiers follow the MAC budgets); remove it"),
+            ("tiers", not budget or all(a < b for a, b in zip(self.tiers, self.tiers[1:])),
+             "must be distinct widths, smallest first, with assign budget"),
+        ]
+        given = {"tier_probs": self.tier_probs_given, "caps": self.caps_given}
+        for key, ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.{key}", f"{problem}, got {given.get(key, getattr(self, key, None))!r}")
+        super().check(train)
+
+    def setup(self, ctx) -> None:
+        from fl_lightning.algorithms.submodel.heterofl_tiers import TierAssignment
+
+        self.check(ctx.train)
+        super().setup(ctx)
+        self.tier_specs = [self.spec_of(t) for t in self.tiers]
+        if self.assign == "budget":
+            if ctx.budgets is None:
+                raise ConfigError("partition.budgets", "assign budget needs client MAC budgets")
+            self.assignment = TierAssignment.by_budget(ctx.model, self.tier_specs, self.tiers, ctx.budgets.tolist(),
+                                                       tuple(ctx.data.bundle.input_shape))
+            self.caps = self.assignment.widths()
+            if ctx.fabric.is_global_zero and ctx.mode == "fit":
+                print(self.assignment.describe())
+
+    def spec_of(self, width: float):
+        from fl_lightning.elastic.specs import WidthSpec
+
+        return WidthSpec.uniform(width, self.stages)
+
+    def widths_for(self, round_idx, cohort):
+        return {c: float(self.caps[c]) for c in cohort}
+
+    # -- one client -----------------------------------------------------------------------------
+    def client_module(self, routed, task, plan):
+        p = task.choice.p
+        if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
+            from fl_lightning.elastic.layers.scaler import attach_scaler
+
+            attach_scaler(routed.module, p)
+        if self.mix_schedule == "none":
+            return super().client_module(routed, task, plan)
+        from fl_lightning.modules.mixing import client_mixer
+        from fl_lightning.modules.single_architecture import SingleArchitectureClient
+
+        t = self.ctx.train
+        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
+                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
+        return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
+                                        macs=self.cost(task.spec)[1], mixer=mixer)
+
+    def client_figures(self, task, result, plan):
+        figures = super().client_figures(task, result, plan)
+        if self.assignment is not None:
+            k = int(self.assignment.assigned[task.client])
+            figures.update({"level": k + 1, "fallback": int(self.assignment.fallback[task.client])})
+        return figures
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        """The sub-model study's global model (caps), its BN statistics per ``bn``; with budget,
+        every tier and the population under largest-affordable serving."""
+        from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
+
+        if self.assignment is None:
+            return super().evaluate(split, batch_size)
+        data = self.ctx.data
+        dataset, indices = data.split(split)
+        models = self.statistics.models(self.tier_specs)
+        out = evaluate_levels(lambda k: evaluate(self.ctx.fabric, models[k], dataset, indices, data.bundle.num_classes,
+                                                 batch_size),
+                              range(len(models)), self.assignment.assigned.tolist(), lambda k: f"level{k + 1}",
+                              "mean_level_acc")
+        if out:
+            out["fallback_clients"] = float(self.assignment.fallback.sum())
+        return out
+
+    def report(self, summary: dict) -> str:
+        from fl_lightning.algorithms.level_report import tier_report
+
+        a = self.assignment
+        if a is None:
+            return super().report(summary)
+        return tier_report(summary, a.tiers, a.macs, a.params, a.counts(), a.population(), self.bn)
+
+    def artifacts(self) -> Dict[str, str]:
+        out = super().artifacts()
+        if self.assignment is not None:
+            out["levels.json"] = self.assignment.to_json()
+        return out
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        out = super().state_dict()
+        if self.assignment is not None:  # kept so a resumed or re-scored run serves the clients it trained
+            out.update({f"tiers/{k}": v for k, v in self.assignment.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        if self.assignment is not None:
+            self.assignment.load_state_dict({k: state[f"tiers/{k}"] for k in ("assigned", "fallback")})
