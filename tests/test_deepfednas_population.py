@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_lightning.algorithms import feast_accounting as acc
+from fl_lightning.algorithms.supernet import feast_accounting as acc
 from fl_lightning.data.budgets import (PAPER_CIFAR100_POPULATION, afford_counts, budget_statistics,
                                        population_shard_sizes, search_population_seeds, zipf_budgets)
 from fl_lightning.data.partition import alpha_data_for, make_partition

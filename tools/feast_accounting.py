@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fl_lightning.algorithms import feast_accounting as acc
+from fl_lightning.algorithms.supernet import feast_accounting as acc
 from fl_lightning.cli import build_parser
 from fl_lightning.data.budgets import zipf_budgets
 from fl_lightning.data.partition import alpha_data_for, make_partition

@@ -85,24 +85,23 @@ class Algorithm:
         """Refuse configurations the algorithm does not define (raise ConfigError)."""
 
     def setup(self, ctx: RunContext) -> None:
+        """The set-up every method goes through, in this order: its options checked, the run's
+        context and the global tensors kept, its served-statistics part built (which checks
+        the ``bn`` options before any work), then :meth:`prepare`. Families and methods extend
+        ``prepare``, not this, so none can skip a step."""
+        self.check(ctx.train)
         self.ctx = ctx
         self.global_state = ctx.model.state_dict()
-        # One reusable worker per rank: clients train one after another, and loading the
-        # global tensors into it copies values without allocating a model per client.
+        self.statistics = self.served_statistics(ctx)
+        self.prepare(ctx)
+
+    def prepare(self, ctx: RunContext) -> None:
+        """The family's and the method's own set-up (``ctx``, ``global_state`` and
+        ``statistics`` are there already). By default one reusable worker per rank: clients
+        train one after another, and loading the global tensors into it copies values
+        without allocating a model per client."""
         self.worker = ctx.make_model().to(ctx.fabric.device)
         self.worker_regions = full_region_map(self.worker.state_dict())
-        self._statistics = self.served_statistics(ctx)
-
-    _statistics = None
-
-    @property
-    def statistics(self):
-        """The method's served-statistics part (``bn_protocol.ServedStatistics``): built at
-        set-up by the families with a ``bn`` option (which checks it before any work), on
-        first use by the methods whose set-up is their own."""
-        if self._statistics is None:
-            self._statistics = self.served_statistics(self.ctx)
-        return self._statistics
 
     def served_statistics(self, ctx: RunContext):
         """The method's served-statistics part, per its ``bn`` options."""

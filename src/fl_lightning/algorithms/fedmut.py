@@ -84,8 +84,8 @@ class FedMut(FedAvg):
         self.acc_rounds = acc_rounds
         self.mutate_buffers = mutate_buffers
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         params = {name for name, _ in ctx.model.named_parameters()}
         self.mutated_keys = [k for k, v in self.global_state.items()
                              if v.is_floating_point() and (self.mutate_buffers or k in params)]

@@ -26,8 +26,8 @@ class FedOpt(FedAvg):
     def check(self, train):
         self.server.check("algorithm.server")
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         self.server_step = self.server.build(self.global_state, [name for name, _ in ctx.model.named_parameters()])
 
     def finish_round(self, acc, plan):

@@ -33,8 +33,8 @@ class Scaffold(FedAvg):
         if train.momentum != 0:
             raise ConfigError("train.momentum", "SCAFFOLD uses vanilla local SGD (option II); set it to 0")
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         self.param_names = [name for name, _ in ctx.model.named_parameters()]
         params = dict(ctx.model.named_parameters())
         self.c = {name: torch.zeros_like(params[name]) for name in self.param_names}

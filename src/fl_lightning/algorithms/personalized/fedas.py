@@ -158,8 +158,8 @@ class FedAS(FedAvg):
         self.align_batch_size = align_batch_size
         self.align_unseen = align_unseen
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         self.head_keys = head_keys(self.worker)
         _, self.classifier = find_classifier(self.worker)
         head = set(self.head_keys)

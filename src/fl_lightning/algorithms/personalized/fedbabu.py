@@ -68,8 +68,8 @@ class FedBABU(FedAvg):
         wd = self.finetune_weight_decay if self.finetune_weight_decay is not None else train.weight_decay
         return lr, train.momentum, wd
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         self.head_keys = head_keys(self.worker)
         self.head_params = [p for n, p in self.worker.named_parameters() if n in self.head_keys]
         self.body_keys = [k for k in self.global_state if k not in self.head_keys]

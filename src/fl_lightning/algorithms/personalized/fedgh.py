@@ -87,8 +87,8 @@ class FedGH(FedAvg):
         self.server_epochs = server_epochs
         self.server_batch_size = server_batch_size
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         self.head_keys = head_keys(ctx.model)
         self.body_keys = [k for k in self.global_state if k not in self.head_keys]
         _, self.header = find_classifier(ctx.model)  # shares the global tensors

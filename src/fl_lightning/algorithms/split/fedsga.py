@@ -143,12 +143,12 @@ class FedSGA(SplitFed):
                 raise ConfigError(f"algorithm.{key}", f"must be one of the candidates {cuts}, got {value!r}")
         return cuts
 
-    def setup(self, ctx) -> None:
+    def prepare(self, ctx) -> None:
         from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
         from fl_lightning.modules.prompts import PromptChannel
         from fl_lightning.modules.sufficiency import DepthProbes, SufficiencyEstimator
 
-        super().setup(ctx)
+        super().prepare(ctx)
         device = ctx.fabric.device
         self.ref_index = (len(self.cuts) - 1) // 2
         self.static_index = self.cuts.index(self.static_cut) if self.static_cut is not None else self.ref_index

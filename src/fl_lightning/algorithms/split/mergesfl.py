@@ -129,8 +129,8 @@ class MergeSFL(SplitFed):
         self.rescale_gradients = rescale_gradients
 
     # -- set-up ---------------------------------------------------------------------------------
-    def setup(self, ctx) -> None:
-        super().setup(ctx)
+    def prepare(self, ctx) -> None:
+        super().prepare(ctx)
         m = ctx.clients_per_round
         self.merged_rows = self.total_batch if self.total_batch is not None else ctx.train.batch_size * m
         if self.merged_rows < m * self.min_batch:

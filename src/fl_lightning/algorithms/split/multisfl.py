@@ -189,8 +189,8 @@ class MultiSFL(SplitFed):
             raise ConfigError("algorithm.candidates", f"must be distinct and listed shallowest first, got {cuts}")
         return cuts
 
-    def setup(self, ctx) -> None:
-        super().setup(ctx)
+    def prepare(self, ctx) -> None:
+        super().prepare(ctx)
         device = ctx.fabric.device
         self.num_branches = ctx.clients_per_round
         self.branches = [{k: v.detach().clone() for k, v in self.global_state.items()}

@@ -116,21 +116,18 @@ class SplitFed(FedAvg):
             raise ConfigError(key, f"must be a block boundary before the last block, one of "
                                    f"{', '.join(names[:-1])}; got {cut!r}")
 
-    def setup(self, ctx) -> None:
-        self.ctx = ctx
+    def prepare(self, ctx) -> None:
         if getattr(ctx.fabric.strategy.precision, "scaler", None) is not None:
             raise ConfigError("fabric.precision", "split methods step two optimizers per batch; fp16 with a "
                                                   "gradient scaler is not supported, use bf16-mixed or 32-true")
         if not hasattr(ctx.model, "split"):
             raise ConfigError("model", f"{type(ctx.model).__name__} has no block boundaries to split at")
-        self.global_state = ctx.model.state_dict()
         self.cuts = self.candidate_cuts(ctx.model)
         self.halves = SplitHalves(ctx.model, self.cuts, ctx.data.bundle.input_shape)
         device = ctx.fabric.device
         self.client_worker = ctx.make_model().to(device)
         self.server_worker = ctx.make_model().to(device)
         self.pair = nn.ModuleDict({"front": self.client_worker, "back": self.server_worker})
-        self._statistics = self.served_statistics(ctx)
         self.unsent = statistics_keys(ctx.model) if self.statistics.protocol == "sbn" else set()
         self._server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
 

@@ -122,9 +122,7 @@ class SubmodelAlgorithm(FedAvg):
                                                       f"tier) with a positive sum, got {self.tier_probs}")
 
     # -- set-up -----------------------------------------------------------------------------
-    def setup(self, ctx) -> None:
-        self.ctx = ctx
-        self.global_state = ctx.model.state_dict()
+    def prepare(self, ctx) -> None:
         n = ctx.num_clients
         if self.caps_given is not None:
             if len(self.caps_given) != n:
@@ -139,7 +137,6 @@ class SubmodelAlgorithm(FedAvg):
                      for k in self.param_keys}
         self.last_widths: Dict[int, float] = {}
         self._costs: Dict[object, tuple] = {}
-        self._statistics = self.served_statistics(ctx)
 
     # -- the plan ---------------------------------------------------------------------------
     def widths_for(self, round_idx: int, cohort: List[int]) -> Dict[int, float]:

@@ -47,9 +47,8 @@ class FedRolex(SubmodelAlgorithm):
                                                   f"scaled activations), got bn {self.bn}")
         super().check(train)
 
-    def setup(self, ctx) -> None:
-        self.check(ctx.train)
-        super().setup(ctx)
+    def prepare(self, ctx) -> None:
+        super().prepare(ctx)
         model = ctx.model
         for cap in sorted(set(self.caps.tolist())):  # every width a client will hold
             try:

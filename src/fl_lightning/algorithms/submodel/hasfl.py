@@ -62,8 +62,8 @@ class HASFL(SubmodelAlgorithm):
         self.t_warm, self.t_adapt, self.t_norm = int(t_warm), int(t_adapt), int(t_norm)
         self.coverage, self.eps, self.ema = bool(coverage), float(eps), ema
 
-    def setup(self, ctx):
-        super().setup(ctx)
+    def prepare(self, ctx):
+        super().prepare(ctx)
         n = ctx.num_clients
         self.h_tilde = torch.ones(n, dtype=torch.float64)
         # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).

@@ -81,11 +81,10 @@ class HeteroFL(SubmodelAlgorithm):
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {given.get(key, getattr(self, key, None))!r}")
         super().check(train)
 
-    def setup(self, ctx) -> None:
+    def prepare(self, ctx) -> None:
         from fl_lightning.algorithms.submodel.heterofl_tiers import TierAssignment
 
-        self.check(ctx.train)
-        super().setup(ctx)
+        super().prepare(ctx)
         self.tier_specs = [self.spec_of(t) for t in self.tiers]
         if self.assign == "budget":
             if ctx.budgets is None:

@@ -83,13 +83,13 @@ class Feast(ServesCachedVariants, Algorithm):
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
         check_cache_options(self.cache_path, self.search)
 
-    def setup(self, ctx) -> None:
-        from fl_lightning.algorithms import feast_accounting as accounting
+    def prepare(self, ctx) -> None:
+        from fl_lightning.algorithms.supernet import feast_accounting as accounting
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
 
         if not isinstance(ctx.model, OFAResNet):
             raise ConfigError("model", "FEAST trains an OFAResNet supernet")
-        super().setup(ctx)
+        super().prepare(ctx)
         self.variants = CachedVariants(ctx, self.cache_path, self.retarget, self.search, self.calib_batch_size,
                                        self.calib_transform, method="FEAST", required_by="FEAST recalibrates BN")
         self.cache, self.sets = self.variants.cache, self.variants.sets
@@ -112,7 +112,7 @@ class Feast(ServesCachedVariants, Algorithm):
         return acc
 
     def describe_population(self) -> str:
-        from fl_lightning.algorithms import feast_accounting as accounting
+        from fl_lightning.algorithms.supernet import feast_accounting as accounting
         from fl_lightning.elastic.envelope import full_param_count
 
         ctx = self.ctx

@@ -240,13 +240,13 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
         check_cache_options(self.cache_path, self.search)
 
-    def setup(self, ctx) -> None:
+    def prepare(self, ctx) -> None:
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
         from fl_lightning.elastic.search.cost import cost_model
 
         if not isinstance(ctx.model, OFAResNet):
             raise ConfigError("model", f"{self.method} trains an OFAResNet supernet")
-        super().setup(ctx)
+        super().prepare(ctx)
         self.variants = CachedVariants(ctx, self.cache_path, self.retarget, self.search, self.calib_batch_size,
                                        self.calib_transform, method=self.method,
                                        required_by=f"{self.method} is evaluated as FEAST, recalibrating BN")
@@ -479,7 +479,7 @@ class DeepFedNAS(_FedNASTransfer):
                          frozen_bn=frozen_bn)
         self.path_search = path
 
-    def setup(self, ctx) -> None:
+    def prepare(self, ctx) -> None:
         self.path = None
         if not self.constrained:
             from fl_lightning.elastic.search.cache import VariantCache
@@ -489,7 +489,7 @@ class DeepFedNAS(_FedNASTransfer):
                 self.path = VariantCache.load(saved, ctx.model)
             else:
                 self.path = pareto_path(ctx.model, tuple(ctx.data.bundle.input_shape), self.path_search)
-        super().setup(ctx)
+        super().prepare(ctx)
 
     def artifacts(self) -> Dict[str, str]:
         files = super().artifacts()

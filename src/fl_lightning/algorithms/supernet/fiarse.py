@@ -183,12 +183,11 @@ class FIARSE(FedAvg):
                 value = {"fractions": self.fractions_given}.get(key, getattr(self, key, None))
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {value!r}")
 
-    def setup(self, ctx) -> None:
+    def prepare(self, ctx) -> None:
         from fl_lightning.elastic.bn import batch_norms
         from fl_lightning.elastic.magnitude_masks import group_keys, layer_macs, maskable_keys
 
-        self.check(ctx.train)
-        super().setup(ctx)
+        super().prepare(ctx)
         self.keys = maskable_keys(ctx.model)
         if not self.keys:
             raise ConfigError("model", "FIARSE masks convolution and linear parameters; this model has none")

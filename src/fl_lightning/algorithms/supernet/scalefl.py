@@ -120,18 +120,15 @@ class ScaleFL(FedAvg):
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
 
     # -- set-up ---------------------------------------------------------------------------------
-    def setup(self, ctx) -> None:
+    def prepare(self, ctx) -> None:
         from fl_lightning.elastic.macs import spec_macs
         from fl_lightning.elastic.models.scalefl_resnet import DepthWidthSpec, exit_costs
 
-        self.check(ctx.train)
         model = ctx.model
         if getattr(model, "spec_type", None) is not DepthWidthSpec or not hasattr(model, "forward_exits"):
             raise ConfigError("model", "ScaleFL trains a ScaleFLResNet18 (a depth-width model with exits)")
         if ctx.budgets is None:
             raise ConfigError("partition.budgets", "ScaleFL assigns levels by client MAC budgets")
-        self.ctx = ctx
-        self.global_state = model.state_dict()
         # BN recalibration exactly as FEAST's evaluation: the same calibration images, order and
         # augmentation draw, and the same reset-and-average estimate per extracted operating point
         self.calibration = ServerCalibration(
