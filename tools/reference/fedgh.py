@@ -12,7 +12,7 @@ our loop drew), ``collect_protos`` (on the same batches: the class means of the 
 ``FedGH.receive_protos`` and ``FedGH.train_head`` on a server holding the initial header and
 its SGD optimizer. The authors' repository (LipingYi/FedGH) keeps its whole round inside one
 ``train()`` function with its data loading, and its header step calls the clients' optimizer
-(docs/reference_checks.md), so PFLlib is the reference run here.
+(docs/results/reference_checks.md), so PFLlib is the reference run here.
 """
 
 from __future__ import annotations
