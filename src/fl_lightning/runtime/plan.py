@@ -8,12 +8,14 @@ plan and the loop reads it top to bottom.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Generic, List, Optional, TypeVar
+
+Choice = TypeVar("Choice")
 
 
 @dataclass
-class ClientTask:
-    """What one client does in a round."""
+class ClientTask(Generic[Choice]):
+    """What one client does in a round; ``ClientTask[CutChoice]`` names the method's choice type."""
 
     client: int
     """Client id (index into the partition)."""
@@ -21,7 +23,7 @@ class ClientTask:
     """Operating point the client trains: a width, a subnet spec, an envelope (None: the whole model)."""
     cut: Optional[str] = None
     """Block boundary where the model is split between client and server (split learning)."""
-    choice: Any = None
+    choice: Optional[Choice] = None
     """What else the server chose for the client's round, as the method's own typed record (a
     sub-model's width, FedSGA's cut index and calibration flag, FedNAS's sandwich role); None
     when the spec and the cut say everything."""

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Generic, Optional, TypeVar
 
 import torch
 
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.runtime.channel import Channel
 
+Payload = TypeVar("Payload")
+
 
 @dataclass
-class ClientResult:
-    """One client's round: its trained tensors, its figures and its traffic.
+class ClientResult(Generic[Payload]):
+    """One client's round: its trained tensors, its figures and its traffic
+    (``ClientResult[Prototypes]`` names the method's payload type).
 
     ``metrics`` and the ``channel``'s traffic figures become the client's row in
     ``clients.jsonl`` (and round totals in TensorBoard): every fit reports ``steps`` and
@@ -34,7 +37,7 @@ class ClientResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     channel: Channel = field(default_factory=Channel)
     """Everything that crossed between the server and this client in the round."""
-    payload: Any = None
+    payload: Optional[Payload] = None
     """What else the client hands the server, as the method's own typed record (FedGH's
     prototypes, FedSGA's next per-client state); ``commit`` reads it."""
 

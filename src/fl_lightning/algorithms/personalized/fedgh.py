@@ -129,7 +129,7 @@ class FedGH(FedAvg):
         """The global header comes down (the body is the client's own)."""
         channel.send_state(DOWN, "model", self.global_state, self.head_keys)
 
-    def commit(self, acc, task, result, plan):
+    def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult[Prototypes], plan):
         local = result.update.module.state_dict()
         state = {k: local[k].detach().clone() for k in self.body_keys}
         state[TRAINED] = torch.ones((), device=self.ctx.fabric.device)

@@ -329,7 +329,7 @@ class FedSGA(SplitFed):
         """``prompt_gradient: task`` with a prompt and an alignment term that reaches the model."""
         return self.adaptation_channel and self.use_harmonizer and self.prompt_gradient == "task"
 
-    def commit(self, acc, task, result, plan) -> None:
+    def commit(self, acc, task: ClientTask[CutChoice], result, plan: RoundPlan) -> None:
         super().commit(acc, task, result, plan)
         pending = result.payload
         weight = float(result.num_samples)

@@ -266,7 +266,7 @@ class MultiSFL(SplitFed):
             acc.declare(f"branch/{branch}/trained", torch.zeros(()))
         return acc
 
-    def commit(self, acc, task, result, plan) -> None:
+    def commit(self, acc, task: ClientTask[Branch], result, plan: RoundPlan) -> None:
         """Every branch weighs the same in the master (the authors' plain mean); the trained
         branch is summed for the round's end (a key the branch did not send, BN statistics
         under sbn, keeps its value)."""
