@@ -173,7 +173,7 @@ def print_paired(figures: dict, reference: str, label: str) -> None:
 def print_before_after(figures: dict, before: dict, label: str, what: str) -> None:
     """The same entries and seeds under an earlier protocol (``what``): both final accuracies
     and the paired change, so a reader sees what the protocol moves."""
-    print(f"\nThe same {label}s and seeds before ({what}) and now: final test accuracy (%), and now - before "
+    print(f"\nThe same rows and seeds before ({what}) and now: final test accuracy (%), and now - before "
           f"paired over seeds (points, 95% Student-t interval):\n")
     print(f"| {label} | seeds | before | now | now - before | finding |")
     print("| --- | --- | --- | --- | --- | --- |")
