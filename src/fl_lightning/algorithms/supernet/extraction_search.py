@@ -21,7 +21,7 @@ thresholds", so everything but the search size comes from the cache's own proven
   returned (and the search finds a feasible architecture wherever a cached variant is one);
 - **space** (a documented deviation, ``space="trained"`` by default): each gene searched within
   the range the cached variants span. The fitness of a narrowed supernet favours a stem
-  narrower than any variant FEAST trained (docs/feast_offline_results.md); ``"full"`` searches
+  narrower than any variant FEAST trained (docs/results/feast.md); ``"full"`` searches
   the whole space, as the paper does.
 """
 
