@@ -117,7 +117,8 @@ class SubmodelAlgorithm(FedAvg):
             raise ConfigError("algorithm.tiers", "must list at least one width")
         if any(a >= b for a, b in zip(self.tiers, self.tiers[1:])):
             raise ConfigError("algorithm.tiers", f"must be distinct widths, smallest first, got {self.tiers}")
-        if len(self.tier_probs) != len(self.tiers) or sum(self.tier_probs) <= 0:
+        # the tier probabilities draw the caps; given caps make them irrelevant
+        if self.caps_given is None and (len(self.tier_probs) != len(self.tiers) or sum(self.tier_probs) <= 0):
             raise ConfigError("algorithm.tier_probs", f"must be {len(self.tiers)} non-negative numbers (one per "
                                                       f"tier) with a positive sum, got {self.tier_probs}")
 
