@@ -30,7 +30,7 @@ def test_the_table_reads_overrides_and_parts_from_the_classes():
     names = tool.hooks()
     assert "setup" not in names and "prepare" in names and "commit" in names
     assert tool.overridden(FedAvg, names) == []
-    assert set(tool.overridden(FedOpt, names)) >= {"prepare", "finish_round", "state_dict"}
+    assert tool.overridden(FedOpt, names) == ["check", "prepare"]  # the server step is a kept part
     assert "ServerOptimizer" in tool.parts_used(FedOpt) and "ServerOptimizer" not in tool.parts_used(FedAvg)
     assert tool.client_class(FedSGA) == "FedSGAClient" and tool.client_class(FedAvg) == "LocalClient"
     assert tool.served(HeteroFL) == "sbn" and tool.served(FedAvg) == "aggregated"
@@ -54,3 +54,33 @@ def test_the_tool_refuses_unknown_options_in_one_line(flag, capsys):
     with pytest.raises(SystemExit) as stop:
         tool.main(flag)
     assert stop.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_every_state_override_extends_the_base_so_kept_parts_are_checkpointed():
+    """The base checkpoints the kept parts (client stores, the server step); a method's own
+    ``state_dict`` / ``load_state_dict`` must extend it, or a kept store would silently drop out
+    of the checkpoint."""
+    import inspect
+
+    tool = load_tool()
+    for name, cls in tool.methods():
+        for c in tool.own_classes(cls):
+            for hook in ("state_dict", "load_state_dict"):
+                if hook in vars(c):
+                    assert f"super().{hook}(" in inspect.getsource(vars(c)[hook]), f"{c.__name__}.{hook}"
+
+
+def test_kept_parts_round_trip_through_the_base_state():
+    import torch
+
+    from fl_lightning.runtime.client_store import ClientStateStore
+
+    method = FedAvg()
+    method.kept = []
+    store = method.keep(ClientStateStore(lambda: {"x": torch.zeros(2)}))
+    store.states = {3: {"x": torch.tensor([1.0, 2.0])}}
+    saved = method.state_dict()
+    assert list(saved) == ["clients/3/x"]
+    store.states = {}
+    method.load_state_dict(saved)
+    assert torch.equal(store.states[3]["x"], torch.tensor([1.0, 2.0]))

@@ -93,6 +93,7 @@ class Algorithm:
         self.ctx = ctx
         self.global_state = ctx.model.state_dict()
         self.statistics = self.served_statistics(ctx)
+        self.kept = []
         self.prepare(ctx)
 
     def prepare(self, ctx: RunContext) -> None:
@@ -108,6 +109,18 @@ class Algorithm:
         from fl_lightning.algorithms.bn_protocol import ServedStatistics
 
         return ServedStatistics(ctx, self.bn, self.sbn_data, self.calib_batch_size, self.calib_transform)
+
+    server_step = None
+    """The server's step (``runtime/server_optimizer.py``) when the method has one: ``apply``
+    moves the global model through it; None: the global model takes the round's aggregate."""
+    kept = ()
+
+    def keep(self, part):
+        """Checkpoint ``part`` with the method (a client-state store, the server step: anything
+        whose ``state_dict`` keys are its own and whose ``load_state_dict`` takes the method's
+        whole state, picking its keys); returns it."""
+        self.kept.append(part)
+        return part
 
     def artifacts(self) -> Dict[str, str]:
         """Files (name -> text) written into the run folder once it is created."""
@@ -190,7 +203,11 @@ class Algorithm:
         return {}
 
     def apply(self, new_state: Dict[str, torch.Tensor]) -> None:
-        """Write new global values into the global model."""
+        """Move the global model to new values: through the server step when the method has
+        one, else by writing them."""
+        if self.server_step is not None:
+            self.server_step.apply(new_state)
+            return
         with torch.no_grad():
             for key, value in new_state.items():
                 self.global_state[key].copy_(value)
@@ -214,11 +231,16 @@ class Algorithm:
         return ""
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """Server state beyond the global model (empty for FedAvg)."""
-        return {}
+        """Server state beyond the global model: the kept parts' (none for FedAvg). A method
+        with state of its own extends it (``{**super().state_dict(), ...}``)."""
+        out: Dict[str, torch.Tensor] = {}
+        for part in self.kept:
+            out.update(part.state_dict())
+        return out
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        pass
+        for part in self.kept:
+            part.load_state_dict(state)
 
 
 class FedAvg(Algorithm):

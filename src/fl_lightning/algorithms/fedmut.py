@@ -129,8 +129,9 @@ class FedMut(FedAvg):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
-        return {f"previous/{k}": v for k, v in self.previous.items()}
+        return {**super().state_dict(), **{f"previous/{k}": v for k, v in self.previous.items()}}
 
     def load_state_dict(self, state):
+        super().load_state_dict(state)
         for key, value in self.previous.items():
             value.copy_(state[f"previous/{key}"])

@@ -27,15 +27,8 @@ class FedOpt(FedAvg):
         self.server.check("algorithm.server")
 
     def prepare(self, ctx):
+        """The server step is a part of the base: ``apply`` moves the global model through it
+        and the checkpoint keeps its moments."""
         super().prepare(ctx)
-        self.server_step = self.server.build(self.global_state, [name for name, _ in ctx.model.named_parameters()])
-
-    def finish_round(self, acc, plan):
-        self.server_step.apply(acc.result())
-        return {}
-
-    def state_dict(self):
-        return self.server_step.state_dict()
-
-    def load_state_dict(self, state):
-        self.server_step.load_state_dict(state)
+        self.server_step = self.keep(self.server.build(self.global_state,
+                                                       [name for name, _ in ctx.model.named_parameters()]))

@@ -39,8 +39,9 @@ class Scaffold(FedAvg):
         params = dict(ctx.model.named_parameters())
         self.c = {name: torch.zeros_like(params[name]) for name in self.param_names}
         # the model moves by server_lr along the averaged change: a server SGD step
-        self.server_step = ServerOptimizer("sgd", lr=self.server_lr).build(self.global_state, self.param_names)
-        self.store = ClientStateStore(lambda: {name: torch.zeros_like(v) for name, v in self.c.items()})
+        self.server_step = self.keep(ServerOptimizer("sgd", lr=self.server_lr).build(self.global_state,
+                                                                                     self.param_names))
+        self.store = self.keep(ClientStateStore(lambda: {name: torch.zeros_like(v) for name, v in self.c.items()}))
 
     def new_accumulator(self, plan):
         """Besides the model: the sum of the clients' control-variate changes (float64, like the
@@ -76,7 +77,7 @@ class Scaffold(FedAvg):
         acc.keep("control", task.client, dict(zip(names, new_c_i)))
 
     def finish_round(self, acc, plan):
-        self.server_step.apply(acc.result())
+        self.apply(acc.result())
         with torch.no_grad():
             for name in self.param_names:
                 update = acc[f"delta_c/{name}"] / self.ctx.num_clients
@@ -84,11 +85,9 @@ class Scaffold(FedAvg):
         return {}
 
     def state_dict(self):
-        state = {f"c/{k}": v for k, v in self.c.items()}
-        state.update(self.store.state_dict())
-        return state
+        return {**super().state_dict(), **{f"c/{k}": v for k, v in self.c.items()}}
 
     def load_state_dict(self, state):
+        super().load_state_dict(state)
         for k in self.c:
             self.c[k].copy_(state[f"c/{k}"])
-        self.store.load_state_dict(state)

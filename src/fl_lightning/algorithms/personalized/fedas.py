@@ -166,8 +166,9 @@ class FedAS(FedAvg):
         self.body_params = [p for n, p in self.worker.named_parameters() if n not in head]
         # setup runs before a checkpoint is loaded: this is the common initial model
         self.init_state = {k: v.detach().clone() for k, v in self.global_state.items()}
-        self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in self.global_state.items()},
-                                               TRAINED: torch.zeros((), device=ctx.fabric.device)})
+        self.store = self.keep(ClientStateStore(lambda: {
+            **{k: torch.zeros_like(v) for k, v in self.global_state.items()},
+            TRAINED: torch.zeros((), device=ctx.fabric.device)}))
 
     def load_keys(self, state: Dict[str, torch.Tensor], keys) -> None:
         local = self.worker.state_dict()
@@ -235,10 +236,3 @@ class FedAS(FedAvg):
             return self.worker
 
         return ClientModels(self.store.holding(TRAINED), personal)
-
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self):
-        return self.store.state_dict()
-
-    def load_state_dict(self, state):
-        self.store.load_state_dict(state)

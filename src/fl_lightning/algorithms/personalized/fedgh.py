@@ -95,8 +95,8 @@ class FedGH(FedAvg):
         _, self.worker_classifier = find_classifier(self.worker)
         self.feature_dim = self.header.in_features
         body = {k: self.global_state[k] for k in self.body_keys}
-        self.store = ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in body.items()},
-                                               TRAINED: torch.zeros((), device=ctx.fabric.device)})
+        self.store = self.keep(ClientStateStore(lambda: {**{k: torch.zeros_like(v) for k, v in body.items()},
+                                                         TRAINED: torch.zeros((), device=ctx.fabric.device)}))
 
     def new_accumulator(self, plan):
         """No model is averaged: each cohort client's prototypes and class mask (zeros where
@@ -169,10 +169,3 @@ class FedGH(FedAvg):
             return self.worker
 
         return ClientModels(self.store.holding(TRAINED), personal)
-
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self):
-        return self.store.state_dict()
-
-    def load_state_dict(self, state):
-        self.store.load_state_dict(state)

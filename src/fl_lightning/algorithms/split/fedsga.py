@@ -180,12 +180,12 @@ class FedSGA(SplitFed):
         self.harmonizer_worker = harmonizer()
         self.pairs = torch.zeros(0, 4, dtype=torch.float64)
         probe = min(self.probe_size, min(ctx.client_sizes))
-        self.store = ClientStateStore(lambda: {
+        self.store = self.keep(ClientStateStore(lambda: {
             "prompt": self.prompts.initial(device),
             "descriptor": torch.zeros(3, device=device),
             "has_descriptor": torch.zeros(1, device=device),
             "probe_features": torch.zeros(probe, widths[0], device=device),
-        })
+        }))
         self._probe_count = probe
         self._probes: Dict[int, tuple] = {}
         self.afford = self._affordable(ctx)
@@ -423,7 +423,6 @@ class FedSGA(SplitFed):
         state.update({f"estimator/{k}": v for k, v in self.estimator.state_dict().items()})
         state.update({f"probes/{k}": v for k, v in self.probes.state_dict().items()})
         state["calibration_pairs"] = self.pairs
-        state.update(self.store.state_dict())
         return state
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:

@@ -311,8 +311,9 @@ class SplitFed(FedAvg):
         return out
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {f"server_momentum/{k}": v for k, v in self._server_momentum.items()}
+        return {**super().state_dict(), **{f"server_momentum/{k}": v for k, v in self._server_momentum.items()}}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
         self._server_momentum = {k[len("server_momentum/"):]: v for k, v in state.items()
                                  if k.startswith("server_momentum/")}

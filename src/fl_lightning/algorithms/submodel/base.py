@@ -204,11 +204,12 @@ class SubmodelAlgorithm(FedAvg):
         return {"caps.json": json.dumps([float(c) for c in self.caps])}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        out = {"caps": self.caps.clone()}
+        out = {**super().state_dict(), "caps": self.caps.clone()}
         out.update({f"ever/{k}": v.to(torch.uint8) for k, v in self.ever.items()})
         return out
 
     def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
         self.caps = state["caps"].to(torch.float64).cpu()
         for k, v in self.ever.items():
             v.copy_(state[f"ever/{k}"].bool())

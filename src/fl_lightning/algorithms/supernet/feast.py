@@ -193,10 +193,6 @@ class Feast(ServesCachedVariants, Algorithm):
                     out[f"mass/trained_frac/{name}"] = t / r
         return out
 
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {}
-
 
 def parameter_groups(model) -> Tuple[List[str], Dict[str, int]]:
     """The supernet's trainable parameters grouped as stem, each stage and classifier:

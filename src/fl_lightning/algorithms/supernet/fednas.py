@@ -374,9 +374,11 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The tracking counts (how often each client trained the largest / smallest
         architecture), which decide the next rounds' roles."""
-        return {"tracking/largest": self.largest.clone(), "tracking/smallest": self.smallest.clone()}
+        return {**super().state_dict(), "tracking/largest": self.largest.clone(),
+                "tracking/smallest": self.smallest.clone()}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
         self.largest = state["tracking/largest"].to(torch.int64).cpu().clone()
         self.smallest = state["tracking/smallest"].to(torch.int64).cpu().clone()
 

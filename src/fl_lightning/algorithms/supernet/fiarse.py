@@ -380,10 +380,5 @@ class FIARSE(FedAvg):
         lines.append(f"population accuracy under largest-affordable serving: {100 * block['test_acc']:.2f}%")
         return "\n".join(lines)
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """Nothing beyond the global model: masks, fractions and the grid are functions of the
-        global weights and the configuration."""
-        return {}
-
 
 __all__ = ["FIARSE", "MaskedRouted", "geometric_grid", "masked_region_map", "changed_region_map", "serve"]

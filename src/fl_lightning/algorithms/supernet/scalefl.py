@@ -229,10 +229,11 @@ class ScaleFL(FedAvg):
     # -- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The level assignment, and the levels' MACs it was made with."""
-        return {**self.assignment.state_dict(),
+        return {**super().state_dict(), **self.assignment.state_dict(),
                 "level_macs": torch.tensor([float(m) for m in self.level_macs], dtype=torch.float64)}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
         self.assignment.load_state_dict(state, "algorithm.levels")
 
 
