@@ -18,27 +18,52 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def spec_factory(tmp_path):
-    """Build a small RunSpec on digits; keyword overrides replace whole sections or fields."""
+def small_spec(out_dir, name="t", algorithm=None, **overrides):
+    """A small RunSpec on digits in ``out_dir``; keyword overrides replace whole sections or fields."""
     from fl_lightning.algorithms import FedAvg
     from fl_lightning.config import (DataConfig, EvalConfig, FabricConfig, FederationConfig, LocalTrainConfig,
                                      PartitionConfig)
     from fl_lightning.federation.builder import RunSpec
 
+    sections = dict(
+        data=DataConfig(dataset=Digits(), val_size=100),
+        partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5),
+        model={"class_path": "fl_lightning.elastic.models.CNN"},
+        train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05),
+        federation=FederationConfig(rounds=3, clients_per_round=3),
+        eval=EvalConfig(every=1),
+        # one rank, one thread (auto would give sequential-client methods every core)
+        fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1),
+    )
+    sections.update(overrides)
+    return RunSpec(name=name, out_dir=str(out_dir), seed=0, algorithm=algorithm or FedAvg(), **sections)
+
+
+@pytest.fixture
+def spec_factory(tmp_path):
+    """Build a small RunSpec on digits; keyword overrides replace whole sections or fields."""
+
     def make(name="t", algorithm=None, **overrides):
-        sections = dict(
-            data=DataConfig(dataset=Digits(), val_size=100),
-            partition=PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5),
-            model={"class_path": "fl_lightning.elastic.models.CNN"},
-            train=LocalTrainConfig(epochs=1, batch_size=16, lr=0.05),
-            federation=FederationConfig(rounds=3, clients_per_round=3),
-            eval=EvalConfig(every=1),
-            # one rank, one thread (auto would give sequential-client methods every core)
-            fabric=FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1),
-        )
-        sections.update(overrides)
-        return RunSpec(name=name, out_dir=str(tmp_path / "runs"), seed=0,
-                       algorithm=algorithm or FedAvg(), **sections)
+        return small_spec(tmp_path / "runs", name, algorithm, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(key, name, make_algorithm, **overrides)``: a small run (``small_spec``) fitted
+    once per session under ``key`` and returned as (spec, summary), so that tests comparing
+    against the same reference run (the uninterrupted run of a resume test, one rank of a
+    two-rank test) share it. Its folder is read-only to the tests: copy it before changing it."""
+    from fl_lightning.federation.loop import run_fit
+
+    root = tmp_path_factory.mktemp("shared_runs")
+    done = {}
+
+    def get(key, name="t", make_algorithm=None, **overrides):
+        if key not in done:
+            spec = small_spec(root / key, name, make_algorithm() if make_algorithm else None, **overrides)
+            done[key] = (spec, run_fit(spec))
+        return done[key]
+
+    return get

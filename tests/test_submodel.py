@@ -325,45 +325,25 @@ def test_uniform_and_heterofl_width_of_every_client_in_every_round(spec_factory,
         assert c["p_max"] == cap and c["p"] == (min(0.5, cap) if policy == "uniform" else cap)
 
 
-HASFL_RANKS = """
-import sys
-from fl_lightning.algorithms import HASFL
-from fl_lightning.config import *
-from fl_lightning.data import Digits
-from fl_lightning.federation.builder import RunSpec
-from fl_lightning.federation.loop import run_fit
-
-devices, name = int(sys.argv[1]), sys.argv[2]
-run_fit(RunSpec(name=name, out_dir=sys.argv[3], seed=0,
-                algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=[1.0, 0.5, 0.25, 0.75, 1.0, 0.5]),
-                data=DataConfig(dataset=Digits(), val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
-                model={"class_path": "fl_lightning.elastic.models.CNN"}, train=LocalTrainConfig(batch_size=16, lr=0.05),
-                federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
-                fabric=FabricConfig(accelerator="cpu", devices=devices, threads_per_rank=1,
-                                    strategy="ddp" if devices > 1 else "auto")))
-"""
-
-
-def test_hasfl_on_two_ranks_equals_one_rank(tmp_path):
+def test_hasfl_on_two_ranks_equals_one_rank(spec_factory):
     """Each rank estimates its own clients; HAS-FL's all-reduce of the estimates makes H_tilde,
-    the widths and hence the model identical to one rank's."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "hasfl_ranks.py"
-    script.write_text(HASFL_RANKS)
+    the widths and hence the model identical to one rank's (two forked gloo ranks)."""
+    import dataclasses
 
     def run(devices, name):
-        done = subprocess.run([sys.executable, str(script), str(devices), name, str(tmp_path)],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return load_checkpoint(tmp_path / name / "checkpoints" / "last.ckpt")
+        spec = spec_factory(name=name, algorithm=HASFL(t_warm=1, t_adapt=1, t_norm=2, caps=[1.0, 0.5, 0.25, 0.75, 1.0, 0.5]),
+                            federation=FederationConfig(rounds=3, clients_per_round=4))
+        spec = dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, every=3),
+                                   fabric=dataclasses.replace(spec.fabric, devices=devices,
+                                                              strategy="ddp_fork" if devices > 1 else "auto"))
+        run_fit(spec)
+        return load_checkpoint(Path(spec.out_dir) / name / "checkpoints" / "last.ckpt"), spec
 
-    one, two = run(1, "one"), run(2, "two")
+    (one, _), (two, two_spec) = run(1, "one"), run(2, "two")
     for part in ("model", "algorithm"):
         assert one[part].keys() == two[part].keys()
         for key, value in one[part].items():
             assert torch.equal(value, two[part][key]), (part, key)
     assert not torch.equal(one["algorithm"]["h_tilde"], torch.ones(6, dtype=torch.float64))
-    metrics = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    metrics = rows(two_spec, "metrics.jsonl")
     assert all(sum(k.startswith("H_hat/") for k in m) == 4 for m in metrics)
