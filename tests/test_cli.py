@@ -84,12 +84,18 @@ def plain(value):
     return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
+@pytest.fixture(scope="module")
+def shared_parser():
+    """One parser for the shipped configs (building it takes longer than parsing a file with it)."""
+    return build_parser()
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
-def test_every_shipped_config_parses_to_the_values_it_holds(path):
+def test_every_shipped_config_parses_to_the_values_it_holds(path, shared_parser):
     """Full configs parse alone; overlays (first line '# overlay') on top of a FEAST config.
     Every value the file sets is the value the parsed config holds (nothing dropped, renamed
     or coerced to something else), and the algorithm's checks accept it."""
-    parser = build_parser()
+    parser = shared_parser
     configs = ["--config", str(path)]
     if path.read_text().startswith("# overlay"):
         configs = ["--config", str(OVERLAY_BASE)] + configs
