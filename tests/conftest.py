@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +68,44 @@ def shared_run(tmp_path_factory):
         return done[key]
 
     return get
+
+
+def _children(pid: int) -> list:
+    """The processes below ``pid`` (Linux /proc), deepest last."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return [p for child in found for p in [child, *_children(child)]]
+
+
+@pytest.fixture
+def fit_on_ranks():
+    """``fit_on_ranks(spec, seconds=300)``: ``run_fit`` for a spec whose ranks fork from this
+    process (``ddp_fork``: no interpreter start, no imports), failing with its ranks killed if it
+    has not ended within ``seconds`` (ranks whose collectives fall out of step wait for each
+    other until gloo's 30-minute timeout; a launched script had subprocess's timeout)."""
+    import signal
+
+    from fl_lightning.federation.loop import run_fit
+
+    def fit(spec, seconds=300):
+        def expire(signum, frame):
+            for pid in _children(os.getpid()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise TimeoutError(f"the run on {spec.fabric.devices} ranks did not end within {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.alarm(seconds)
+        try:
+            return run_fit(spec)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return fit

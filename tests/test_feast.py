@@ -289,22 +289,24 @@ def _config_yaml(spec) -> str:
         "algorithm": {"class_path": "fl_lightning.algorithms.Feast", "init_args": init_args}})
 
 
-def test_feast_on_two_ranks_matches_one_rank(tmp_path):
-    """FEAST adds nothing rank-specific: clients spread over 2 gloo ranks give the 1-rank model."""
-    import os
-    import subprocess
-    import sys
+def test_feast_on_two_ranks_matches_one_rank(spec_factory, tmp_path, fit_on_ranks):
+    """FEAST adds nothing rank-specific: clients spread over 2 forked gloo ranks give the 1-rank
+    model, with the quick start's training (full rule with in-place distillation, alternating
+    Mixup/CutMix, two local epochs, routing) and every variant's BN recalibration."""
+    from dataclasses import replace
 
-    common = [sys.executable, "-m", "fl_lightning", "fit", "--config", "configs/quickstart.yaml",
-              "--federation.rounds", "2", "--federation.clients_per_round", "4", "--eval.every", "2",
-              "--fabric.threads_per_rank", "1", "--out_dir", str(tmp_path)]
-    root = Path(__file__).parents[1]
-    for name, extra in (("one", ["--fabric.devices", "1"]), ("two", ["--fabric.devices", "2", "--fabric.strategy", "ddp"])):
-        done = subprocess.run(common + ["--name", name] + extra, cwd=root, capture_output=True, text=True,
-                              timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-        assert done.returncode == 0, done.stderr[-3000:]
-    a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.ckpt")["model"]
-    b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last.ckpt")["model"]
+    cache = small_cache(tmp_path)
+    models = {}
+    for name, devices, strategy in (("one", 1, "auto"), ("two", 2, "ddp_fork")):
+        spec = feast_spec(spec_factory, tmp_path, name, cache=cache)
+        spec = replace(spec, algorithm=Feast(cache=cache), train=replace(spec.train, epochs=2, lr_schedule="cosine"),
+                       federation=FederationConfig(rounds=2, clients_per_round=4), eval=EvalConfig(every=2),
+                       fabric=replace(spec.fabric, devices=devices, strategy=strategy))
+        assert (spec.algorithm.rule, spec.algorithm.mix_schedule, spec.algorithm.routing) == ("full", "alternate", True)
+        fit_on_ranks(spec)
+        models[name] = load_checkpoint(Path(spec.out_dir) / name / "checkpoints" / "last.ckpt")["model"]
+    a, b = models["one"], models["two"]
+    assert a.keys() == b.keys()
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-5
 
 

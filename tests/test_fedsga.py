@@ -3,8 +3,6 @@ the server loss and where its gradients go, harmonizer aggregation, ranks and re
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,18 +45,32 @@ def open_federation(spec):
     return fed
 
 
+SPLITFED = {"splitfed_v2": lambda: SplitFed(cut="layer2.1", version="v2"),
+            "splitfed_v1": lambda: SplitFed(cut="layer2.1", version="v1")}
+
+
+def reference(shared_run, method, stop_after=None):
+    """The 1-rank run of ``method`` that several tests compare against (run once): SplitFed V1/V2
+    at layer2.1 for 3 rounds, FedSGA (ResNet or ViT) for 4 rounds (calibrations in rounds 1 and
+    3), 4 of 6 clients a round; ``stop_after``: the same run stopped after that many rounds."""
+    key = method if stop_after is None else f"{method}_stopped_after_{stop_after}"
+    if method in SPLITFED:
+        return shared_run(key, method, SPLITFED[method], model=RESNET, train=TRAIN, stop_after=stop_after,
+                          federation=FederationConfig(rounds=3, clients_per_round=4))[0]
+    model = {"fedsga": RESNET, "fedsga_vit_token_prompts": VIT}[method]
+    return shared_run(key, method, fedsga, model=model, train=TRAIN, stop_after=stop_after,
+                      federation=FederationConfig(rounds=4, clients_per_round=4))[0]
+
+
 @pytest.mark.parametrize("server_model, version", [("shared", "v2"), ("copy", "v1")])
-def test_without_its_components_fedsga_is_splitfed_bit_for_bit(spec_factory, server_model, version):
+def test_without_its_components_fedsga_is_splitfed_bit_for_bit(spec_factory, shared_run, server_model, version):
     """A static cut, no prompts and no harmonization: what is left is SplitFed with the same
     server semantics (the probe still learns, on detached interfaces, and changes nothing)."""
-    fed = FederationConfig(rounds=3, clients_per_round=4)
+    b = reference(shared_run, f"splitfed_{version}")
     reduced = fedsga(split_strategy="static", static_cut="layer2.1", adaptation_channel=False, harmonizer=False,
                      server_model=server_model, respect_budgets=False)
-    a = spec_factory(name="sga", algorithm=reduced, model=RESNET, train=TRAIN, federation=fed)
-    b = spec_factory(name="sfl", algorithm=SplitFed(cut="layer2.1", version=version), model=RESNET, train=TRAIN,
-                     federation=fed)
+    a = spec_factory(name="sga", algorithm=reduced, model=RESNET, train=TRAIN, federation=b.federation)
     run_fit(a)
-    run_fit(b)
     for key, value in saved(a)["model"].items():
         assert torch.equal(value, saved(b)["model"][key]), key
     accuracy = [r["test_acc"] for r in rows(a, "metrics.jsonl")]
@@ -231,7 +243,7 @@ def test_without_harmonization_the_probe_learns_and_labels_vary(spec_factory):
     import math
 
     spec = spec_factory(name="probe", algorithm=fedsga(harmonizer=False), model=RESNET, train=TRAIN,
-                        federation=FederationConfig(rounds=4, clients_per_round=6))
+                        federation=FederationConfig(rounds=2, clients_per_round=6))
     run_fit(spec)
     calibrated = [r for r in rows(spec, "clients.jsonl") if "probe_loss_p1" in r]
     assert calibrated
@@ -265,57 +277,35 @@ def test_calibration_and_descriptor_uploads_are_counted(spec_factory):
         assert r["bytes_down"] == r["cut_bytes_down"] + r["model_bytes_down"] + r["align_bytes_down"]
 
 
-RANKS = """
-import sys
-from fl_lightning.algorithms import FedSGA, SplitFed
-from fl_lightning.config import *
-from fl_lightning.data import Digits
-from fl_lightning.federation.builder import RunSpec
-from fl_lightning.federation.loop import run_fit
-
-devices, method, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-algorithm = (FedSGA(calibration_every=2, probe_size=8, prompt_width=1) if method == "fedsga"
-             else SplitFed(cut="layer2.1", version="v2"))
-run_fit(RunSpec(name=name, out_dir=sys.argv[4], seed=0, algorithm=algorithm,
-                data=DataConfig(dataset=Digits(), val_size=100), partition=PartitionConfig(num_clients=6, alpha=0.5),
-                model={"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}},
-                train=LocalTrainConfig(batch_size=16, lr=0.05, momentum=0.9),
-                federation=FederationConfig(rounds=3, clients_per_round=4), eval=EvalConfig(every=3),
-                fabric=FabricConfig(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto")))
-"""
-
-
 @pytest.mark.parametrize("method", ["fedsga", "splitfed_v2"])
-def test_two_ranks_equal_one_rank(tmp_path, method):
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS)
-
-    def run(devices, name):
-        done = subprocess.run([sys.executable, str(script), str(devices), method, name, str(tmp_path)],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return load_checkpoint(tmp_path / name / "checkpoints" / "last.ckpt")
-
-    one, two = run(1, "one"), run(2, "two")
+def test_two_ranks_equal_one_rank(spec_factory, shared_run, fit_on_ranks, method):
+    """The first two rounds' clients (FedSGA: a warm-up and a calibration round) spread over two
+    forked gloo ranks give the 1-rank model and state."""
+    one = reference(shared_run, method, stop_after=2)
+    two = spec_factory(name=method, algorithm=fedsga() if method == "fedsga" else SPLITFED[method](), model=RESNET,
+                       train=TRAIN, federation=one.federation, stop_after=2,
+                       fabric=dataclasses.replace(one.fabric, devices=2, strategy="ddp_fork"))
+    fit_on_ranks(two)
     for part in ("model", "algorithm"):
-        for key, value in one[part].items():
-            assert torch.equal(value, two[part][key]), (part, key)
+        assert saved(one)[part].keys() == saved(two)[part].keys()
+        for key, value in saved(one)[part].items():
+            assert torch.equal(value, saved(two)[part][key]), (part, key)
 
 
-@pytest.mark.parametrize("algorithm, model", [(lambda: fedsga(), RESNET), (lambda: fedsga(), VIT),
-                                              (lambda: SplitFed(cut="layer2.1", version="v2"), RESNET),
-                                              (lambda: SplitFed(cut="layer2.1", version="v1"), RESNET)],
-                         ids=["fedsga", "fedsga_vit_token_prompts", "splitfed_v2", "splitfed_v1"])
-def test_resume_is_exact(spec_factory, algorithm, model):
-    fed = FederationConfig(rounds=4, clients_per_round=4)
-    whole = spec_factory(name="whole", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)
-    run_fit(whole)
-    part = spec_factory(name="part", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)
-    part.stop_after = 2
-    run_fit(part)
-    resumed = spec_factory(name="part", algorithm=algorithm(), model=model, train=TRAIN, federation=fed)
-    resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
+@pytest.mark.parametrize("method", ["fedsga", "fedsga_vit_token_prompts", "splitfed_v2", "splitfed_v1"])
+def test_resume_is_exact(spec_factory, shared_run, method):
+    """Stopped after round 2 and resumed: the uninterrupted run's model and state (FedSGA's
+    resumed rounds hold a calibration, which reads the estimator's saved state)."""
+    import shutil
+
+    whole, part = reference(shared_run, method), reference(shared_run, method, stop_after=2)
+    assert load_checkpoint(Path(part.out_dir) / method / "checkpoints" / "last.ckpt")["round"] == 2
+    resumed = spec_factory(name=method, algorithm=(SPLITFED[method] if method in SPLITFED else fedsga)(),
+                           model=whole.model, train=TRAIN, federation=whole.federation)
+    shutil.copytree(Path(part.out_dir) / method, Path(resumed.out_dir) / method)  # the shared folder stays as it is
+    resumed.resume_from = str(Path(resumed.out_dir) / method / "checkpoints" / "last.ckpt")
     run_fit(resumed)
     for section in ("model", "algorithm"):
+        assert saved(whole)[section].keys() == saved(resumed)[section].keys()
         for key, value in saved(whole)[section].items():
             assert torch.equal(value, saved(resumed)[section][key]), (section, key)

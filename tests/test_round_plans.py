@@ -110,7 +110,7 @@ class Cyclic(FedAvg):
             acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
 
 
-def test_sequential_clients_on_two_ranks_match_one_rank(spec_factory):
+def test_sequential_clients_on_two_ranks_match_one_rank(spec_factory, fit_on_ranks):
     """The cohort of a sequential-client method runs in order on one rank whatever the ranks
     (two forked gloo ranks here); without the flag each rank starts its share from the global
     model, which gives another result."""
@@ -123,7 +123,7 @@ def test_sequential_clients_on_two_ranks_match_one_rank(spec_factory):
         spec = dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, every=2),
                                    fabric=dataclasses.replace(spec.fabric, devices=devices,
                                                               strategy="ddp_fork" if devices > 1 else "auto"))
-        run_fit(spec)
+        fit_on_ranks(spec)
         return model_of(spec)
 
     one, two = run(1, True, "one"), run(2, True, "two")

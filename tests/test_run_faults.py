@@ -365,13 +365,24 @@ def test_second_fit_in_the_same_folder_is_refused_and_a_stale_lock_does_not_bloc
     assert not (out / "r" / "run.lock").exists()
 
 
+CTRL_C_ROUNDS = 40  # long enough that the interrupt lands mid-run on a fast quiet CPU (about 0.1 s a round)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The interrupted runs' uninterrupted model (one rank), run once for the three cases."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert main(tiny_fit(out, "whole", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", "1",
+                         rounds=CTRL_C_ROUNDS)) == 0
+    return load_checkpoint(out / "whole" / "checkpoints" / "last.ckpt")["model"]
+
+
 @pytest.mark.parametrize("devices, target", [(1, "launcher"), (2, "launcher"), (2, "job")])
-def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path, devices, target):
+def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path, uninterrupted, devices, target):
     """``launcher``: ``kill -INT`` of the fit process; ``job``: a terminal's Ctrl-C, which reaches
     the launcher and its forked ranks together."""
     out = tmp_path / "runs"
-    # Long enough that the interrupt lands mid-run on a fast quiet CPU (about 0.1 s a round).
-    rounds = 40
+    rounds = CTRL_C_ROUNDS
     argv = tiny_fit(out, "r", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", str(devices),
                     rounds=rounds)
     run = _start_fit(argv, new_session=True)
@@ -393,11 +404,8 @@ def test_ctrl_c_is_one_line_exit_130_and_resumes_bit_exactly(tmp_path, devices, 
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
 
     assert main([*argv, "--resume", "auto"]) == 0
-    whole_argv = tiny_fit(out, "whole", "--data.val_size", "0", "--eval.every", "1000", "--fabric.devices", "1",
-                          rounds=rounds)
-    assert main(whole_argv) == 0
     resumed = load_checkpoint(out / "r" / "checkpoints" / "last.ckpt")["model"]
-    whole = load_checkpoint(out / "whole" / "checkpoints" / "last.ckpt")["model"]
+    whole = uninterrupted
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
     rows = [json.loads(l)["round"] for l in (out / "r" / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(rounds))

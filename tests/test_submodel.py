@@ -325,7 +325,7 @@ def test_uniform_and_heterofl_width_of_every_client_in_every_round(spec_factory,
         assert c["p_max"] == cap and c["p"] == (min(0.5, cap) if policy == "uniform" else cap)
 
 
-def test_hasfl_on_two_ranks_equals_one_rank(spec_factory):
+def test_hasfl_on_two_ranks_equals_one_rank(spec_factory, fit_on_ranks):
     """Each rank estimates its own clients; HAS-FL's all-reduce of the estimates makes H_tilde,
     the widths and hence the model identical to one rank's (two forked gloo ranks)."""
     import dataclasses
@@ -336,7 +336,7 @@ def test_hasfl_on_two_ranks_equals_one_rank(spec_factory):
         spec = dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, every=3),
                                    fabric=dataclasses.replace(spec.fabric, devices=devices,
                                                               strategy="ddp_fork" if devices > 1 else "auto"))
-        run_fit(spec)
+        fit_on_ranks(spec)
         return load_checkpoint(Path(spec.out_dir) / name / "checkpoints" / "last.ckpt"), spec
 
     (one, _), (two, two_spec) = run(1, "one"), run(2, "two")
