@@ -356,6 +356,9 @@ class Federation:
                 save_checkpoint(self._state(rounds_done), self.run_dir.best)
             if last:
                 save_checkpoint(self._state(rounds_done), self.run_dir.last)
+                # held from the moment it is on disk: a peer lost in the broadcast that follows
+                # must not make rank 0 report that no checkpoint was written
+                self.last_saved = rounds_done
 
         self.on_zero(write)
         if last:
