@@ -183,7 +183,7 @@ class Algorithm:
         """The round's accumulator (``runtime/round_state.py``): the global tensors' weighted
         means; a method declares its own sums and registers its client stores here."""
         return RoundAccumulator(SparseAccumulator(self.global_state, dense=self.dense,
-                                                  pooled_variances=self.bn == "client"))
+                                                  pooled_variances=self.statistics.protocol == "client"))
 
     def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
         """Write what a finite result teaches into the round's accumulator (nothing else):
