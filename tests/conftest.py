@@ -1,4 +1,5 @@
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,31 +82,51 @@ def _children(pid: int) -> list:
     return [p for child in found for p in [child, *_children(child)]]
 
 
+@contextmanager
+def ranks_killed_after(seconds: int, what: str = "the run"):
+    """Fail with TimeoutError, every process forked below this one killed, if the block has not
+    ended within ``seconds`` (ranks whose collectives fall out of step wait for each other until
+    gloo's 30-minute timeout; a launched script had subprocess's timeout)."""
+    import signal
+
+    def expire(signum, frame):
+        for pid in _children(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise TimeoutError(f"{what} did not end within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.fixture
 def fit_on_ranks():
     """``fit_on_ranks(spec, seconds=300)``: ``run_fit`` for a spec whose ranks fork from this
-    process (``ddp_fork``: no interpreter start, no imports), failing with its ranks killed if it
-    has not ended within ``seconds`` (ranks whose collectives fall out of step wait for each
-    other until gloo's 30-minute timeout; a launched script had subprocess's timeout)."""
-    import signal
-
+    process (``ddp_fork``: no interpreter start, no imports) under ``ranks_killed_after``."""
     from fl_lightning.federation.loop import run_fit
 
     def fit(spec, seconds=300):
-        def expire(signum, frame):
-            for pid in _children(os.getpid()):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            raise TimeoutError(f"the run on {spec.fabric.devices} ranks did not end within {seconds} s")
-
-        previous = signal.signal(signal.SIGALRM, expire)
-        signal.alarm(seconds)
-        try:
+        with ranks_killed_after(seconds, f"the run on {spec.fabric.devices} ranks"):
             return run_fit(spec)
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
 
     return fit
+
+
+@pytest.fixture
+def cli_on_ranks():
+    """``cli_on_ranks(argv, seconds=300)``: the command line's ``main(argv)`` in this process (its
+    ranks, if any, fork from it) under ``ranks_killed_after``; returns the exit code."""
+    from fl_lightning.cli import main
+
+    def run(argv, seconds=300):
+        with ranks_killed_after(seconds, f"fl_lightning {' '.join(argv)}"):
+            return main(argv)
+
+    return run

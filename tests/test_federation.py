@@ -182,25 +182,34 @@ def _cli(args, cwd):
     ("Scaffold", "0.0", ["--fabric.devices", "2", "--fabric.strategy", "ddp"]),  # ranks re-run the command
     ("FedGH", "0.9", ["--fabric.devices", "2"]),  # per-client sums and a store in the round's reduction
 ])
-def test_two_processes_match_one_process(tmp_path, algorithm, momentum, several):
+def test_two_processes_match_one_process(tmp_path, monkeypatch, capsys, cli_on_ranks, algorithm, momentum, several):
     """Clients split over gloo ranks give the 1-rank model, with the default devices (one rank
     per physical core, at most the cohort of 5) and with 2 ranks started by Fabric's ddp
     launcher; SCAFFOLD also checks that the per-client control variates are synchronized
     across ranks (round 2 reuses clients), FedGH that every rank trains the header on every
-    client's prototypes and holds every client's body."""
+    client's prototypes and holds every client's body. Fabric's ddp launcher re-runs the
+    command line, so that case starts a real ``python -m fl_lightning``; the others run the
+    command line's ``main`` here (as if started from it), which forks the ranks from this process."""
+    from fl_lightning.federation import loop, machine
     from fl_lightning.federation.machine import physical_cores
 
     common = ["fit", "--data.dataset", "fl_lightning.data.Digits", "--data.val_size", "100", "--partition.num_clients", "6",
               "--federation.rounds", "3", "--federation.clients_per_round", "5", "--train.batch_size", "16",
               "--train.momentum", momentum, "--algorithm", algorithm, "--eval.every", "3",
               "--fabric.accelerator", "cpu", "--out_dir", str(tmp_path)]
-    one = _cli(common + ["--name", "one", "--fabric.devices", "1"], tmp_path)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = _cli(common + ["--name", "two", *several], tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
+    for module in (loop, machine):  # place and print as ``python -m fl_lightning`` does
+        monkeypatch.setattr(module, "launched_by_command_line", lambda: True)
+    assert cli_on_ranks(common + ["--name", "one", "--fabric.devices", "1"]) == 0
+    assert "fit: 1 rank(s) x 1 thread(s) on cpu (as configured" in capsys.readouterr().err
+    if "ddp" in several:
+        two = _cli(common + ["--name", "two", *several], tmp_path)
+        assert two.returncode == 0, two.stderr[-3000:]
+        err = two.stderr
+    else:
+        assert cli_on_ranks(common + ["--name", "two", *several]) == 0
+        err = capsys.readouterr().err
     ranks = 2 if several else min(physical_cores(), 5)
-    assert f"fit: {ranks} rank(s) x 1 thread(s) on cpu" in two.stderr, two.stderr[-3000:]
-    assert "fit: 1 rank(s) x 1 thread(s) on cpu (as configured" in one.stderr
+    assert f"fit: {ranks} rank(s) x 1 thread(s) on cpu" in err, err[-3000:]
     a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.ckpt")
     b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last.ckpt")
     for part in ("model", "algorithm"):
