@@ -119,7 +119,7 @@ def fit_on_ranks():
     return fit
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cli_on_ranks():
     """``cli_on_ranks(argv, seconds=300)``: the command line's ``main(argv)`` in this process (its
     ranks, if any, fork from it) under ``ranks_killed_after``; returns the exit code."""
