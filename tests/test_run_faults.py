@@ -365,7 +365,7 @@ def test_second_fit_in_the_same_folder_is_refused_and_a_stale_lock_does_not_bloc
     assert not (out / "r" / "run.lock").exists()
 
 
-CTRL_C_ROUNDS = 40  # long enough that the interrupt lands mid-run on a fast quiet CPU (about 0.1 s a round)
+CTRL_C_ROUNDS = 15  # the interrupt, sent once round 0 is saved, lands mid-run on a fast quiet CPU (about 0.1 s a round)
 
 
 @pytest.fixture(scope="module")
