@@ -35,7 +35,6 @@ nvidia-smi): it shows that the pipeline runs, not that the GPU does.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os

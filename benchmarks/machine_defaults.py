@@ -143,7 +143,7 @@ def part_equal_work(out: str, rounds: int, repeats: int) -> None:
         fed_times += round_seconds(Path(out) / f"default{rep}")[1:]
         bare_times += bare_round_seconds(spec, ranks, rounds)[1:]
     fed, bare = median(fed_times), median(bare_times)
-    print(f"equal-work round (ResNet-18 x0.25, MNIST subset, 10 of 20 iid clients, 1 epoch of 32, momentum 0.9):")
+    print("equal-work round (ResNet-18 x0.25, MNIST subset, 10 of 20 iid clients, 1 epoch of 32, momentum 0.9):")
     print(f"  fit at defaults ({ranks} rank(s) x 1 thread): {fed:.3f} s   bare loop ({ranks} process(es) x 1 thread, "
           f"same clients and batches): {bare:.3f} s")
     print(f"  default/bare ratio: {fed / bare:.3f}  (target <= 1.10)")

@@ -38,9 +38,9 @@ def test_layer_does_not_import_above_itself(layer, forbidden):
     assert not offenders, "; ".join(offenders)
 
 
-# the rounds other methods build on: FedAvg's (base), split learning's (split.splitfed) and the
+# the rounds other methods build on: FedAvg's (fedavg), split learning's (split.splitfed) and the
 # sub-model family's (submodel.base: SubmodelAlgorithm)
-FAMILY_BASES = {"fl_lightning.algorithms.base", "fl_lightning.algorithms.split.splitfed",
+FAMILY_BASES = {"fl_lightning.algorithms.fedavg", "fl_lightning.algorithms.split.splitfed",
                 "fl_lightning.algorithms.submodel.base"}
 
 

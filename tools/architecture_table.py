@@ -1,7 +1,7 @@
 """Print (or write into ``docs/architecture.md``) the table of which hooks and parts each method
-uses, read from the code: a hook is a method of ``Algorithm`` that the class or one of its
-family bases overrides; a part is a shared component (``runtime/``, ``algorithms/``) named in
-the source of those classes.
+uses, read from the code: a hook is one of ``Algorithm``'s twelve or one of the local-training
+hooks ``FedAvg`` adds, which the class or one of its family bases (below FedAvg) overrides; a
+part is a shared component (``runtime/``, ``algorithms/``) named in the source of those classes.
 
     python tools/architecture_table.py            # print the table
     python tools/architecture_table.py --write    # replace the table in docs/architecture.md
@@ -27,6 +27,10 @@ PARTS = {
     "ServedStatistics": "algorithms/bn_protocol.py",
     "ServerOptimizer": "runtime/server_optimizer.py",
     "ClientStateStore": "runtime/client_store.py",
+    "KeptTensors": "runtime/kept_state.py",
+    "KeptAttributes": "runtime/kept_state.py",
+    "KeptModule": "runtime/kept_state.py",
+    "KeptRecord": "runtime/kept_state.py",
     "ServerCalibration": "runtime/calibration.py",
     "CachedVariants": "algorithms/supernet/cached_variants.py",
     "LevelAssignment": "algorithms/levels.py",
@@ -34,12 +38,28 @@ PARTS = {
 }
 
 
-def hooks():
-    """The extension points: every public method of ``Algorithm`` and the two set-up steps."""
+BASE_OWN = ("setup", "keep", "state_dict", "load_state_dict")
+"""``Algorithm``'s methods that are not hooks: the set-up template and the checkpointing of
+kept parts, which no method overrides."""
+
+
+def public_methods(cls):
+    return [n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")]
+
+
+def algorithm_hooks():
+    """The abstract interface's extension points: ``Algorithm``'s public methods but its own."""
     from fl_lightning.algorithms import Algorithm
 
-    names = [n for n, v in vars(Algorithm).items() if callable(v) and not n.startswith("_") and n != "setup"]
-    return names
+    return [n for n in public_methods(Algorithm) if n not in BASE_OWN]
+
+
+def hooks():
+    """Every extension point: ``Algorithm``'s hooks, then those FedAvg adds (local training)."""
+    from fl_lightning.algorithms import FedAvg
+
+    names = algorithm_hooks()
+    return names + [n for n in public_methods(FedAvg) if n not in names and n not in BASE_OWN]
 
 
 def methods():
@@ -59,10 +79,10 @@ def family(cls) -> str:
 
 
 def own_classes(cls):
-    """The class and its bases below ``Algorithm`` (FedAvg included: it is a method too)."""
-    from fl_lightning.algorithms import Algorithm
+    """The class and its bases below ``FedAvg`` (the concrete default every method extends)."""
+    from fl_lightning.algorithms import Algorithm, FedAvg
 
-    return [c for c in cls.__mro__ if issubclass(c, Algorithm) and c is not Algorithm]
+    return [c for c in cls.__mro__ if issubclass(c, Algorithm) and c not in (Algorithm, FedAvg)]
 
 
 def overridden(cls, names):
@@ -89,7 +109,10 @@ def served(cls) -> str:
     """The method's default served-statistics protocol when it has the ``bn`` option; the
     methods without it serve each client its own model, or recalibrate what they serve
     themselves (their ``evaluate``)."""
-    for c in own_classes(cls):  # the constructors' options, as the parser follows **kwargs
+    from fl_lightning.algorithms import Algorithm
+
+    below = [c for c in cls.__mro__ if issubclass(c, Algorithm) and c is not Algorithm]
+    for c in below:  # the constructors' options, as the parser follows **kwargs
         if "__init__" in vars(c):
             params = inspect.signature(c.__init__).parameters
             if "bn" in params:
@@ -109,8 +132,11 @@ def table() -> str:
         rows.append(f"| {name} | {family(cls)} | {base} | {client_class(cls)} | {served(cls)} | "
                     f"{', '.join(over) or '-'} | {', '.join(parts_used(cls))} |")
     counts = {n: sum(n in overridden(c, names) for _, c in methods()) for n in names}
-    rows += ["", f"Hooks of `Algorithm` ({len(names)}), with how many of the {len(methods())} methods override each: "
-             + ", ".join(f"`{n}` {counts[n]}" for n in names) + "."]
+    own = algorithm_hooks()
+    rows += ["", f"Hooks of `Algorithm` ({len(own)}), with how many of the {len(methods())} methods override each "
+             "beyond FedAvg: " + ", ".join(f"`{n}` {counts[n]}" for n in own) + ".",
+             "", f"Local-training hooks `FedAvg` adds ({len(names) - len(own)}): "
+             + ", ".join(f"`{n}` {counts[n]}" for n in names if n not in own) + "."]
     return "\n".join(rows)
 
 

@@ -10,7 +10,8 @@ FedProx, init_args: {mu: 0.01}}``.
 - ``personalized/``: FedBABU, FedGH, FedAS.
 """
 
-from fl_lightning.algorithms.base import Algorithm, FedAvg, RunContext
+from fl_lightning.algorithms.base import Algorithm, RunContext
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.fedmut import FedMut
 from fl_lightning.algorithms.fedopt import FedOpt
 from fl_lightning.algorithms.fedprox import FedProx

@@ -1,7 +1,7 @@
 """A client's round as an object: the procedure one client runs, apart from the server's policy.
 
-The method (an ``Algorithm``) is the server: it plans the round, says what a client receives
-and how results merge. For each task it makes a client object (``Algorithm.new_client(task,
+The method (a ``FedAvg`` or one of its family) is the server: it plans the round, says what a client receives
+and how results merge. For each task it makes a client object (``FedAvg.new_client(task,
 plan)``) whose ``fit()`` runs that client's round and returns its ``ClientResult``. Whatever
 the round learns about the client (FedAS's alignment loss and Fisher trace, FedGH's
 prototypes, FedSGA's prompt) lives on the object or travels on the result, never on the method.
@@ -27,13 +27,13 @@ from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator
 
 if TYPE_CHECKING:
-    from fl_lightning.algorithms.base import Algorithm
+    from fl_lightning.algorithms.fedavg import FedAvg
 
 
 class Client:
-    """One client's round of ``method`` (the Algorithm that made it)."""
+    """One client's round of ``method`` (the method that made it)."""
 
-    def __init__(self, method: "Algorithm", task: ClientTask, plan: RoundPlan):
+    def __init__(self, method: "FedAvg", task: ClientTask, plan: RoundPlan):
         self.method, self.task, self.plan = method, task, plan
         self.ctx = method.ctx
 
@@ -45,7 +45,7 @@ class Client:
 class LocalClient(Client):
     """Receive the routed model, train it locally, send it back (the default of every FL method)."""
 
-    def __init__(self, method: "Algorithm", task: ClientTask, plan: RoundPlan):
+    def __init__(self, method: "FedAvg", task: ClientTask, plan: RoundPlan):
         super().__init__(method, task, plan)
         self.channel = Channel()
         """Everything that crosses between the server and this client in the round."""

@@ -8,9 +8,10 @@ from typing import Dict
 
 import torch
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import NonNegativeFloat, PositiveInt, number_type
+from fl_lightning.runtime.kept_state import KeptTensors
 from fl_lightning.runtime.seeding import derive_seed
 
 MUTATION_STREAM = 31  # seed stream of the mutation signs (one draw per round)
@@ -90,6 +91,7 @@ class FedMut(FedAvg):
         self.mutated_keys = [k for k, v in self.global_state.items()
                              if v.is_floating_point() and (self.mutate_buffers or k in params)]
         self.previous = {k: v.detach().clone() for k, v in self.global_state.items() if v.is_floating_point()}
+        self.keep(KeptTensors("previous/", self.previous))
         self._delta: Dict[str, torch.Tensor] = {}  # the round's w_g - w_prev, shared by its clients
 
     def negative_weight(self, round_idx: int) -> float:
@@ -126,12 +128,3 @@ class FedMut(FedAvg):
             for key, value in self.previous.items():
                 value.copy_(self.global_state[key])
         return super().finish_round(acc, plan)
-
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self):
-        return {**super().state_dict(), **{f"previous/{k}": v for k, v in self.previous.items()}}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        for key, value in self.previous.items():
-            value.copy_(state[f"previous/{key}"])

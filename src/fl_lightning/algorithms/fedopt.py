@@ -3,7 +3,7 @@ optimiser: FedAvgM (sgd with momentum), FedAdagrad, FedAdam, FedYogi."""
 
 from __future__ import annotations
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.runtime.server_optimizer import ServerOptimizer
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.option_types import NonNegativeFloat
 
 

@@ -70,7 +70,7 @@ class LevelAssignment:
         re-scored run serves the clients it trained)."""
         return {"assigned": self.assigned.clone(), "fallback": self.fallback.to(torch.uint8)}
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor], key: str) -> None:
+    def load_state_dict(self, state: Dict[str, torch.Tensor], key: str = "algorithm.levels") -> None:
         assigned = state["assigned"].to(torch.int64).cpu()
         if assigned.numel() != self.assigned.numel() or int(assigned.max()) >= len(self.macs):
             raise ConfigError(key, "the checkpoint's level assignment does not fit these clients and levels")

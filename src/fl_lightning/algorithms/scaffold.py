@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import PositiveFloat
 from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.kept_state import KeptTensors
 from fl_lightning.runtime.server_optimizer import ServerOptimizer
 
 
@@ -38,6 +39,7 @@ class Scaffold(FedAvg):
         self.param_names = [name for name, _ in ctx.model.named_parameters()]
         params = dict(ctx.model.named_parameters())
         self.c = {name: torch.zeros_like(params[name]) for name in self.param_names}
+        self.keep(KeptTensors("c/", self.c))
         # the model moves by server_lr along the averaged change: a server SGD step
         self.server_step = self.keep(ServerOptimizer("sgd", lr=self.server_lr).build(self.global_state,
                                                                                      self.param_names))
@@ -83,11 +85,3 @@ class Scaffold(FedAvg):
                 update = acc[f"delta_c/{name}"] / self.ctx.num_clients
                 self.c[name].add_(update.to(self.c[name].dtype))
         return {}
-
-    def state_dict(self):
-        return {**super().state_dict(), **{f"c/{k}": v for k, v in self.c.items()}}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        for k in self.c:
-            self.c[k].copy_(state[f"c/{k}"])

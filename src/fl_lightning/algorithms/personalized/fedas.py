@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.personalized.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
                                                head_keys, without_single_rows)

@@ -8,7 +8,7 @@ from typing import Literal, Optional, Tuple
 
 import torch
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.personalized.head_body import head_keys
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat
 from fl_lightning.runtime.channel import UP

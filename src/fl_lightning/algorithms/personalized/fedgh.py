@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.personalized.head_body import class_prototypes, find_classifier, head_keys
 from fl_lightning.elastic.aggregation import SparseAccumulator

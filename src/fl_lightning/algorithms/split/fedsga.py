@@ -32,6 +32,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.client_store import ClientStateStore
+from fl_lightning.runtime.kept_state import KeptAttributes, KeptModule
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -179,6 +180,9 @@ class FedSGA(SplitFed):
             self.probes = DepthProbes({d: widths[d] for d in self.probed}, ctx.num_classes).to(device)
         self.harmonizer_worker = harmonizer()
         self.pairs = torch.zeros(0, 4, dtype=torch.float64)
+        for prefix, part in (("harmonizer/", self.harmonizer), ("estimator/", self.estimator), ("probes/", self.probes)):
+            self.keep(KeptModule(prefix, part))
+        self.keep(KeptAttributes(self, {"calibration_pairs": "pairs"}, torch.float64))
         probe = min(self.probe_size, min(ctx.client_sizes))
         self.store = self.keep(ClientStateStore(lambda: {
             "prompt": self.prompts.initial(device),
@@ -415,23 +419,3 @@ class FedSGA(SplitFed):
             if "acc" in metrics:
                 out[f"acc_cut{depth}"] = metrics["acc"]
         return out
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        state = super().state_dict()
-        state.update({f"harmonizer/{k}": v for k, v in self.harmonizer.state_dict().items()})
-        state.update({f"estimator/{k}": v for k, v in self.estimator.state_dict().items()})
-        state.update({f"probes/{k}": v for k, v in self.probes.state_dict().items()})
-        state["calibration_pairs"] = self.pairs
-        return state
-
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-
-        def part(prefix):
-            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        self.harmonizer.load_state_dict(part("harmonizer/"))
-        self.estimator.load_state_dict(part("estimator/"))
-        self.probes.load_state_dict(part("probes/"))
-        self.pairs = state["calibration_pairs"].to(torch.float64)
-        self.store.load_state_dict(state)

@@ -29,6 +29,7 @@ from fl_lightning.elastic.routing import load_routed_state
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import ClosedUnitInterval, PositiveFloat
 from fl_lightning.runtime.channel import DOWN, UP, Channel, state_bytes
+from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
@@ -198,6 +199,10 @@ class MultiSFL(SplitFed):
         self.counts = label_counts(ctx.data.bundle.train_targets, ctx.data.clients, ctx.num_classes)
         self.distribution = torch.zeros(self.num_branches, ctx.num_classes, dtype=torch.float64)
         self.distribution_weight = torch.zeros(self.num_branches, dtype=torch.float64)
+        for branch, values in enumerate(self.branches):
+            self.keep(KeptTensors(f"branch/{branch}/", values))
+        self.keep(KeptAttributes(self, {"replay/distribution": "distribution", "replay/weight": "distribution_weight"},
+                                 torch.float64))
         self.helper_worker = ctx.make_model().to(device)
         self._by_class: Dict[int, List[torch.Tensor]] = {}
         self.client_cut = None
@@ -291,21 +296,3 @@ class MultiSFL(SplitFed):
             self.distribution[task.choice.branch], self.distribution_weight[task.choice.branch] = \
                 self.branch_statistic(task)
         return figures
-
-    # -- checkpoint -----------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        out = super().state_dict()
-        for branch, state in enumerate(self.branches):
-            out.update({f"branch/{branch}/{k}": v for k, v in state.items()})
-        out["replay/distribution"] = self.distribution
-        out["replay/weight"] = self.distribution_weight
-        return out
-
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        with torch.no_grad():
-            for branch, values in enumerate(self.branches):
-                for key, value in values.items():
-                    value.copy_(state[f"branch/{branch}/{key}"])
-        self.distribution = state["replay/distribution"].detach().cpu().to(torch.float64).clone()
-        self.distribution_weight = state["replay/weight"].detach().cpu().to(torch.float64).clone()

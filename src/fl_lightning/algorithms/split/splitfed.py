@@ -21,7 +21,7 @@ from typing import Dict, List, Literal, Optional
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.base import FedAvg, Weighting
+from fl_lightning.algorithms.fedavg import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.algorithms.split.common import SplitClient, key_regions, split_metrics
 from fl_lightning.elastic.bn import statistics_keys
@@ -30,6 +30,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.channel import DOWN, UP
+from fl_lightning.runtime.kept_state import KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
@@ -130,6 +131,7 @@ class SplitFed(FedAvg):
         self.pair = nn.ModuleDict({"front": self.client_worker, "back": self.server_worker})
         self.unsent = statistics_keys(ctx.model) if self.statistics.protocol == "sbn" else set()
         self._server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
+        self.keep(KeptTensors("server_momentum/", self._server_momentum))
 
     # -- a round --------------------------------------------------------------------------------
     def plan(self, round_idx: int) -> RoundPlan:
@@ -299,7 +301,8 @@ class SplitFed(FedAvg):
         figures = super().finish_round(acc, plan)
         if self.version == "v2" and self.ctx.train.momentum:
             tensors = self._server_tensors()
-            self._server_momentum = {name: acc[f"momentum/{name}"].to(t.dtype) for name, t in tensors.items()}
+            self._server_momentum.clear()
+            self._server_momentum.update({name: acc[f"momentum/{name}"].to(t.dtype) for name, t in tensors.items()})
         return figures
 
     def _server_tensors(self) -> Dict[str, torch.Tensor]:
@@ -309,11 +312,3 @@ class SplitFed(FedAvg):
         out = {name: p for name, p in self.server_worker.named_parameters() if name in behind}
         out.update(self.server_trainables())
         return out
-
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {**super().state_dict(), **{f"server_momentum/{k}": v for k, v in self._server_momentum.items()}}
-
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self._server_momentum = {k[len("server_momentum/"):]: v for k, v in state.items()
-                                 if k.startswith("server_momentum/")}

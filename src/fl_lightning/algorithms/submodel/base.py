@@ -33,12 +33,13 @@ from typing import Dict, List, Literal, Optional, Sequence
 import numpy as np
 import torch
 
-from fl_lightning.algorithms.base import FedAvg, Weighting
+from fl_lightning.algorithms.fedavg import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import NonNegativeFloat, PositiveInt, UnitFraction
+from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -136,6 +137,8 @@ class SubmodelAlgorithm(FedAvg):
         # Coordinates trained by some client since initialisation (bool per parameter).
         self.ever = {k: torch.zeros(self.global_state[k].shape, dtype=torch.bool, device=self.global_state[k].device)
                      for k in self.param_keys}
+        self.keep(KeptAttributes(self, {"caps": "caps"}, torch.float64))
+        self.keep(KeptTensors("ever/", self.ever, stored_as=torch.uint8))
         self.last_widths: Dict[int, float] = {}
         self._costs: Dict[object, tuple] = {}
 
@@ -203,13 +206,3 @@ class SubmodelAlgorithm(FedAvg):
     def artifacts(self) -> Dict[str, str]:
         return {"caps.json": json.dumps([float(c) for c in self.caps])}
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        out = {**super().state_dict(), "caps": self.caps.clone()}
-        out.update({f"ever/{k}": v.to(torch.uint8) for k, v in self.ever.items()})
-        return out
-
-    def load_state_dict(self, state) -> None:
-        super().load_state_dict(state)
-        self.caps = state["caps"].to(torch.float64).cpu()
-        for k, v in self.ever.items():
-            v.copy_(state[f"ever/{k}"].bool())

@@ -8,6 +8,7 @@ from typing import Dict, Literal
 import torch
 
 from fl_lightning.algorithms.submodel.base import SubmodelAlgorithm
+from fl_lightning.runtime.kept_state import KeptAttributes
 from fl_lightning.option_types import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -68,6 +69,7 @@ class HASFL(SubmodelAlgorithm):
         self.h_tilde = torch.ones(n, dtype=torch.float64)
         # Warm-up at the caps; without one, the rule applies from the first round (H_tilde = 1).
         self.widths = self.caps.clone() if self.t_warm > 0 else self.allocate()
+        self.keep(KeptAttributes(self, {"h_tilde": "h_tilde", "widths": "widths"}, torch.float64))
 
     # -- allocation rule --------------------------------------------------------------------
     def allocate(self) -> torch.Tensor:
@@ -131,15 +133,6 @@ class HASFL(SubmodelAlgorithm):
             figures[f"p/{c}"] = float(self.widths[c])
         return figures
 
-    def state_dict(self):
-        out = super().state_dict()
-        out.update({"h_tilde": self.h_tilde.clone(), "widths": self.widths.clone()})
-        return out
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.h_tilde = state["h_tilde"].to(torch.float64).cpu()
-        self.widths = state["widths"].to(torch.float64).cpu()
 
 
 def allocation_rule(h_tilde: torch.Tensor, caps: torch.Tensor, p_min: float, gamma: float,

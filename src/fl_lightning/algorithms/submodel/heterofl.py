@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Literal, Optional
 
-import torch
 
 from fl_lightning.algorithms.submodel.base import MIXING_STREAM, TIER_PROBS, TIERS, SubmodelAlgorithm
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import NonNegativeFloat, UnitFraction
+from fl_lightning.runtime.kept_state import KeptModule
 from fl_lightning.runtime.seeding import derive_seed
 
 
@@ -92,6 +92,8 @@ class HeteroFL(SubmodelAlgorithm):
             self.assignment = TierAssignment.by_budget(ctx.model, self.tier_specs, self.tiers, ctx.budgets.tolist(),
                                                        tuple(ctx.data.bundle.input_shape))
             self.caps = self.assignment.widths()
+            # kept so that a resumed or re-scored run serves the clients it trained
+            self.keep(KeptModule("tiers/", self.assignment))
             if ctx.fabric.is_global_zero and ctx.mode == "fit":
                 print(self.assignment.describe())
 
@@ -160,14 +162,3 @@ class HeteroFL(SubmodelAlgorithm):
         if self.assignment is not None:
             out["levels.json"] = self.assignment.to_json()
         return out
-
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        out = super().state_dict()
-        if self.assignment is not None:  # kept so a resumed or re-scored run serves the clients it trained
-            out.update({f"tiers/{k}": v for k, v in self.assignment.state_dict().items()})
-        return out
-
-    def load_state_dict(self, state) -> None:
-        super().load_state_dict(state)
-        if self.assignment is not None:
-            self.assignment.load_state_dict({k: state[f"tiers/{k}"] for k in ("assigned", "fallback")})

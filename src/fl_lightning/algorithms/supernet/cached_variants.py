@@ -144,7 +144,7 @@ class CachedVariants:
 class ServesCachedVariants:
     """What a method whose ``setup`` builds ``self.variants`` (a :class:`CachedVariants`) and
     ``self.accounting`` gets: evaluation, the end-of-run report, the run-folder files and the
-    recalibrated subnets of post-hoc extraction, all FEAST's. List it before ``Algorithm``."""
+    recalibrated subnets of post-hoc extraction, all FEAST's. List it before ``FedAvg``."""
 
     variants: CachedVariants
     accounting: dict

@@ -14,7 +14,7 @@ from typing import Dict, List, Literal, Optional, Tuple
 
 import torch
 
-from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.supernet.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
                                                      check_cache_options)
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE, KAPPA_FB
@@ -29,7 +29,7 @@ MixSchedule = Literal["alternate", "random", "mixup", "cutmix", "none"]
 INTERMEDIATE_STREAM, MIXING_STREAM = 11, 12  # 13: the server calibration's (runtime/calibration.py)
 
 
-class Feast(ServesCachedVariants, Algorithm):
+class Feast(ServesCachedVariants, FedAvg):
     """FEAST: min / random-intermediate / local-max co-training with in-place distillation,
     budget-tailored sub-supernet routing and sparse aggregation."""
 

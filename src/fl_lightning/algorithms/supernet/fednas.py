@@ -34,7 +34,7 @@ from typing import Dict, Literal, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.supernet.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
                                                      check_cache_options)
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
@@ -43,6 +43,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION,
                                          SEARCH_POPULATION, extraction_rho)
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
+from fl_lightning.runtime.kept_state import KeptAttributes
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -178,7 +179,7 @@ def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
 
 
-class _FedNASTransfer(ServesCachedVariants, Algorithm):
+class _FedNASTransfer(ServesCachedVariants, FedAvg):
     """The shared round of the SuperFedNAS / DeepFedNAS transfers; subclasses choose the
     architectures (:meth:`architecture`, :meth:`global_extremes`)."""
 
@@ -258,6 +259,8 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
         self.steps = self.maxnet_steps if self.maxnet_steps is not None else max(ctx.rounds - 1, 1)
         self.largest = torch.zeros(ctx.num_clients, dtype=torch.int64)
         self.smallest = torch.zeros(ctx.num_clients, dtype=torch.int64)
+        # how often each client trained the largest / smallest architecture: the next rounds' roles
+        self.keep(KeptAttributes(self, {"tracking/largest": "largest", "tracking/smallest": "smallest"}, torch.int64))
         description = self.describe_population()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(description)
@@ -369,18 +372,6 @@ class _FedNASTransfer(ServesCachedVariants, Algorithm):
                 self.largest[task.client] += 1
             elif task.choice.track == "smallest":
                 self.smallest[task.client] += 1
-
-    # -- state ----------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The tracking counts (how often each client trained the largest / smallest
-        architecture), which decide the next rounds' roles."""
-        return {**super().state_dict(), "tracking/largest": self.largest.clone(),
-                "tracking/smallest": self.smallest.clone()}
-
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.largest = state["tracking/largest"].to(torch.int64).cpu().clone()
-        self.smallest = state["tracking/smallest"].to(torch.int64).cpu().clone()
 
 
 class SuperFedNAS(_FedNASTransfer):

@@ -26,7 +26,7 @@ from typing import Dict, List, Literal, Mapping, Optional
 
 import torch
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.elastic.regions import Mask
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
 from fl_lightning.errors import ConfigError

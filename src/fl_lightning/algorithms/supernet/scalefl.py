@@ -28,7 +28,7 @@ from typing import Dict, List, Literal, Tuple
 
 import torch
 
-from fl_lightning.algorithms.base import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.levels import LevelAssignment
 from fl_lightning.algorithms.level_report import scalefl_report
 from fl_lightning.errors import ConfigError
@@ -36,6 +36,7 @@ from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, UnitFraction
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
+from fl_lightning.runtime.kept_state import KeptModule, KeptRecord
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
@@ -146,6 +147,10 @@ class ScaleFL(FedAvg):
         self.level_macs = [spec_macs(model, spec, self.input_shape) for spec in self.specs]  # served, memoized
         self.assignment = LevelAssignment.by_budget(self.level_macs, ctx.budgets.tolist(),
                                                     lambda k: (f"algorithm.levels[{k}]", f"level {k + 1}"))
+        # the assignment, and the levels' MACs it was made with
+        self.keep(KeptModule("", self.assignment))
+        self.keep(KeptRecord("level_macs", lambda: torch.tensor([float(m) for m in self.level_macs],
+                                                                dtype=torch.float64)))
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(self.describe_population())
 
@@ -225,16 +230,6 @@ class ScaleFL(FedAvg):
         it is served."""
         return scalefl_report(summary, self.specs, self.level_macs, [c["served_params"] for c in self.costs],
                               self.assignment.counts(), self.assignment.population())
-
-    # -- checkpoint -----------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The level assignment, and the levels' MACs it was made with."""
-        return {**super().state_dict(), **self.assignment.state_dict(),
-                "level_macs": torch.tensor([float(m) for m in self.level_macs], dtype=torch.float64)}
-
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.assignment.load_state_dict(state, "algorithm.levels")
 
 
 __all__ = ["ScaleFL", "LEVELS"]

@@ -1,0 +1,176 @@
+"""FedAvg: federated local training, the concrete method most others extend.
+
+Each round (``Algorithm``'s hooks, as FedAvg fills them):
+
+- ``plan``: a uniform sample of ``clients_per_round`` clients, every one training the whole
+  model at the round's learning rate (``round_lr``).
+- ``fit_cohort``: this rank's clients one after another, each through the object
+  ``new_client(task, plan)`` makes (``algorithms/client.py``), its global RNG seeded from
+  (seed, round, client). A method that trains its cohort jointly (MergeSFL) overrides it.
+- A client's round (``LocalClient``): the global tensors routed into a local model
+  (``route``), sent down the client's ``Channel`` (``send_model``), wrapped in a
+  LightningModule (``client_module``), trained, sent back (``return_model``);
+  ``client_figures`` adds the method's own per-client figures. A method whose client does
+  more (FedAS's alignment, FedGH's prototypes, the split methods' server half in the loop)
+  returns its own client object from ``new_client``.
+- ``commit``: the client's tensors into the round's weighted means (``weight``: its examples,
+  or one per client); ``finish_round`` moves the global model to them (``apply``: through the
+  server step when the method has one).
+- ``evaluate``: the global model on a server split, with the statistics its
+  served-statistics part gives it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Literal, Optional, Tuple
+
+import torch
+
+from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
+from fl_lightning.algorithms.client import Client, LocalClient
+from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
+from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.option_types import PositiveInt
+from fl_lightning.runtime.channel import DOWN, UP, Channel
+from fl_lightning.runtime.context import RunContext
+from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.round_state import RoundAccumulator
+from fl_lightning.runtime.schedule import round_lr
+from fl_lightning.runtime.seeding import sample_clients, seed_client
+
+Weighting = Literal["samples", "uniform"]
+
+
+class FedAvg(Algorithm):
+    """Federated averaging (McMahan et al., 2017): dense models, sample-weighted mean.
+
+    Served BN statistics (``bn``): by default the clients' running statistics, averaged with
+    everything else, as the original protocol; ``sbn``, ``recalibrate`` and ``client`` serve
+    statistics of the population instead (``docs/served_statistics.md``).
+    """
+
+    default_weighting = "samples"
+    """A committed result's weight in the round's means when ``weighting`` is not given."""
+    weighting = default_weighting
+    server_step = None
+    """The server's step (``runtime/server_optimizer.py``) when the method has one: ``apply``
+    moves the global model through it; None: the global model takes the round's aggregate."""
+
+    def __init__(self, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
+                 calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
+                 weighting: Optional[Weighting] = None):
+        """
+        Args:
+            bn: where served models get their BN statistics: aggregated (the clients' tracked
+                statistics, averaged), sbn (static BN: clients track none, one pass over
+                ``sbn_data`` before evaluation), recalibrate (tracked, then re-estimated on the
+                server's calibration split) or client (the pooled statistics of the batches
+                the clients normalized in the round). None: the method's own default
+                (FedAvg's: aggregated; docs/served_statistics.md lists every method's).
+            sbn_data: the sBN pass's data: train (the union of the client shards, as HeteroFL's
+                code) or calib (the server's calibration split).
+            calib_batch_size: batch size of the statistics pass (sbn and recalibrate).
+            calib_transform: images of that pass through the training augmentation (train,
+                drawn once from a fixed seed) or none (eval).
+            weighting: a client's weight in the round's means: samples (its examples, McMahan
+                et al.'s n_k / n) or uniform (one per client, the plain mean several authors'
+                code takes). None: the method's own default (samples; FedMut's: uniform).
+        """
+        self.bn, self.sbn_data = bn if bn is not None else self.default_bn, sbn_data
+        self.weighting = weighting if weighting is not None else self.default_weighting
+        self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform
+
+    def prepare(self, ctx: RunContext) -> None:
+        """One reusable worker per rank: clients train one after another, and loading the
+        global tensors into it copies values without allocating a model per client. Families
+        and methods extend this (``super().prepare(ctx)`` first)."""
+        self.worker = ctx.make_model().to(ctx.fabric.device)
+        self.worker_regions = full_region_map(self.worker.state_dict())
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        """Uniform sampling without replacement; every client trains the whole model."""
+        ctx = self.ctx
+        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        return RoundPlan(round_idx, self.round_lr(round_idx), [ClientTask(client) for client in cohort])
+
+    def round_lr(self, round_idx: int) -> float:
+        t = self.ctx.train
+        return round_lr(t.lr, t.lr_schedule, round_idx, self.ctx.rounds, t.lr_decay)
+
+    def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, ClientResult]]:
+        """This rank's clients one after another, each with its global RNG seeded from
+        (seed, round, client)."""
+        for task in owned:
+            seed_client(self.ctx.seed, plan.round_idx, task.client)
+            yield task, self.new_client(task, plan).fit()
+
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> Client:
+        """The object that runs the client's round (``algorithms/client.py``): by default local
+        training of what ``route`` gives, through ``send_model`` / ``client_module`` /
+        ``return_model`` / ``client_figures``."""
+        return LocalClient(self, task, plan)
+
+    def client_figures(self, task: ClientTask, result: ClientResult, plan: RoundPlan) -> Dict[str, float]:
+        """The method's own per-client figures of a trained client (its width, level, costs),
+        logged beside the fit's; none by default."""
+        return {}
+
+    def send_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
+        """What the server sends a client to train: the routed slices."""
+        channel.send_routed(DOWN, routed)
+
+    def return_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
+        """What a client sends back: the slices it received, trained."""
+        channel.send_routed(UP, routed)
+
+    def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
+        load_routed_state(self.worker, self.global_state, self.worker_regions)
+        return self.statistics.route(Routed(self.worker, self.worker_regions))
+
+    def client_module(self, routed: Routed, task: ClientTask, plan: RoundPlan):
+        """The LightningModule that trains ``routed.module`` (plain cross-entropy and SGD)."""
+        from fl_lightning.modules.supervised import SupervisedClient
+
+        t = self.ctx.train
+        return SupervisedClient(routed.module, plan.lr, t.momentum, t.weight_decay)
+
+    def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
+        """Write what a finite result teaches into the round's accumulator (nothing else):
+        by default its tensors, weighted by :meth:`weight`."""
+        if result.update is not None:
+            acc.add(result.update.module.state_dict(), self.weight(result), result.update.regions)
+
+    def weight(self, result: ClientResult) -> float:
+        """A committed result's weight in the round's means: its examples (samples) or one
+        per client (uniform)."""
+        return float(result.num_samples) if self.weighting == "samples" else 1.0
+
+    def finish_round(self, acc: RoundAccumulator, plan: RoundPlan) -> Dict[str, float]:
+        """Apply the reduced accumulator to the server's state; returns the round's figures
+        for the metrics file and TensorBoard (none by default)."""
+        self.apply(acc.result())
+        return {}
+
+    def apply(self, new_state: Dict[str, torch.Tensor]) -> None:
+        """Move the global model to new values: through the server step when the method has
+        one, else by writing them."""
+        if self.server_step is not None:
+            self.server_step.apply(new_state)
+            return
+        with torch.no_grad():
+            for key, value in new_state.items():
+                self.global_state[key].copy_(value)
+
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        """Metrics of the global model on a server split ('val' or 'test'); ``acc`` is the
+        figure that selects checkpoints on 'val'."""
+        data = self.ctx.data
+        dataset, indices = data.split(split)
+        model = self.statistics.served(self.ctx.model)
+        return evaluate(self.ctx.fabric, model, dataset, indices, data.bundle.num_classes, batch_size)
+
+
+__all__ = ["FedAvg", "Weighting"]
