@@ -307,6 +307,7 @@ def test_fedas_fisher_weights_and_aggregate(spec_factory):
 def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec_factory):
     """The alignment pass updates the received global body only (head and BN statistics
     untouched), and lowers the alignment loss to the client's previous-model prototypes."""
+    from fl_lightning.algorithms.personalized.fedas import align_body
     from fl_lightning.algorithms.personalized.head_body import class_prototypes
 
     spec = spec_factory(name="align", algorithm=FedAS(align_epochs=3), train=TRAIN,
@@ -316,17 +317,17 @@ def test_fedas_alignment_moves_the_global_body_towards_the_local_prototypes(spec
     client = alg.plan(0).cohort[0]
     fed.run_round(0)
     shard = ctx.shards[client]
-    alg.load_keys(alg.store.kept(client, TRAINED), alg.global_state.keys())
-    prototypes, counts = class_prototypes(alg.worker, alg.classifier, shard.dataset, shard.indices,
+    alg.model.load(alg.store.kept(client, TRAINED), alg.global_state.keys())
+    prototypes, counts = class_prototypes(alg.worker, alg.model.classifier, shard.dataset, shard.indices,
                                           ctx.num_classes, 16, batch_stats=True)
-    alg.load_keys(alg.global_state, alg.global_state.keys())
+    alg.model.load(alg.global_state, alg.global_state.keys())
     x, y = shard_tensors(ctx, client)
 
     def loss_now():
         return float(alignment_loss(batch_norm_features(alg.worker, x, 16), y, prototypes, counts > 0))
 
     before = loss_now()
-    alg.align(shard, prototypes, counts > 0, torch.Generator().manual_seed(0))
+    align_body(alg.model, alg.alignment, shard, prototypes, counts > 0, torch.Generator().manual_seed(0))
     after = loss_now()
     assert after < before
     aligned = alg.worker.state_dict()
@@ -341,7 +342,7 @@ def test_fedas_alignment_and_fisher_do_not_follow_the_running_statistics(spec_fa
     running statistics scrambled (what a few local steps leave) they give the same result and
     leave the statistics as they were. In evaluation mode the alignment diverged (loss 2.2e27)
     and one round's traces spanned five orders of magnitude."""
-    from fl_lightning.algorithms.personalized.fedas import fisher_trace
+    from fl_lightning.algorithms.personalized.fedas import align_body, fisher_trace
 
     spec = spec_factory(name="asbn", algorithm=FedAS(align_epochs=2), train=TRAIN,
                         federation=FederationConfig(rounds=1, clients_per_round=2))
@@ -351,15 +352,15 @@ def test_fedas_alignment_and_fisher_do_not_follow_the_running_statistics(spec_fa
     shard = ctx.shards[client]
     x, y = shard_tensors(ctx, client)
     prototypes = torch.stack([batch_norm_features(ctx.model, x, 16)[y == c].mean(0) if (y == c).any()
-                              else torch.zeros(alg.classifier.in_features) for c in range(ctx.num_classes)])
+                              else torch.zeros(alg.model.classifier.in_features) for c in range(ctx.num_classes)])
     present = torch.bincount(y, minlength=ctx.num_classes) > 0
 
     def aligned(scrambled):
-        alg.load_keys(alg.init_state, alg.global_state.keys())
+        alg.model.load(alg.init_state, alg.global_state.keys())
         if scrambled:
             scramble_running_statistics(alg.worker)
         kept = buffers_of(alg.worker)
-        loss = alg.align(shard, prototypes, present, torch.Generator().manual_seed(0))
+        loss = align_body(alg.model, alg.alignment, shard, prototypes, present, torch.Generator().manual_seed(0))
         assert all(torch.equal(v, kept[k]) for k, v in alg.worker.named_buffers())
         trace = fisher_trace(alg.worker, shard.dataset, shard.indices, 16)
         assert all(torch.equal(v, kept[k]) for k, v in alg.worker.named_buffers())

@@ -69,3 +69,38 @@ def test_no_method_calls_a_collective():
     offenders = [f"{path.relative_to(PACKAGE)}: {call}" for path in sorted((PACKAGE / "algorithms").rglob("*.py"))
                  for call in calls if call in path.read_text()]
     assert not offenders, "; ".join(offenders)
+
+
+# what a client object may ask of the method that made it: the server's side of its round
+SERVER_CALLS = {"route", "send_model", "client_module", "return_model", "client_figures",  # local training
+                "fit_split_client", "branch_pair", "client_result"}  # the split engine
+
+
+def test_clients_read_their_round_and_talk_to_the_method_only_through_server_calls():
+    """Clients are given a frozen ``ClientRound`` and their method's options and parts (frozen
+    dataclasses); they never read the method's attributes."""
+    import dataclasses
+    import inspect
+    import re
+
+    import fl_lightning.algorithms as algorithms
+    from fl_lightning.algorithms.client import Client, ClientRound
+    from fl_lightning.algorithms.personalized.fedas import FedASClient
+    from fl_lightning.algorithms.personalized.fedgh import FedGHClient
+    from fl_lightning.algorithms.split.common import SplitClient
+    from fl_lightning.algorithms.split.fedsga_client import FedSGAClient, FedSGASettings
+    from fl_lightning.algorithms.split.multisfl import BranchClient, BranchRound
+
+    assert algorithms  # every client class is imported above
+    clients = [Client, *Client.__subclasses__()]
+    for cls in list(clients):
+        clients += [c for c in cls.__subclasses__() if c not in clients]
+    assert {FedASClient, FedGHClient, SplitClient, FedSGAClient, BranchClient} <= set(clients)
+    for cls in clients:
+        source = inspect.getsource(cls)
+        if cls is not Client:  # the base keeps it; any other bare use hands the method on
+            assert not re.search(r"self\.method\b(?!\.)", source), f"{cls.__name__} aliases the method"
+        asked = set(re.findall(r"self\.method\.(\w+)", source))
+        assert asked <= SERVER_CALLS, f"{cls.__name__} reads {sorted(asked - SERVER_CALLS)} of the method"
+    for given in (ClientRound, FedSGASettings, BranchRound):
+        assert dataclasses.fields(given) and given.__dataclass_params__.frozen, given.__name__

@@ -13,12 +13,21 @@ prototypes, FedSGA's prompt) lives on the object or travels on the result, never
 - ``split_common.SplitClient``: split learning, the server half in the loop. Its ``fit`` hands
   the round to the method's split engine (``SplitFed.fit_split_client``), which builds the
   client/server pair the server half needs; the client object supplies the parts.
+
+Every client gets its round as a frozen :class:`ClientRound` (the task, the round's learning
+rate, the training settings, its shard, the device, its batch-order stream) and the method's
+hyper-parameters it needs as a small frozen dataclass of the method's (FedAS's ``Alignment``,
+FedSGA's ``FedSGASettings``), so that what a client may read is written down in one place.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Type
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Type
 
+import torch
+
+from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.local_training import LocalFit, train_locally
@@ -30,12 +39,42 @@ if TYPE_CHECKING:
     from fl_lightning.algorithms.fedavg import FedAvg
 
 
+@dataclass(frozen=True)
+class ClientRound:
+    """What a client is given for its round, fixed when its object is made."""
+
+    task: ClientTask
+    round_idx: int
+    lr: float
+    """The round's learning rate (every client of a round uses the same)."""
+    train: LocalTrainConfig
+    shard: Any
+    """The client's ``ClientData`` (its examples, batched)."""
+    fabric: Any
+    seed: int
+    num_classes: int
+
+    @classmethod
+    def of(cls, ctx, task: ClientTask, plan: RoundPlan) -> "ClientRound":
+        return cls(task, plan.round_idx, plan.lr, ctx.train, ctx.shards[task.client], ctx.fabric, ctx.seed,
+                   ctx.num_classes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.fabric.device
+
+    def generator(self) -> torch.Generator:
+        """The client's batch-order stream of this round: a function of (seed, round, client) only."""
+        return client_generator(self.seed, self.round_idx, self.task.client)
+
+
 class Client:
-    """One client's round of ``method`` (the method that made it)."""
+    """One client's round of ``method`` (the method that made it): ``round`` is what the client
+    is given; the method is the server it talks to."""
 
     def __init__(self, method: "FedAvg", task: ClientTask, plan: RoundPlan):
         self.method, self.task, self.plan = method, task, plan
-        self.ctx = method.ctx
+        self.round = ClientRound.of(method.ctx, task, plan)
 
     def fit(self) -> ClientResult:
         """Run the client's round; the result is committed by the method if it is finite."""
@@ -66,9 +105,8 @@ class LocalClient(Client):
 
     def train(self, module) -> LocalFit:
         """Local training over the client's shard, batches drawn from its (seed, round, client) stream."""
-        ctx, task = self.ctx, self.task
-        return train_locally(ctx.fabric, module, ctx.shards[task.client], ctx.train,
-                             client_generator(ctx.seed, self.plan.round_idx, task.client))
+        r = self.round
+        return train_locally(r.fabric, module, r.shard, r.train, r.generator())
 
     def after_training(self, routed: Routed, module, fit: LocalFit) -> ClientResult:
         """What the trained client sends up (the method's ``return_model``), and its result."""

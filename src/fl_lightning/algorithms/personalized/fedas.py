@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,41 +72,100 @@ def alignment_loss(features: torch.Tensor, labels: torch.Tensor, prototypes: tor
     return loss
 
 
+@dataclass(frozen=True)
+class Alignment:
+    """FedAS's parameter-alignment settings, as a client reads them (the method's options)."""
+
+    lr: float
+    epochs: int
+    batch_size: int
+    unseen: bool
+
+
+@dataclass(frozen=True)
+class PersonalModel:
+    """The rank's worker a FedAS client trains in, split into the shared body and the
+    personalized head."""
+
+    worker: nn.Module
+    regions: dict
+    classifier: nn.Module
+    head_keys: List[str]
+    body_params: List[torch.Tensor]
+
+    def load(self, state: Dict[str, torch.Tensor], keys) -> None:
+        """Copy ``keys`` of ``state`` into the worker."""
+        local = self.worker.state_dict()
+        with torch.no_grad():
+            for key in keys:
+                local[key].copy_(state[key])
+
+
+def align_body(model: PersonalModel, alignment: Alignment, shard: ClientData, prototypes: torch.Tensor,
+               present: torch.Tensor, generator: torch.Generator, device=None) -> float:
+    """Plain SGD (no momentum, no clipping, as the original) on the worker's body towards the
+    prototypes, batch norm on batch statistics as the prototypes were read (in evaluation mode
+    the alignment diverged: loss 2.2e27 in round 0); the running statistics stay the global
+    model's. Returns the mean alignment loss."""
+    optimizer = torch.optim.SGD(model.body_params, lr=alignment.lr)
+    data = ClientData(shard.dataset, shard.indices, alignment.batch_size, device)
+    losses = []
+    with batch_statistics(model.worker):
+        for _ in range(alignment.epochs):
+            for x, y in without_single_rows(data.epoch(generator)):
+                features, _ = forward_features(model.worker, model.classifier, x)
+                loss = alignment_loss(features.reshape(-1, features.shape[-1]), y.reshape(-1), prototypes, present)
+                if not loss.requires_grad:  # no class of the batch has a prototype
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+    optimizer.zero_grad(set_to_none=True)
+    return sum(losses) / max(len(losses), 1)
+
+
 class FedASClient(LocalClient):
     """A FedAS client's round: parameter alignment of the received body towards the prototypes
     of its previous local model, local training with its own head, then the trace of its
-    Fisher information (the aggregation weight); the whole trained model goes up."""
+    Fisher information (the aggregation weight); the whole trained model goes up.
+
+    Given: its previous local model (None before it first trains), the common initial model,
+    the global model, the rank's worker and the alignment settings."""
 
     align_loss = 0.0
     """Mean loss of the round's alignment passes (0 when the client does not align)."""
 
+    def __init__(self, method, task, plan, previous: Optional[Dict[str, torch.Tensor]],
+                 initial: Dict[str, torch.Tensor], global_state: Dict[str, torch.Tensor], model: PersonalModel,
+                 alignment: Alignment):
+        super().__init__(method, task, plan)
+        self.previous, self.initial, self.global_state = previous, initial, global_state
+        self.model, self.alignment = model, alignment
+
     def receive(self) -> Routed:
         """The received global body aligned to the client's prototypes, under its own head."""
-        method, ctx, task = self.method, self.ctx, self.task
-        stored = method.store.kept(task.client, TRAINED)
-        previous = stored if stored is not None else method.init_state
-        if method.align_epochs > 0 and (stored is not None or method.align_unseen):
-            shard = ctx.shards[task.client]
-            method.load_keys(previous, method.global_state.keys())
-            prototypes, counts = class_prototypes(method.worker, method.classifier, shard.dataset, shard.indices,
-                                                  ctx.num_classes, method.align_batch_size, ctx.fabric.device,
-                                                  batch_stats=True)
-            load_routed_state(method.worker, method.global_state, method.worker_regions)
-            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ALIGN_STREAM, self.plan.round_idx,
-                                                                  task.client))
-            self.align_loss = method.align(shard, prototypes, counts > 0, generator)
+        r, model, alignment = self.round, self.model, self.alignment
+        previous = self.previous if self.previous is not None else self.initial
+        if alignment.epochs > 0 and (self.previous is not None or alignment.unseen):
+            model.load(previous, self.global_state.keys())
+            prototypes, counts = class_prototypes(model.worker, model.classifier, r.shard.dataset, r.shard.indices,
+                                                  r.num_classes, alignment.batch_size, r.device, batch_stats=True)
+            load_routed_state(model.worker, self.global_state, model.regions)
+            generator = torch.Generator().manual_seed(derive_seed(r.seed, ALIGN_STREAM, r.round_idx, r.task.client))
+            self.align_loss = align_body(model, alignment, r.shard, prototypes, counts > 0, generator, r.device)
         else:
-            load_routed_state(method.worker, method.global_state, method.worker_regions)
-        method.load_keys(previous, method.head_keys)  # the personalized head
-        routed = Routed(method.worker, method.worker_regions)
-        method.send_model(self.channel, routed, task)
+            load_routed_state(model.worker, self.global_state, model.regions)
+        model.load(previous, model.head_keys)  # the personalized head
+        routed = Routed(model.worker, model.regions)
+        self.method.send_model(self.channel, routed, r.task)
         return routed
 
     def after_training(self, routed, module, fit) -> FisherResult:
         """The trained model goes up with the trace of its Fisher information."""
-        shard, ctx = self.ctx.shards[self.task.client], self.ctx
-        fisher = fisher_trace(routed.module, shard.dataset, shard.indices, ctx.train.batch_size, ctx.fabric.device)
-        self.method.return_model(self.channel, routed, self.task)
+        r = self.round
+        fisher = fisher_trace(routed.module, r.shard.dataset, r.shard.indices, r.train.batch_size, r.device)
+        self.method.return_model(self.channel, routed, r.task)
         return self.result(routed, module, fit, FisherResult, {"fisher_trace": fisher, "align_loss": self.align_loss},
                            fisher=fisher)
 
@@ -153,66 +212,29 @@ class FedAS(FedAvg):
                 the common initial model (the original code does; false: it starts from the
                 global body unchanged).
         """
-        self.align_lr = align_lr
-        self.align_epochs = align_epochs
-        self.align_batch_size = align_batch_size
-        self.align_unseen = align_unseen
+        self.alignment = Alignment(align_lr, align_epochs, align_batch_size, align_unseen)
 
     def prepare(self, ctx):
         super().prepare(ctx)
-        self.head_keys = head_keys(self.worker)
-        _, self.classifier = find_classifier(self.worker)
-        head = set(self.head_keys)
-        self.body_params = [p for n, p in self.worker.named_parameters() if n not in head]
+        keys = head_keys(self.worker)
+        _, classifier = find_classifier(self.worker)
+        body_params = [p for n, p in self.worker.named_parameters() if n not in set(keys)]
+        self.model = PersonalModel(self.worker, self.worker_regions, classifier, keys, body_params)
         # setup runs before a checkpoint is loaded: this is the common initial model
         self.init_state = {k: v.detach().clone() for k, v in self.global_state.items()}
         self.store = self.keep(ClientStateStore(lambda: {
             **{k: torch.zeros_like(v) for k, v in self.global_state.items()},
             TRAINED: torch.zeros((), device=ctx.fabric.device)}))
 
-    def load_keys(self, state: Dict[str, torch.Tensor], keys) -> None:
-        local = self.worker.state_dict()
-        with torch.no_grad():
-            for key in keys:
-                local[key].copy_(state[key])
-
     # -- a round --------------------------------------------------------------------------------
     def new_client(self, task, plan):
-        return FedASClient(self, task, plan)
+        return FedASClient(self, task, plan, self.store.kept(task.client, TRAINED), self.init_state,
+                           self.global_state, self.model, self.alignment)
 
     def send_model(self, channel, routed, task) -> None:
         """The global body comes down (the head is the client's own)."""
         state = routed.module.state_dict()
-        channel.send_state(DOWN, "model", state, [k for k in state if k not in self.head_keys])
-
-    def align(self, shard: ClientData, prototypes: torch.Tensor, present: torch.Tensor,
-              generator: torch.Generator) -> float:
-        """Plain SGD (no momentum, no clipping, as the original) on the worker's body towards
-        the prototypes, batch norm on batch statistics as the prototypes were read (in
-        evaluation mode the alignment diverged: loss 2.2e27 in round 0); the running statistics
-        stay the global model's. Returns the mean alignment loss."""
-        optimizer = torch.optim.SGD(self.body_params, lr=self.align_lr)
-        data = ClientData(shard.dataset, shard.indices, self.align_batch_size, self.ctx.fabric.device)
-        losses = []
-        with batch_statistics(self.worker):
-            for _ in range(self.align_epochs):
-                for x, y in without_single_rows(data.epoch(generator)):
-                    loss = self._alignment_step(optimizer, x, y, prototypes, present)
-                    if loss is not None:
-                        losses.append(loss)
-        optimizer.zero_grad(set_to_none=True)
-        return sum(losses) / max(len(losses), 1)
-
-    def _alignment_step(self, optimizer, x, y, prototypes, present) -> Optional[float]:
-        """One SGD step on a batch; None when no class of the batch has a prototype."""
-        features, _ = forward_features(self.worker, self.classifier, x)
-        loss = alignment_loss(features.reshape(-1, features.shape[-1]), y.reshape(-1), prototypes, present)
-        if not loss.requires_grad:
-            return None
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach())
+        channel.send_state(DOWN, "model", state, [k for k in state if k not in self.model.head_keys])
 
     def commit(self, acc, task, result, plan):
         """Fisher-weighted accumulation (the accumulator divides by the summed traces, so the
@@ -232,7 +254,7 @@ class FedAS(FedAvg):
     def client_models(self, split):
         """Each client that has trained serves its stored local model."""
         def personal(client: int):
-            self.load_keys(self.store.kept(client, TRAINED), self.global_state.keys())
+            self.model.load(self.store.kept(client, TRAINED), self.global_state.keys())
             return self.worker
 
         return ClientModels(self.store.holding(TRAINED), personal)

@@ -37,17 +37,21 @@ class Prototypes:
 
 class FedGHClient(LocalClient):
     """A FedGH client's round: its own body under the global header, trained locally; what goes
-    up is each present class's prototype and label, never the model."""
+    up is each present class's prototype and label, never the model. Given: the worker's
+    classifier (the header, whose input is the representation)."""
+
+    def __init__(self, method, task, plan, classifier: torch.nn.Module):
+        super().__init__(method, task, plan)
+        self.classifier = classifier
 
     def after_training(self, routed, module, fit) -> ClientResult:
         """Prototypes of the trained body over the client's shard go up, as the result's payload."""
-        ctx, shard = self.ctx, self.ctx.shards[self.task.client]
+        r = self.round
         # batch statistics: the representations the header sees in local training; with running
         # statistics from a few local steps, evaluation-mode ones were up to 100x larger and the
         # server's header steps diverged
-        protos, counts = class_prototypes(routed.module, self.method.worker_classifier, shard.dataset, shard.indices,
-                                          ctx.num_classes, ctx.train.batch_size, ctx.fabric.device,
-                                          batch_stats=True)
+        protos, counts = class_prototypes(routed.module, self.classifier, r.shard.dataset, r.shard.indices,
+                                          r.num_classes, r.train.batch_size, r.device, batch_stats=True)
         present = counts > 0
         # no return_model: the model never goes up, only each present class's prototype and label
         self.channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
@@ -123,7 +127,7 @@ class FedGH(FedAvg):
         return Routed(self.worker, self.worker_regions)
 
     def new_client(self, task, plan):
-        return FedGHClient(self, task, plan)
+        return FedGHClient(self, task, plan, self.worker_classifier)
 
     def send_model(self, channel, routed, task) -> None:
         """The global header comes down (the body is the client's own)."""

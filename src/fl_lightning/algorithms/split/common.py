@@ -19,7 +19,7 @@ class SplitClient(Client):
     """One client's split round, made per task by the method (``SplitFed.new_client``): what
     its front computes, what it trains besides the front, how its backward runs, and the
     server's loss and step on its batches. Everything the round learns about the client stays
-    on this object, never on the method (``self.method``).
+    on this object, never on the method.
 
     This one is plain split learning: the front as it is, cross-entropy at the server, one
     server step per batch. FedSGA's client adds its prompt and the alignment term.

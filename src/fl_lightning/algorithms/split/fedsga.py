@@ -25,12 +25,11 @@ from typing import Dict, List, Literal, Optional
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.split.fedsga_client import CutChoice, FedSGAClient
+from fl_lightning.algorithms.split.fedsga_client import CutChoice, FedSGAClient, FedSGAParts, FedSGASettings
 from fl_lightning.algorithms.split.common import default_candidates
 from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
-from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptModule
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
@@ -152,6 +151,9 @@ class FedSGA(SplitFed):
         super().prepare(ctx)
         device = ctx.fabric.device
         self.ref_index = (len(self.cuts) - 1) // 2
+        self.client_settings = FedSGASettings(self.adaptation_channel, self.use_harmonizer, self.harmonized,
+                                              self.lambda_align, self.blocks_alignment_from_prompt, self.beta,
+                                              self.tau_m, self.ref_index, self.num_prompts)
         self.static_index = self.cuts.index(self.static_cut) if self.static_cut is not None else self.ref_index
         self.eval_index = self.cuts.index(self.eval_cut) if self.eval_cut is not None else self.ref_index
         input_shape = tuple(ctx.data.bundle.input_shape)
@@ -280,38 +282,6 @@ class FedSGA(SplitFed):
                                                      self.ctx.fabric.device))
         return self._probes[client]
 
-    def prompted(self, front, prompt):
-        """``front`` with ``prompt`` applied to its input (as it is without the adaptation channel)."""
-        return self.prompts.apply(front, prompt) if self.adaptation_channel else front
-
-    @torch.no_grad()
-    def probe_interfaces(self, client: int, prompt: torch.Tensor, channel: Channel) -> Dict[int, torch.Tensor]:
-        """The received model's interfaces at the probed depths (p1 and p_ref) on the client's
-        probe batch, standardized and pooled as the probes read them; what the client uploads for
-        them (the interfaces and the labels) crosses ``channel``.
-
-        The network computes the same prediction wherever it is cut, so the probe is not the
-        task loss: it is a linear classifier per depth (``DepthProbes``), i.e. how well the
-        interface at that depth already separates the classes (docs/fedsga.md). The interfaces
-        are computed as training computes them, batch norm on the probe batch's own statistics
-        (running statistics untouched).
-        """
-        from fl_lightning.elastic.bn import batch_statistics
-        from fl_lightning.modules.harmonizer import standardized
-
-        model = self.ctx.model
-        x, y = self.probe(client)
-        out = {}
-        channel.up("probe", y)
-        with batch_statistics(model):
-            for depth in self.probed:
-                front, _ = model.split(self.cuts[depth])
-                with self.ctx.fabric.autocast():
-                    interface = self.prompted(front, prompt)(x)
-                channel.up("probe", interface)
-                out[depth] = standardized(interface)
-        return out
-
     def load_server_harmonizer(self, task: ClientTask, plan: RoundPlan) -> None:
         """The harmonizer the server half trains with for this client: a copy of the global one
         per client (V1), or one carried through the round from its first client (shared). Marks
@@ -320,8 +290,13 @@ class FedSGA(SplitFed):
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
 
     def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
-        """The client's round with its prompt from the store (``algorithms/split/fedsga_client.py``)."""
-        return FedSGAClient(self, task, plan, self.store.get(task.client))
+        """The client's round (``algorithms/split/fedsga_client.py``) with its prompt from the
+        store and its probe batch, on the server half's harmonizer for this client."""
+        self.load_server_harmonizer(task, plan)
+        parts = FedSGAParts(self.ctx.model, self.cuts, self.probed, self.prompts, self.harmonizer_worker, self.probes,
+                            self.client_worker)
+        return FedSGAClient(self, task, plan, self.store.get(task.client), self.probe(task.client),
+                            self.client_settings, parts)
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         if not self.use_harmonizer:

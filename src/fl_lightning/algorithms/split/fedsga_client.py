@@ -12,10 +12,11 @@ labels it added to the prototypes) and hands the server its new store entry in a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fl_lightning.algorithms.split.common import SplitClient
 from fl_lightning.runtime.channel import Channel
@@ -30,6 +31,42 @@ class CutChoice:
     index: int
     calibrate: bool
     r: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class FedSGASettings:
+    """The FedSGA options a client's round reads (the method's, fixed for the run)."""
+
+    adaptation_channel: bool
+    """The client trains private prompt tokens."""
+    use_harmonizer: bool
+    harmonized: bool
+    """The harmonized read-out is on the server's prediction path."""
+    lambda_align: float
+    blocks_alignment_from_prompt: bool
+    """``prompt_gradient: task``: the alignment term's gradient is kept from the prompt."""
+    beta: float
+    """Sufficiency margin of the calibration label."""
+    tau_m: float
+    """Prompt contribution temperature."""
+    ref_index: int
+    num_prompts: int
+
+
+@dataclass(frozen=True)
+class FedSGAParts:
+    """The rank's parts a FedSGA client's round works with: the received global model and the
+    candidate cuts, the prompt channel, the server half's harmonizer, the depth probes and the
+    worker the client's front trains in."""
+
+    model: nn.Module
+    cuts: List[str]
+    probed: List[int]
+    """The depths the calibration and the alignment descriptor read."""
+    prompts: Any
+    harmonizer: nn.Module
+    probes: nn.Module
+    client_worker: nn.Module
 
 
 @dataclass
@@ -53,17 +90,19 @@ class NextClientState:
 
 
 class FedSGAClient(SplitClient):
-    """One FedSGA client's round on the method's workers (``method``: the :class:`FedSGA`)."""
+    """One FedSGA client's round on the rank's parts: given its store entry ``state``, its probe
+    batch, the method's settings and the parts (``FedSGAParts``)."""
 
-    def __init__(self, method, task: ClientTask, plan: RoundPlan, state: Dict[str, torch.Tensor]):
+    def __init__(self, method, task: ClientTask, plan: RoundPlan, state: Dict[str, torch.Tensor],
+                 probe: Tuple[torch.Tensor, torch.Tensor], settings: FedSGASettings, parts: FedSGAParts):
         super().__init__(method, task, plan)
-        self.state = state
+        self.state, self.probe, self.settings, self.parts = state, probe, settings, parts
         self.depth = task.choice.index
         self.prompt_before = state["prompt"].detach().clone()
-        self.prompt = state["prompt"].detach().clone().requires_grad_(method.adaptation_channel)
-        self.grad_norms = torch.zeros(method.num_prompts, dtype=torch.float64)
+        self.prompt = state["prompt"].detach().clone().requires_grad_(settings.adaptation_channel)
+        self.grad_norms = torch.zeros(settings.num_prompts, dtype=torch.float64)
         self.grad_steps = 0
-        prototypes = method.harmonizer.prototypes
+        prototypes = parts.harmonizer.prototypes
         self.class_sums = torch.zeros(prototypes.shape, dtype=torch.float64, device=prototypes.device)
         self.class_counts = torch.zeros(prototypes.shape[0], dtype=torch.float64, device=prototypes.device)
         self.align_term: Optional[torch.Tensor] = None  # the batch in flight's alignment loss
@@ -75,35 +114,67 @@ class FedSGAClient(SplitClient):
         result's payload."""
         from fl_lightning.modules.sufficiency import sufficiency_label
 
-        method, task = self.method, self.task
-        method.load_server_harmonizer(task, self.plan)
+        settings, probes = self.settings, self.parts.probes
         probe_link = Channel()
-        self.probe_rows = method.probe_interfaces(task.client, self.prompt.detach(), probe_link)
+        self.probe_rows = self.received_interfaces(probe_link)
         calibration = {}
-        if task.choice.calibrate:
-            _, y = method.probe(task.client)
-            loss_p1 = method.probes.loss(self.probe_rows[0], y, 0)
-            loss_ref = method.probes.loss(self.probe_rows[method.ref_index], y, method.ref_index)
+        if self.task.choice.calibrate:
+            _, y = self.probe
+            ref = settings.ref_index
+            loss_p1 = probes.loss(self.probe_rows[0], y, 0)
+            loss_ref = probes.loss(self.probe_rows[ref], y, ref)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
-                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, method.beta))}
-        result = method.fit_split_client(self)
+                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, settings.beta))}
+        result = self.method.fit_split_client(self)
         result.channel.merge(probe_link)
         result.metrics.update(calibration)
         figures, result.payload = self.report(calibration, result.channel)
         result.metrics.update(figures)
         return result
 
+    @torch.no_grad()
+    def received_interfaces(self, channel: Channel) -> Dict[int, torch.Tensor]:
+        """The received model's interfaces at the probed depths (p1 and p_ref) on the client's
+        probe batch, standardized and pooled as the probes read them; what the client uploads for
+        them (the interfaces and the labels) crosses ``channel``.
+
+        The network computes the same prediction wherever it is cut, so the probe is not the
+        task loss: it is a linear classifier per depth (``DepthProbes``), i.e. how well the
+        interface at that depth already separates the classes (docs/fedsga.md). The interfaces
+        are computed as training computes them, batch norm on the probe batch's own statistics
+        (running statistics untouched).
+        """
+        from fl_lightning.elastic.bn import batch_statistics
+        from fl_lightning.modules.harmonizer import standardized
+
+        parts, prompt = self.parts, self.prompt.detach()
+        x, y = self.probe
+        out = {}
+        channel.up("probe", y)
+        with batch_statistics(parts.model):
+            for depth in parts.probed:
+                front, _ = parts.model.split(parts.cuts[depth])
+                with self.round.fabric.autocast():
+                    interface = self.prompted(front, prompt)(x)
+                channel.up("probe", interface)
+                out[depth] = standardized(interface)
+        return out
+
     # -- the client half ------------------------------------------------------------------------
+    def prompted(self, front, prompt):
+        """``front`` with ``prompt`` applied to its input (as it is without the adaptation channel)."""
+        return self.parts.prompts.apply(front, prompt) if self.settings.adaptation_channel else front
+
     def forward(self, front):
-        return self.method.prompted(front, self.prompt)
+        return self.prompted(front, self.prompt)
 
     def trainables(self):
-        return [self.prompt] if self.method.adaptation_channel else []
+        return [self.prompt] if self.settings.adaptation_channel else []
 
     def after_backward(self) -> None:
         """The prompt's per-token gradient norms, for the prompt-state variation descriptor."""
-        if self.method.adaptation_channel and self.prompt.grad is not None:
-            self.grad_norms += self.method.prompts.token_norms(self.prompt.grad.detach()).double().cpu()
+        if self.settings.adaptation_channel and self.prompt.grad is not None:
+            self.grad_norms += self.parts.prompts.token_norms(self.prompt.grad.detach()).double().cpu()
             self.grad_steps += 1
 
     def backward(self, fabric, z: torch.Tensor, grad: torch.Tensor) -> None:
@@ -123,18 +194,18 @@ class FedSGAClient(SplitClient):
         lambda times the alignment loss against the prototypes of the previous rounds; the
         batch's projected features add to the round's prototype statistics. Without
         harmonization, plain cross-entropy."""
-        method = self.method
+        settings = self.settings
         logits = back(sent)
-        if not method.use_harmonizer:
+        if not settings.use_harmonizer:
             return F.cross_entropy(logits, y)
-        harmonizer = method.harmonizer_worker
+        harmonizer = self.parts.harmonizer
         features = harmonizer.project(sent, self.depth)
-        if method.harmonized:
+        if settings.harmonized:
             logits = logits + harmonizer.head(features).to(logits.dtype)
         sums, counts = harmonizer.class_sums(features, y)
         self.class_sums += sums
         self.class_counts += counts
-        align = method.lambda_align * harmonizer.alignment_loss(features, y)
+        align = settings.lambda_align * harmonizer.alignment_loss(features, y)
         self.align_term = align
         return F.cross_entropy(logits, y) + align
 
@@ -143,7 +214,7 @@ class FedSGAClient(SplitClient):
         the cut is sent down too, beside the total (``backward`` uses it)."""
         with fabric.autocast():
             loss = pair.server_loss(sent, y)
-        if self.method.blocks_alignment_from_prompt and self.align_term is not None:
+        if self.settings.blocks_alignment_from_prompt and self.align_term is not None:
             self.align_grad, = torch.autograd.grad(self.align_term, sent, retain_graph=True)
             fit.channel.down("align", self.align_grad)
         self.align_term = None
@@ -163,21 +234,21 @@ class FedSGAClient(SplitClient):
         from fl_lightning.modules.harmonizer import pool_interface, standardized
         from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
 
-        method, state = self.method, self.state
+        settings, parts, state = self.settings, self.parts, self.state
         prompt = self.prompt.detach()
-        x, y = method.probe(self.task.client)
-        with batch_statistics(method.client_worker):
-            front, _ = method.client_worker.split(method.cuts[0])
-            with method.ctx.fabric.autocast():
-                shallow = method.prompted(front, prompt)(x)
+        x, y = self.probe
+        with batch_statistics(parts.client_worker):
+            front, _ = parts.client_worker.split(parts.cuts[0])
+            with self.round.fabric.autocast():
+                shallow = self.prompted(front, prompt)(x)
         channel.up("probe", shallow)  # the labels went up with the round's probe interfaces
         pooled = pool_interface(shallow).float()
-        alignment = method.probes.true_class_probability(standardized(shallow), y, 0)
+        alignment = parts.probes.true_class_probability(standardized(shallow), y, 0)
         previous = state["probe_features"] if state["has_descriptor"].item() else None
         stability = temporal_stability(pooled, previous)
-        if method.adaptation_channel and self.grad_steps:
-            variation = prompt_variation(method.prompts.tokens(self.prompt_before), method.prompts.tokens(prompt),
-                                         self.grad_norms / self.grad_steps, method.tau_m)
+        if settings.adaptation_channel and self.grad_steps:
+            variation = prompt_variation(parts.prompts.tokens(self.prompt_before), parts.prompts.tokens(prompt),
+                                         self.grad_norms / self.grad_steps, settings.tau_m)
         else:
             variation = 0.0
         descriptor = torch.tensor([alignment, stability, variation], device=state["descriptor"].device)

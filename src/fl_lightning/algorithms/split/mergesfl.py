@@ -210,7 +210,10 @@ class MergeSFL(SplitFed):
         for i, (slot, task) in enumerate(zip(self.slots, tasks)):
             shared = pairs[0].server_optimizer if pairs else None
             client = self.new_client(task, plan)
-            pairs.append(self.make_pair(client, client_worker=slot, load_server=i == 0, server_optimizer=shared))
+            self.load_front(slot, self.global_state, task.cut)  # each client its own front, one server half
+            if i == 0:
+                self.load_back(self.global_state, task.cut)
+            pairs.append(self.build_pair(client, slot, server_optimizer=shared))
             shard = ctx.shards[task.client]
             data = ClientData(shard.dataset, shard.indices, task.choice.batch_size, shard.device,
                               shard.num_workers)

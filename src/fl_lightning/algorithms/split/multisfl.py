@@ -32,7 +32,7 @@ from fl_lightning.runtime.channel import DOWN, UP, Channel, state_bytes
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
 # seed streams: branch assignment, assistant selection and sampling, replay chunk order
 ASSIGN_STREAM, REPLAY_STREAM, CHUNK_STREAM = 43, 44, 45
@@ -92,46 +92,64 @@ class Branch:
     branch: int
 
 
+@dataclass(frozen=True)
+class BranchRound:
+    """What the server gives a MultiSFL client for its round: its branch's tensors and the keys
+    of their client portion, the index of its cut among the candidates, the worker its front
+    trains in, the assistant devices' replay (dataset indices, how many assistants) and the
+    rank's helper worker that computes the replayed activations."""
+
+    state: Dict[str, torch.Tensor]
+    front_keys: List[str]
+    cut_index: int
+    front_worker: torch.nn.Module
+    replay: Optional[Tuple[torch.Tensor, int]]
+    """None without knowledge replay."""
+    helper_worker: torch.nn.Module
+
+
 class BranchClient(SplitClient):
     """A MultiSFL client's round: split training of its assigned branch (not the master), the
     server portion also stepping on replayed activations of the assistant devices."""
+
+    def __init__(self, method, task, plan, given: BranchRound):
+        super().__init__(method, task, plan)
+        self.given = given
 
     def fit(self) -> ClientResult:
         from fl_lightning.modules.split import split_step, train_split
         from fl_lightning.modules.split_variants import Replay
         from fl_lightning.runtime.client_data import ClientData
 
-        method, task, plan = self.method, self.task, self.plan
-        ctx, cut, branch = self.ctx, task.cut, task.choice.branch
-        state = method.branches[branch]
-        front_keys = method.halves.front(cut)
-        front_regions = key_regions(state, front_keys)
-        pair = method.make_pair(self, state=state)
-        method.helper_worker.train()
-        helper_front, _ = method.helper_worker.split(cut)
-        shard = ctx.shards[task.client]
+        r, given = self.round, self.given
+        cut, shard = r.task.cut, r.shard
+        front_keys = given.front_keys
+        front_regions = key_regions(given.state, front_keys)
+        pair = self.method.branch_pair(self, given.state)
+        given.helper_worker.train()
+        helper_front, _ = given.helper_worker.split(cut)
         helper_data, assistants = None, 0
-        if method.replay:
-            indices, assistants = method.replay_set(task, plan.round_idx)
+        if given.replay is not None:
+            indices, assistants = given.replay
             if len(indices) >= 2:  # batch norm needs two rows per part
                 chunk = max(2, math.ceil(len(indices) / shard.batches_per_epoch()))
                 helper_data = ClientData(shard.dataset, indices, chunk, shard.device, shard.num_workers)
 
         assistant_link = Channel()  # the assistant devices' traffic, apart from the client's own
-        front_bytes = state_bytes(state, front_keys)  # the client portion, as each assistant receives it
+        front_bytes = state_bytes(given.state, front_keys)  # the client portion, as each assistant receives it
 
         def refresh_helper():  # the assistants receive the client portion as it is now
-            load_routed_state(method.helper_worker, method.client_worker.state_dict(), front_regions)
+            load_routed_state(given.helper_worker, given.front_worker.state_dict(), front_regions)
             assistant_link.count(DOWN, "model", assistants * front_bytes)
 
         replay = Replay(self.forward(helper_front), refresh_helper, helper_data,
-                        torch.Generator().manual_seed(derive_seed(ctx.seed, CHUNK_STREAM, plan.round_idx, task.client)),
+                        torch.Generator().manual_seed(derive_seed(r.seed, CHUNK_STREAM, r.round_idx, r.task.client)),
                         shard.batches_per_epoch(), assistant_link)
-        fit = train_split(ctx.fabric, split_step(pair, replay), shard, ctx.train,
-                          client_generator(ctx.seed, plan.round_idx, task.client))
-        result = method.client_result(task, fit, state=state)
-        result.metrics.update({"branch": branch, "cut": method.cuts.index(cut), "assistants": assistants,
-                               "replay_examples": replay.examples, "replay_bytes_up": assistant_link.total(UP),
+        fit = train_split(r.fabric, split_step(pair, replay), shard, r.train, r.generator())
+        result = self.method.client_result(r.task, fit, state=given.state)
+        result.metrics.update({"branch": r.task.choice.branch, "cut": given.cut_index,
+                               "assistants": assistants, "replay_examples": replay.examples,
+                               "replay_bytes_up": assistant_link.total(UP),
                                "replay_model_bytes": assistant_link.total(DOWN)})
         return result
 
@@ -259,7 +277,17 @@ class MultiSFL(SplitFed):
 
     # -- a client's round -----------------------------------------------------------------------
     def new_client(self, task: ClientTask, plan: RoundPlan) -> BranchClient:
-        return BranchClient(self, task, plan)
+        replay = self.replay_set(task, plan.round_idx) if self.replay else None
+        given = BranchRound(self.branches[task.choice.branch], self.halves.front(task.cut), self.cuts.index(task.cut),
+                            self.client_worker, replay, self.helper_worker)
+        return BranchClient(self, task, plan, given)
+
+    def branch_pair(self, client: BranchClient, state: Dict[str, torch.Tensor]):
+        """The client's pair on its branch: the branch's front in the rank's worker, its server
+        portion in the server worker (as SplitFed V1 on the global model)."""
+        self.load_front(self.client_worker, state, client.task.cut)
+        self.load_back(state, client.task.cut)
+        return self.build_pair(client, self.client_worker)
 
     def new_accumulator(self, plan):
         """Besides the master: every branch's trained state (from the rank that trained it,

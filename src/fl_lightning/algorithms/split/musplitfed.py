@@ -15,7 +15,7 @@ import torch
 
 from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.option_types import PositiveFloat, PositiveInt
-from fl_lightning.runtime.seeding import client_generator, derive_seed
+from fl_lightning.runtime.seeding import derive_seed
 
 ZO_STREAM = 42  # seed stream of MU-SplitFed's zeroth-order directions
 
@@ -55,13 +55,12 @@ class MUSplitFed(SplitFed):
         from fl_lightning.modules.split import split_step, train_split
         from fl_lightning.modules.split_variants import unbalanced, zeroth_order_step
 
-        ctx, task, plan = self.ctx, client.task, client.plan
+        r = client.round
         if self.estimator == "zo":
-            generator = torch.Generator().manual_seed(derive_seed(ctx.seed, ZO_STREAM, plan.round_idx, task.client))
+            generator = torch.Generator().manual_seed(derive_seed(r.seed, ZO_STREAM, r.round_idx, r.task.client))
             step = zeroth_order_step(pair, self.tau, self.feedback_at, self.zo_smoothing, generator)
         else:
             step = split_step(pair, unbalanced(self.tau, self.feedback_at))
-        fit = train_split(ctx.fabric, step, ctx.shards[task.client], ctx.train,
-                          client_generator(ctx.seed, plan.round_idx, task.client))
+        fit = train_split(r.fabric, step, r.shard, r.train, r.generator())
         fit.extras["server_steps"] = fit.steps * self.tau
         return fit

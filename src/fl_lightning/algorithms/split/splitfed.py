@@ -33,7 +33,7 @@ from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.kept_state import KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed, sample_clients
 
 ORDER_STREAM = 21  # seed stream of SplitFed V2's client order
 
@@ -167,31 +167,38 @@ class SplitFed(FedAvg):
             self._stash_momentum(pair.server_optimizer)
         return self.client_result(client.task, fit)
 
-    def make_pair(self, client: SplitClient, client_worker: Optional[nn.Module] = None,
-                  load_server: Optional[bool] = None, server_optimizer=None,
-                  state: Optional[Dict[str, torch.Tensor]] = None):
-        """The client round's two halves with their optimizers (``modules/split.py``), driven by
-        ``client``'s forward, backward and server loss.
+    def make_pair(self, client: SplitClient):
+        """SplitFed's pair for ``client``: the global front in the rank's worker, and the server
+        half a copy of the global back for this client (V1), or the one shared server half,
+        loaded from the global model at the round's first client and carrying its momentum
+        across clients and rounds (V2)."""
+        cut = client.task.cut
+        self.load_front(self.client_worker, self.global_state, cut)
+        if self.version == "v1" or client.task is client.plan.tasks[0]:
+            self.load_back(self.global_state, cut)
+        return self.build_pair(client, self.client_worker)
 
-        The client half is ``client_worker`` (default: the rank's worker) holding the global
-        front; the server half is a copy of the global back for this client (V1), or the one
-        shared server half, loaded from the global model at the round's first client and
-        carrying its momentum across clients and rounds (V2). ``state``: the tensors to load
-        instead of the global model's (MultiSFL's branches)."""
-        from fl_lightning.modules.split import make_pair
-
-        ctx, task, plan = self.ctx, client.task, client.plan
-        cut = task.cut
-        source = state if state is not None else self.global_state
-        worker = client_worker if client_worker is not None else self.client_worker
+    def load_front(self, worker: nn.Module, source: Dict[str, torch.Tensor], cut: str) -> None:
+        """The front of ``source`` (the global model, or MultiSFL's branch) into ``worker``."""
         load_routed_state(worker, source, key_regions(source, self.halves.front(cut)))
         self.statistics.prepare(worker)
-        if load_server is None:
-            load_server = self.version == "v1" or task is plan.tasks[0]
-        if load_server:  # V2: everything any client of the run may train on the server
-            back_keys = self.halves.back(cut if self.version == "v1" else self.cuts[0])
-            load_routed_state(self.server_worker, source, key_regions(source, back_keys))
-            self.statistics.prepare(self.server_worker)  # V2: statistics pooled over the round
+
+    def load_back(self, source: Dict[str, torch.Tensor], cut: str) -> None:
+        """The back of ``source`` into the server worker (V2: everything any client of the run
+        may train on the server, behind the shallowest cut)."""
+        back_keys = self.halves.back(cut if self.version == "v1" else self.cuts[0])
+        load_routed_state(self.server_worker, source, key_regions(source, back_keys))
+        self.statistics.prepare(self.server_worker)  # V2: statistics pooled over the round
+
+    def build_pair(self, client: SplitClient, worker: nn.Module, server_optimizer=None):
+        """The client round's two halves with their optimizers (``modules/split.py``), driven by
+        ``client``'s forward, backward and server loss: ``worker``'s front (loaded) and the
+        server worker's back, the server stepping with ``server_optimizer`` when the cohort
+        shares one (MergeSFL), else its own (V2: with the momentum carried over)."""
+        from fl_lightning.modules.split import make_pair
+
+        r = client.round
+        cut = r.task.cut
         worker.train()
         self.server_worker.train()
         front, _ = worker.split(cut)
@@ -205,11 +212,11 @@ class SplitFed(FedAvg):
         if self.version == "v2":
             momentum = {id(p): self._server_momentum[names[id(p)]] for p in server_params
                         if names.get(id(p)) in self._server_momentum}
-        return make_pair(ctx.fabric, ctx.train, client_forward=client.forward(front),
+        return make_pair(r.fabric, r.train, client_forward=client.forward(front),
                          server_loss=lambda zs, y: client.server_loss(back, zs, y), client_module=front,
                          server_module=back, client_params=list(front.parameters()) + client.trainables(),
-                         server_params=server_params, lr=plan.lr,
-                         server_lr=self.server_lr if self.server_lr is not None else plan.lr,
+                         server_params=server_params, lr=r.lr,
+                         server_lr=self.server_lr if self.server_lr is not None else r.lr,
                          server_momentum=momentum, after_client_backward=client.after_backward,
                          server_optimizer=server_optimizer, client_backward=client.backward)
 
@@ -219,9 +226,8 @@ class SplitFed(FedAvg):
         its replay step itself)."""
         from fl_lightning.modules.split import split_step, train_split
 
-        ctx, task = self.ctx, client.task
-        return train_split(ctx.fabric, split_step(pair, client.server_rule), ctx.shards[task.client], ctx.train,
-                           client_generator(ctx.seed, client.plan.round_idx, task.client))
+        r = client.round
+        return train_split(r.fabric, split_step(pair, client.server_rule), r.shard, r.train, r.generator())
 
     def client_result(self, task: ClientTask, fit, module: Optional[nn.Module] = None,
                       state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:
