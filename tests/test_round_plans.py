@@ -147,3 +147,35 @@ def test_ranks_share_a_round_by_estimated_work():
     assert balanced_share(items, work, 0, 1) == items
     shares = [balanced_share(list(range(7)), [1.0] * 7, r, 3) for r in range(3)]
     assert sorted(sum(shares, [])) == list(range(7)) and [len(s) for s in shares] == [3, 2, 2]
+
+
+class _Alternating:
+    """A selector of the form a method may plug in: even clients on even rounds, odd on odd."""
+
+    def __init__(self, num_clients):
+        self.num_clients = num_clients
+
+    def cohort(self, round_idx):
+        return [c for c in range(self.num_clients) if c % 2 == round_idx % 2]
+
+
+@pytest.mark.parametrize("method", ["FedAvg", "HeteroFL", "SplitFed", "MultiSFL"])
+def test_every_family_plans_the_cohort_its_selector_gives(spec_factory, method):
+    """The client selector is a part of the base: replaced after set-up, every family's plan
+    trains its cohort (the default draws uniformly from (seed, round))."""
+    from lightning.fabric import Fabric
+
+    import fl_lightning.algorithms as algorithms
+    from fl_lightning.federation.loop import Federation
+    from fl_lightning.federation.run_dir import RunDir
+    from fl_lightning.runtime.seeding import sample_clients
+
+    overrides = {}
+    if method in ("SplitFed", "MultiSFL"):
+        overrides["model"] = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
+    spec = spec_factory(name=method, algorithm=getattr(algorithms, method)(), **overrides)
+    alg = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name)).algorithm
+    ctx = alg.ctx
+    assert alg.plan(3).cohort == sample_clients(ctx.seed, 3, ctx.num_clients, ctx.clients_per_round)
+    alg.selector = _Alternating(ctx.num_clients)
+    assert sorted(alg.plan(2).cohort) == [0, 2, 4] and sorted(alg.plan(3).cohort) == [1, 3, 5]

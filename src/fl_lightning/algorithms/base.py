@@ -41,6 +41,7 @@ import torch
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.runtime.client_selection import UniformSelection
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
@@ -69,13 +70,15 @@ class Algorithm(ABC):
     def setup(self, ctx: RunContext) -> None:
         """The set-up every method goes through, in this order: its options checked, the run's
         context and the global tensors kept, its served-statistics part built (which checks
-        the ``bn`` options before any work), then :meth:`prepare`."""
+        the ``bn`` options before any work) and its client selector (uniform; a method may
+        replace it), then :meth:`prepare`."""
         from fl_lightning.algorithms.bn_protocol import ServedStatistics
 
         self.check(ctx.train)
         self.ctx = ctx
         self.global_state = ctx.model.state_dict()
         self.statistics = ServedStatistics(ctx, self.bn, self.sbn_data, self.calib_batch_size, self.calib_transform)
+        self.selector = UniformSelection(ctx.seed, ctx.num_clients, ctx.clients_per_round)
         self.kept = []
         self.prepare(ctx)
 

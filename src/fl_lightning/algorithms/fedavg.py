@@ -39,7 +39,7 @@ from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.round_state import RoundAccumulator
 from fl_lightning.runtime.schedule import round_lr
-from fl_lightning.runtime.seeding import sample_clients, seed_client
+from fl_lightning.runtime.seeding import seed_client
 
 Weighting = Literal["samples", "uniform"]
 
@@ -91,9 +91,9 @@ class FedAvg(Algorithm):
         self.worker_regions = full_region_map(self.worker.state_dict())
 
     def plan(self, round_idx: int) -> RoundPlan:
-        """Uniform sampling without replacement; every client trains the whole model."""
-        ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        """The selector's cohort (uniform sampling without replacement); every client trains the
+        whole model."""
+        cohort = self.selector.cohort(round_idx)
         return RoundPlan(round_idx, self.round_lr(round_idx), [ClientTask(client) for client in cohort])
 
     def round_lr(self, round_idx: int) -> float:

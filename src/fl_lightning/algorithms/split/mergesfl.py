@@ -27,7 +27,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import client_generator, derive_seed, sample_clients
+from fl_lightning.runtime.seeding import client_generator, derive_seed
 
 SELECT_STREAM = 41  # seed stream of MergeSFL's candidate cohorts
 
@@ -158,7 +158,7 @@ class MergeSFL(SplitFed):
 
     def plan(self, round_idx: int) -> RoundPlan:
         ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        cohort = self.selector.cohort(round_idx)
         best, best_kl = cohort, merged_kl(self.counts[cohort], self.batch_sizes(cohort), self.reference)
         if self.selection == "kl":
             generator = torch.Generator().manual_seed(derive_seed(ctx.seed, SELECT_STREAM, round_idx))

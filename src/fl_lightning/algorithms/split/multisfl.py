@@ -32,7 +32,7 @@ from fl_lightning.runtime.channel import DOWN, UP, Channel, state_bytes
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed
 
 # seed streams: branch assignment, assistant selection and sampling, replay chunk order
 ASSIGN_STREAM, REPLAY_STREAM, CHUNK_STREAM = 43, 44, 45
@@ -234,7 +234,7 @@ class MultiSFL(SplitFed):
         """The uniform cohort, the k-th client of a seeded random order training branch k, and
         each branch's label statistic updated with its client (pending until the round ends)."""
         ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        cohort = self.selector.cohort(round_idx)
         order = torch.randperm(len(cohort), generator=torch.Generator().manual_seed(
             derive_seed(ctx.seed, ASSIGN_STREAM, round_idx))).tolist()
         tasks = []

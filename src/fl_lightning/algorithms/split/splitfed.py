@@ -33,7 +33,7 @@ from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.kept_state import KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.result import ClientResult
-from fl_lightning.runtime.seeding import derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed
 
 ORDER_STREAM = 21  # seed stream of SplitFed V2's client order
 
@@ -141,7 +141,7 @@ class SplitFed(FedAvg):
     def cohort(self, round_idx: int) -> List[int]:
         """The round's clients; V2's server visits them in a seeded random order."""
         ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        cohort = self.selector.cohort(round_idx)
         if self.version == "v2":
             order = torch.randperm(len(cohort), generator=torch.Generator().manual_seed(
                 derive_seed(ctx.seed, ORDER_STREAM, round_idx)))

@@ -41,7 +41,7 @@ from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import NonNegativeFloat, PositiveInt, UnitFraction
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.seeding import derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed
 
 TIERS = (0.25, 0.5, 0.75, 1.0)
 TIER_PROBS = (0.3, 0.3, 0.2, 0.2)
@@ -150,8 +150,7 @@ class SubmodelAlgorithm(FedAvg):
     def plan(self, round_idx: int) -> RoundPlan:
         from fl_lightning.elastic.specs import WidthSpec
 
-        ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        cohort = self.selector.cohort(round_idx)
         widths = self.widths_for(round_idx, cohort)
         tasks = []
         for c in cohort:

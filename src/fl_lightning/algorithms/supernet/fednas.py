@@ -45,7 +45,7 @@ from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENE
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
 from fl_lightning.runtime.kept_state import KeptAttributes
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.seeding import derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed
 
 # seed streams of the architecture draws and of Mixup/CutMix, keyed by (seed, stream, round, client)
 ARCH_STREAM, MIX_STREAM = 51, 52
@@ -310,8 +310,7 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
         """The cohort (FEAST's uniform sample), the sandwich roles from the tracking counts, one
         architecture and one MaxNet weight per client. Pure: the counts change in
         :meth:`finish_round`, so every rank plans the same round."""
-        ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        cohort = self.selector.cohort(round_idx)
         max_client, min_client = sandwich_roles(cohort, self.largest.tolist(), self.smallest.tolist())
         c = self.coefficient(round_idx)
         weights = maxnet_weights(len(cohort), cohort.index(max_client) if max_client is not None else None, c)

@@ -38,7 +38,7 @@ from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
 from fl_lightning.runtime.kept_state import KeptModule, KeptRecord
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.seeding import derive_seed, sample_clients
+from fl_lightning.runtime.seeding import derive_seed
 
 MIXING_STREAM = 33  # seed stream of ScaleFL's optional Mixup / CutMix draws
 
@@ -174,8 +174,7 @@ class ScaleFL(FedAvg):
         return round_idx >= self.kd_start * self.ctx.rounds
 
     def plan(self, round_idx: int) -> RoundPlan:
-        ctx = self.ctx
-        cohort = sample_clients(ctx.seed, round_idx, ctx.num_clients, ctx.clients_per_round)
+        cohort = self.selector.cohort(round_idx)
         tasks = []
         for c in cohort:
             k = int(self.assignment.assigned[c])
