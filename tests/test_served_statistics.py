@@ -81,6 +81,24 @@ def test_a_served_sub_model_has_the_statistics_of_a_full_width_pass(spec_factory
             assert (state[key] == initial).all(), key
 
 
+def test_served_statistics_are_estimated_once_per_global_model(spec_factory):
+    """'val' and 'test' of one evaluation share the served model; any write to the global model
+    (a round, a loaded checkpoint) gives a fresh estimate with the new weights' statistics."""
+    algorithm = Uniform(caps=[1.0, 0.5, 0.25, 0.5, 1.0, 0.25], bn="sbn", calib_batch_size=ONE_BATCH,
+                        calib_transform="eval")
+    spec = spec_factory(name="cached", algorithm=algorithm, data=DATA,
+                        federation=FederationConfig(rounds=1, clients_per_round=3))
+    run_fit(spec)
+    ctx = algorithm.ctx
+    first = algorithm.statistics.served(ctx.model)
+    assert algorithm.statistics.served(ctx.model) is first
+    with torch.no_grad():
+        ctx.model.state_dict()["features.block0.conv.weight"].mul_(1.5)  # as a round's apply writes it
+    again = algorithm.statistics.served(ctx.model)
+    assert again is not first
+    assert_statistics(again, population_moments(again, client_images(ctx.data)))
+
+
 def test_fjord_per_width_statistics_come_from_the_clients_at_the_served_width(spec_factory):
     """FjORD's default (the Flower baseline's per-width statistics): only clients that trained
     the full width send statistics; with caps below 1 for all, nobody does and they stay initial,

@@ -87,6 +87,7 @@ class ServedStatistics:
         needs_calib = protocol == "recalibrate" or (protocol == "sbn" and sbn_data == "calib")
         self.calibration = ServerCalibration(ctx, batch_size, transform,
                                              required_by=f"BN protocol {protocol} passes" if needs_calib else None)
+        self._served = None  # (key, models) of the last estimate
 
     # -- the client side ------------------------------------------------------------------------
     def prepare(self, module: nn.Module) -> None:
@@ -121,10 +122,21 @@ class ServedStatistics:
         return self.models([model.max_spec()])[0]
 
     def models(self, specs: Sequence) -> List[nn.Module]:
-        """The plain extracted model of every spec, on the device, statistics per protocol."""
+        """The plain extracted model of every spec, on the device, statistics per protocol.
+        Kept until the global model changes: an evaluation scores 'val' and 'test' on the same
+        served models, and the statistics pass is deterministic, so it runs once."""
+        key = (repr(list(specs)), self.model_version())
+        if self._served is not None and self._served[0] == key:
+            return self._served[1]
         device = self.ctx.fabric.device
-        models = [self.ctx.model.extract(spec).module.to(device) for spec in specs]
-        return self.estimate(models)
+        models = self.estimate([self.ctx.model.extract(spec).module.to(device) for spec in specs])
+        self._served = (key, models)
+        return models
+
+    def model_version(self) -> tuple:
+        """Changes whenever a tensor of the global model is written: every in-place write bumps
+        a tensor's version counter, which the detached views of ``state_dict`` share."""
+        return tuple(t._version for t in self.ctx.model.state_dict().values())
 
     def estimate(self, models: List[nn.Module]) -> List[nn.Module]:
         """``models`` (served networks over copies of the global model) with their BN statistics
