@@ -86,7 +86,8 @@ def test_logged_cut_is_psi_of_the_logged_r_within_the_budget(spec_factory):
 
     partition = PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
                                 budgets=BudgetConfig(zipf_s=1.2, b_min=3.0e5, b_max=6.0e5, b_cap=6.0e5))
-    spec = spec_factory(name="psi", algorithm=fedsga(rho=0.1), model=RESNET, train=TRAIN, partition=partition,
+    rho = 0.5  # large enough that Psi(r) asks for the deepest cut where the budget forbids it
+    spec = spec_factory(name="psi", algorithm=fedsga(rho=rho), model=RESNET, train=TRAIN, partition=partition,
                         federation=FederationConfig(rounds=5, clients_per_round=6))
     run_fit(spec)
     budgets = load_checkpoint(Path(spec.out_dir) / spec.name / "partition.pt")["budgets"].tolist()
@@ -96,10 +97,12 @@ def test_logged_cut_is_psi_of_the_logged_r_within_the_budget(spec_factory):
     afford = [max(k for k, m in enumerate(macs) if m <= b) for b in budgets]
     assert set(afford) == {1, 2}  # some clients cannot afford the deepest cut
     decided = [r for r in rows(spec, "clients.jsonl") if "r" in r]
-    assert decided
+    capped = 0
     for r in decided:
-        k = int(torch.floor(torch.tensor((1 - r["r"] + 0.1) * 2 + 0.5, dtype=torch.float64)))
+        k = int(torch.floor(torch.tensor((1 - r["r"] + rho) * 2 + 0.5, dtype=torch.float64)))
         assert r["cut"] == min(max(k, 0), 2, afford[r["client"]]), r
+        capped += min(max(k, 0), 2) > afford[r["client"]]
+    assert decided and capped  # the budget cap bound on some decided client
     for r in rows(spec, "clients.jsonl"):
         assert r["cut"] <= afford[r["client"]]
 
