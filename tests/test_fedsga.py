@@ -312,3 +312,24 @@ def test_resume_is_exact(spec_factory, shared_run, method):
         assert saved(whole)[section].keys() == saved(resumed)[section].keys()
         for key, value in saved(whole)[section].items():
             assert torch.equal(value, saved(resumed)[section][key]), (section, key)
+
+
+def test_the_p1_probe_does_not_depend_on_how_many_clients_trained_at_p1(spec_factory):
+    """The depth probes are refit each round on every cohort client's received-model interfaces,
+    whatever cut each client then trains at: after round 0 (same received model, cohort and
+    probe batches), the static strategy (no client at p1) and the random one (about half at p1)
+    hold the same probes. Probes trained only by the clients cut at a depth would differ."""
+    fits, at_p1 = {}, {}
+    for strategy in ("static", "random"):
+        spec = spec_factory(name=strategy, algorithm=fedsga(split_strategy=strategy), model=RESNET, train=TRAIN,
+                            federation=FederationConfig(rounds=1, clients_per_round=6))
+        fed = open_federation(spec)
+        initial = {k: v.clone() for k, v in fed.algorithm.probes.state_dict().items()}
+        _, clients = fed.run_round(0)
+        at_p1[strategy] = sum(r["cut"] == 0 for r in clients)
+        fits[strategy] = {k: v.clone() for k, v in fed.algorithm.probes.state_dict().items()}
+        assert any(not torch.equal(fits[strategy][k], initial[k]) for k in initial)  # the round fitted them
+    assert at_p1["static"] == 0 and at_p1["random"] >= 2
+    assert fits["static"].keys() == fits["random"].keys()
+    for key in fits["static"]:
+        torch.testing.assert_close(fits["static"][key], fits["random"][key], rtol=0, atol=0, msg=key)
