@@ -316,7 +316,7 @@ def run_all(folder: Path, config: Path, extra: list, rounds: int, root: Path) ->
 
 
 def row(method: str, config: Path, result: dict) -> str:
-    start = f"{method:<12} {str(config):<56}"
+    start = f"{method:<12} {str(config):<66}"
     if "failure" in result:
         return f"{start} run failed: {result['failure']}"
     resume = "yes" if result["resume_exact"] else f"no: {result['resume_difference']}"
@@ -326,7 +326,7 @@ def row(method: str, config: Path, result: dict) -> str:
     return f"{start} {result['seconds']:7.1f}  {two:<4} {tensors:<10} {figures_:<44} {resume}"
 
 
-HEADER = (f"{'method':<12} {'config':<56} {'seconds':>7}  {'two ranks: identical, max |diff| tensors, figures':<60} "
+HEADER = (f"{'method':<12} {'config':<66} {'seconds':>7}  {'two ranks: identical, max |diff| tensors, figures':<60} "
           f"resume bit-exact")
 
 
