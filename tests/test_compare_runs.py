@@ -78,3 +78,33 @@ def test_a_renamed_figure_is_compared_under_its_new_names(tmp_path, capsys):
     assert "sum/model_bytes_up 8 against 9" in capsys.readouterr().out
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--renamed", "model_bytes"]) == 2
     assert "--renamed: expected OLD=NEW" in capsys.readouterr().err
+
+
+def write_checkpoint(run: Path, model: dict, class_path: str) -> None:
+    import torch
+
+    (run / "checkpoints").mkdir()
+    torch.save({"model": model, "round": 1, "method": {"class_path": class_path, "init_args": {}}},
+               run / "checkpoints" / "last.ckpt")
+
+
+def test_checkpoints_are_compared_entry_by_entry_and_a_moved_method_is_the_same(tmp_path, capsys):
+    """Every tensor of the checkpoints by dtype, shape and bits; the method record by class name,
+    as a checkpoint loads (a method moved to another module writes the same checkpoint)."""
+    import torch
+
+    weight = torch.tensor([0.25, -1.5])
+    for name, value, path in (("a", weight, "fl_lightning.algorithms.base.FedAvg"),
+                              ("b", weight.clone(), "fl_lightning.algorithms.fedavg.FedAvg"),
+                              ("c", torch.tensor([0.25, -1.5000001]), "fl_lightning.algorithms.fedavg.FedAvg"),
+                              ("d", weight.double(), "fl_lightning.algorithms.fedavg.FedAvg"),
+                              ("e", weight.clone(), "fl_lightning.algorithms.fedavg.FedProx")):
+        write_run(tmp_path / name / "x", [{"round": 0, "test_acc": 0.5}], [{"client": 3, "loss": 0.25}])
+        write_checkpoint(tmp_path / name / "x", {"w": value}, path)
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    for other, named in (("c", "last.ckpt: model/w"), ("d", "last.ckpt: model/w"),
+                         ("e", "last.ckpt: method/class_path")):
+        assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / other)]) == 1
+        assert named in capsys.readouterr().out
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "c"), "--figures-only"]) == 0

@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from compare_runs import figures, first_difference
+from compare_runs import checkpoint_difference, figures, first_difference
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.saved_configs import dataset_of
@@ -156,42 +156,6 @@ def checks(root: Path, methods, names):
 
 
 # ---- comparisons ---------------------------------------------------------------------------
-
-def first_entry_difference(a, b, where: str = ""):
-    """The first key path at which two checkpoint entries differ (tensors by dtype, shape and
-    every bit; plain values by ``==``), or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
-            if key not in a or key not in b:
-                return f"{where}{key} only in {'the first' if key in a else 'the second'}"
-            found = first_entry_difference(a[key], b[key], f"{where}{key}/")
-            if found:
-                return found
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = first_entry_difference(x, y, f"{where}{i}/")
-            if found:
-                return found
-        return None
-    key = where.rstrip("/") or "(top)"
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return None if same else key
-    return None if type(a) is type(b) and a == b else key
-
-
-def checkpoint_difference(a: Path, b: Path):
-    for name in ("last.ckpt", "best.ckpt"):
-        pa, pb = a / "checkpoints" / name, b / "checkpoints" / name
-        if pa.exists() != pb.exists():
-            return f"{name} only in {a.name if pa.exists() else b.name}"
-        if pa.exists():
-            found = first_entry_difference(load_checkpoint(pa), load_checkpoint(pb))
-            if found:
-                return f"{name}: {found}"
-    return None
-
 
 def resume_difference(one: Path, resumed: Path):
     """The first difference of the resumed run from the uninterrupted one, or None."""

@@ -1,5 +1,6 @@
 """Compare the figures of two sets of runs: every number of ``metrics.jsonl`` and
-``clients.jsonl``, except wall times, must be identical.
+``clients.jsonl``, except wall times, and every entry of the checkpoints (``last.ckpt``,
+``best.ckpt``: model, method state, round) must be identical.
 
 Used to show that a change of code that should not change results did not (the runs come
 from ``tools/record_runs.py``, once with the old checkout and once with the new):
@@ -23,6 +24,9 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.tool_parser import ToolParser
 
 TIMES = ("seconds", "round_seconds", "client_seconds", "server_seconds", "client_seconds_max")
@@ -71,6 +75,54 @@ def first_difference(a: Path, b: Path, ignored=(), renamed=None):
     return None
 
 
+def first_entry_difference(a, b, where: str = ""):
+    """The first key path at which two checkpoint entries differ (tensors by dtype, shape and
+    every bit; plain values by ``==``), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b:
+                return f"{where}{key} only in {'the first' if key in a else 'the second'}"
+            found = first_entry_difference(a[key], b[key], f"{where}{key}/")
+            if found:
+                return found
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = first_entry_difference(x, y, f"{where}{i}/")
+            if found:
+                return found
+        return None
+    key = where.rstrip("/") or "(top)"
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return None if same else key
+    return None if type(a) is type(b) and a == b else key
+
+
+def by_class_name(state: dict) -> dict:
+    """``state`` with its method record's class path cut to the class name: a checkpoint loads
+    into the method of that name wherever its module lives (``federation/provenance.py``), so a
+    method moved to another module writes the same checkpoint."""
+    method = state.get("method")
+    if isinstance(method, dict) and isinstance(method.get("class_path"), str):
+        state = {**state, "method": {**method, "class_path": method["class_path"].rsplit(".", 1)[-1]}}
+    return state
+
+
+def checkpoint_difference(a: Path, b: Path):
+    """The first differing entry of the two runs' ``last.ckpt`` and ``best.ckpt`` (tensors by
+    dtype, shape and every bit), or None."""
+    for name in ("last.ckpt", "best.ckpt"):
+        pa, pb = a / "checkpoints" / name, b / "checkpoints" / name
+        if pa.exists() != pb.exists():
+            return f"{name} only in {a.name if pa.exists() else b.name}"
+        if pa.exists():
+            found = first_entry_difference(by_class_name(load_checkpoint(pa)), by_class_name(load_checkpoint(pb)))
+            if found:
+                return f"{name}: {found}"
+    return None
+
+
 def runs(folder: Path) -> dict:
     if (folder / "metrics.jsonl").exists():
         return {folder.name: folder}
@@ -85,6 +137,8 @@ def main(argv=None) -> int:
                         help="keys to leave out of the comparison (redefined or added on purpose)")
     parser.add_argument("--renamed", nargs="+", default=[], metavar="OLD=NEW[,NEW...]",
                         help="figures that kept their values under new names")
+    parser.add_argument("--figures-only", action="store_true",
+                        help="compare the figures only, not the checkpoints' entries")
     args = parser.parse_args(argv)
     try:
         renamed = rename_map(args.renamed)
@@ -106,6 +160,8 @@ def main(argv=None) -> int:
             failed += 1
             continue
         problem = first_difference(path, after[name], args.ignore, renamed)
+        if problem is None and not args.figures_only:
+            problem = checkpoint_difference(path, after[name])
         print(f"{name}: {'identical' if problem is None else problem}")
         failed += problem is not None
     return 1 if failed else 0
