@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from compare_runs import checkpoint_difference, figures, first_difference
+from compare_runs import checkpoint_difference, figures, first_difference, first_entry_difference
 from fl_lightning.errors import ConfigError
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.saved_configs import dataset_of
