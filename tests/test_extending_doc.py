@@ -116,9 +116,9 @@ def test_two_cut_split_method_reduces_to_splitfed_v2_and_cuts_by_parity(spec_fac
     algorithm = fed.algorithm
     plan = algorithm.plan(0)
     client = algorithm.new_client(plan.tasks[0], plan)
-    _, back = algorithm.server_worker.split(plan.tasks[0].cut)
+    _, back = algorithm.engine.server_worker.split(plan.tasks[0].cut)
     x, y = next(fed.ctx.shards[plan.tasks[0].client].steps(1, torch.Generator().manual_seed(0)))
-    front, _ = algorithm.client_worker.split(plan.tasks[0].cut)
+    front, _ = algorithm.engine.client_worker.split(plan.tasks[0].cut)
     sent = client.forward(front)(x).detach()
     with torch.no_grad():
         log_p = F.log_softmax(back(sent).double(), dim=1)

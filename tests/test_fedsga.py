@@ -145,14 +145,14 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     with torch.no_grad():
         state["prompt"].normal_(0, 0.1)
     algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
-    pair = algorithm.make_pair(algorithm.new_client(task, plan))
+    pair = algorithm.engine.pair_for(algorithm.new_client(task, plan))
     x, y = next(ctx.shards[task.client].steps(1, torch.Generator().manual_seed(0)))
     unknown = int(y[0])  # one class without a prototype: its examples are left out of the alignment
     algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
     z = pair.client_forward(x)
     sent = z.detach().requires_grad_()
     h = algorithm.harmonizer_worker
-    _, back = algorithm.server_worker.split("layer1.1")
+    _, back = algorithm.engine.server_worker.split("layer1.1")
     with torch.no_grad():
         features = hand_projection(h, sent, 0)
         logits = back(sent).double() + features @ h.head.weight.double().t() + h.head.bias.double()
@@ -173,7 +173,7 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
         algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
         algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
         client = algorithm.new_client(task, plan)
-        return client, algorithm.make_pair(client)
+        return client, algorithm.engine.pair_for(client)
 
     client, pair = fresh_pair()
     fit = SplitFit(len(y))

@@ -72,13 +72,14 @@ def test_no_method_calls_a_collective():
 
 
 # what a client object may ask of the method that made it: the server's side of its round
-SERVER_CALLS = {"route", "send_model", "client_module", "return_model", "client_figures",  # local training
-                "fit_split_client", "branch_pair", "client_result"}  # the split engine
+# (a split client runs its round on the engine it is given, not on the method)
+SERVER_CALLS = {"route", "send_model", "client_module", "return_model", "client_figures"}
 
 
 def test_clients_read_their_round_and_talk_to_the_method_only_through_server_calls():
-    """Clients are given a frozen ``ClientRound`` and their method's options and parts (frozen
-    dataclasses); they never read the method's attributes."""
+    """Clients are given a frozen ``ClientRound``, their method's options and parts (frozen
+    dataclasses) and, for split learning, the rank's engine; they never read the method's
+    attributes."""
     import dataclasses
     import inspect
     import re

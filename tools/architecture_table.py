@@ -34,7 +34,8 @@ PARTS = {
     "ServerCalibration": "runtime/calibration.py",
     "CachedVariants": "algorithms/supernet/cached_variants.py",
     "LevelAssignment": "algorithms/levels.py",
-    "SplitHalves": "algorithms/split/common.py",
+    "SplitEngine": "algorithms/split/engine.py",
+    "SplitHalves": "algorithms/split/engine.py",
 }
 
 

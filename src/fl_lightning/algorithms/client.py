@@ -10,9 +10,10 @@ prototypes, FedSGA's prompt) lives on the object or travels on the result, never
   train, ``after_training`` (what goes back up, and the result), then the method's
   per-client figures. FedAS aligns before training and measures its Fisher trace after; FedGH
   uploads prototypes instead of its model.
-- ``split_common.SplitClient``: split learning, the server half in the loop. Its ``fit`` hands
-  the round to the method's split engine (``SplitFed.fit_split_client``), which builds the
-  client/server pair the server half needs; the client object supplies the parts.
+- ``split/common.py``'s ``SplitClient``: split learning, the server half in the loop. It is
+  given the rank's split engine (``split/engine.py``) and its ``fit`` runs the round on it: the
+  engine builds the client/server pair, trains it and makes the result; the client object
+  supplies its forward, backward and the server's loss and step on its batches.
 
 Every client gets its round as a frozen :class:`ClientRound` (the task, the round's learning
 rate, the training settings, its shard, the device, its batch-order stream) and the method's

@@ -23,11 +23,18 @@ class SplitClient(Client):
 
     This one is plain split learning: the front as it is, cross-entropy at the server, one
     server step per batch. FedSGA's client adds its prompt and the alignment term.
+
+    Given: its round and the rank's split engine (``split/engine.py``), which builds its pair,
+    trains it and makes its result.
     """
 
+    def __init__(self, method, task, plan, engine):
+        super().__init__(method, task, plan)
+        self.engine = engine
+
     def fit(self):
-        """The split round: the pair built, trained over the client's shard, the result."""
-        return self.method.fit_split_client(self)
+        """The split round on the engine: the pair built, trained over the client's shard, the result."""
+        return self.engine.run(self)
 
     def forward(self, front: nn.Module):
         """The client half's forward on a batch."""

@@ -294,8 +294,8 @@ class FedSGA(SplitFed):
         store and its probe batch, on the server half's harmonizer for this client."""
         self.load_server_harmonizer(task, plan)
         parts = FedSGAParts(self.ctx.model, self.cuts, self.probed, self.prompts, self.harmonizer_worker, self.probes,
-                            self.client_worker)
-        return FedSGAClient(self, task, plan, self.store.get(task.client), self.probe(task.client),
+                            self.engine.client_worker)
+        return FedSGAClient(self, task, plan, self.engine, self.store.get(task.client), self.probe(task.client),
                             self.client_settings, parts)
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:

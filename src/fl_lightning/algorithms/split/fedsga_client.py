@@ -90,12 +90,12 @@ class NextClientState:
 
 
 class FedSGAClient(SplitClient):
-    """One FedSGA client's round on the rank's parts: given its store entry ``state``, its probe
-    batch, the method's settings and the parts (``FedSGAParts``)."""
+    """One FedSGA client's round on the rank's split engine and parts: given its store entry
+    ``state``, its probe batch, the method's settings and the parts (``FedSGAParts``)."""
 
-    def __init__(self, method, task: ClientTask, plan: RoundPlan, state: Dict[str, torch.Tensor],
+    def __init__(self, method, task: ClientTask, plan: RoundPlan, engine, state: Dict[str, torch.Tensor],
                  probe: Tuple[torch.Tensor, torch.Tensor], settings: FedSGASettings, parts: FedSGAParts):
-        super().__init__(method, task, plan)
+        super().__init__(method, task, plan, engine)
         self.state, self.probe, self.settings, self.parts = state, probe, settings, parts
         self.depth = task.choice.index
         self.prompt_before = state["prompt"].detach().clone()
@@ -125,7 +125,7 @@ class FedSGAClient(SplitClient):
             loss_ref = probes.loss(self.probe_rows[ref], y, ref)
             calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
                            "sufficient": float(sufficiency_label(loss_p1, loss_ref, settings.beta))}
-        result = self.method.fit_split_client(self)
+        result = self.engine.run(self)
         result.channel.merge(probe_link)
         result.metrics.update(calibration)
         figures, result.payload = self.report(calibration, result.channel)

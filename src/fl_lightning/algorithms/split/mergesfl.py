@@ -210,10 +210,10 @@ class MergeSFL(SplitFed):
         for i, (slot, task) in enumerate(zip(self.slots, tasks)):
             shared = pairs[0].server_optimizer if pairs else None
             client = self.new_client(task, plan)
-            self.load_front(slot, self.global_state, task.cut)  # each client its own front, one server half
+            self.engine.load_front(slot, self.global_state, task.cut)  # each client its own front, one server half
             if i == 0:
-                self.load_back(self.global_state, task.cut)
-            pairs.append(self.build_pair(client, slot, server_optimizer=shared))
+                self.engine.load_back(self.global_state, task.cut)
+            pairs.append(self.engine.build_pair(client, slot, server_optimizer=shared))
             shard = ctx.shards[task.client]
             data = ClientData(shard.dataset, shard.indices, task.choice.batch_size, shard.device,
                               shard.num_workers)
@@ -231,13 +231,13 @@ class MergeSFL(SplitFed):
                 fit.num_samples += n
                 fit.client_seconds += seconds
                 fit.server_seconds += step.server_seconds * n / rows  # the shared step, by rows
-        self._stash_momentum(head.server_optimizer)
+        self.engine.stash_momentum(head.server_optimizer)
         loss = sum(losses) / len(losses) if losses else 0.0
         results = {}
         for fit, slot, task in zip(fits, self.slots, tasks):
             fit.steps, fit.loss = steps, loss
             fit.seconds = fit.client_seconds + fit.server_seconds
-            result = self.client_result(task, fit, module=slot)
+            result = self.engine.result(task, fit, module=slot)
             result.metrics["batch_size"] = task.choice.batch_size
             results[task.client] = result
         return results

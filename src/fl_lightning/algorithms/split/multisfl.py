@@ -112,8 +112,8 @@ class BranchClient(SplitClient):
     """A MultiSFL client's round: split training of its assigned branch (not the master), the
     server portion also stepping on replayed activations of the assistant devices."""
 
-    def __init__(self, method, task, plan, given: BranchRound):
-        super().__init__(method, task, plan)
+    def __init__(self, method, task, plan, engine, given: BranchRound):
+        super().__init__(method, task, plan, engine)
         self.given = given
 
     def fit(self) -> ClientResult:
@@ -125,7 +125,10 @@ class BranchClient(SplitClient):
         cut, shard = r.task.cut, r.shard
         front_keys = given.front_keys
         front_regions = key_regions(given.state, front_keys)
-        pair = self.method.branch_pair(self, given.state)
+        # its branch's front in the rank's worker and server portion in the server worker (SplitFed V1's pair)
+        self.engine.load_front(given.front_worker, given.state, cut)
+        self.engine.load_back(given.state, cut)
+        pair = self.engine.build_pair(self, given.front_worker)
         given.helper_worker.train()
         helper_front, _ = given.helper_worker.split(cut)
         helper_data, assistants = None, 0
@@ -146,7 +149,7 @@ class BranchClient(SplitClient):
                         torch.Generator().manual_seed(derive_seed(r.seed, CHUNK_STREAM, r.round_idx, r.task.client)),
                         shard.batches_per_epoch(), assistant_link)
         fit = train_split(r.fabric, split_step(pair, replay), shard, r.train, r.generator())
-        result = self.method.client_result(r.task, fit, state=given.state)
+        result = self.engine.result(r.task, fit, state=given.state)
         result.metrics.update({"branch": r.task.choice.branch, "cut": given.cut_index,
                                "assistants": assistants, "replay_examples": replay.examples,
                                "replay_bytes_up": assistant_link.total(UP),
@@ -279,15 +282,8 @@ class MultiSFL(SplitFed):
     def new_client(self, task: ClientTask, plan: RoundPlan) -> BranchClient:
         replay = self.replay_set(task, plan.round_idx) if self.replay else None
         given = BranchRound(self.branches[task.choice.branch], self.halves.front(task.cut), self.cuts.index(task.cut),
-                            self.client_worker, replay, self.helper_worker)
-        return BranchClient(self, task, plan, given)
-
-    def branch_pair(self, client: BranchClient, state: Dict[str, torch.Tensor]):
-        """The client's pair on its branch: the branch's front in the rank's worker, its server
-        portion in the server worker (as SplitFed V1 on the global model)."""
-        self.load_front(self.client_worker, state, client.task.cut)
-        self.load_back(state, client.task.cut)
-        return self.build_pair(client, self.client_worker)
+                            self.engine.client_worker, replay, self.helper_worker)
+        return BranchClient(self, task, plan, self.engine, given)
 
     def new_accumulator(self, plan):
         """Besides the master: every branch's trained state (from the rank that trained it,
