@@ -1,10 +1,10 @@
 import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 from fl_lightning.data import Digits
+from process_tree import descendants
 
 # Tests run on CPU with few threads so the suite behaves the same on 2-core CI machines.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -71,17 +71,6 @@ def shared_run(tmp_path_factory):
     return get
 
 
-def _children(pid: int) -> list:
-    """The processes below ``pid`` (Linux /proc), deepest last."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return [p for child in found for p in [child, *_children(child)]]
-
-
 @contextmanager
 def ranks_killed_after(seconds: int, what: str = "the run"):
     """Fail with TimeoutError, every process forked below this one killed, if the block has not
@@ -90,7 +79,7 @@ def ranks_killed_after(seconds: int, what: str = "the run"):
     import signal
 
     def expire(signum, frame):
-        for pid in _children(os.getpid()):
+        for pid in descendants(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -17,6 +17,7 @@ import torch
 
 import fl_lightning
 from fl_lightning.runtime.checkpoint import load_checkpoint
+from process_tree import descendants
 
 SRC = Path(fl_lightning.__file__).parents[1]
 ROUNDS = 12  # the death test's kill, right after round 0's checkpoint, lands mid-run
@@ -64,21 +65,11 @@ def run_two_nodes(args: list, timeout: float = 240) -> list:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process below it, as a node that loses power."""
-    for p in _tree(pid):
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _tree(pid: int) -> list:
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return [pid] + [p for child in children for p in _tree(child)]
 
 
 @pytest.fixture(scope="module")
