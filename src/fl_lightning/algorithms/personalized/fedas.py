@@ -218,7 +218,8 @@ class FedAS(FedAvg):
         super().prepare(ctx)
         keys = head_keys(self.worker)
         _, classifier = find_classifier(self.worker)
-        body_params = [p for n, p in self.worker.named_parameters() if n not in set(keys)]
+        head = set(keys)
+        body_params = [p for n, p in self.worker.named_parameters() if n not in head]
         self.model = PersonalModel(self.worker, self.worker_regions, classifier, keys, body_params)
         # setup runs before a checkpoint is loaded: this is the common initial model
         self.init_state = {k: v.detach().clone() for k, v in self.global_state.items()}

@@ -181,6 +181,8 @@ class FedSGA(SplitFed):
             self.probed = sorted({0, self.ref_index})  # the depths the calibration and descriptor read
             self.probes = DepthProbes({d: widths[d] for d in self.probed}, ctx.num_classes).to(device)
         self.harmonizer_worker = harmonizer()
+        self.client_parts = FedSGAParts(ctx.model, self.cuts, self.probed, self.prompts, self.harmonizer_worker,
+                                        self.probes, self.engine.client_worker)  # what every client's round works on
         self.pairs = torch.zeros(0, 4, dtype=torch.float64)
         for prefix, part in (("harmonizer/", self.harmonizer), ("estimator/", self.estimator), ("probes/", self.probes)):
             self.keep(KeptModule(prefix, part))
@@ -293,10 +295,8 @@ class FedSGA(SplitFed):
         """The client's round (``algorithms/split/fedsga_client.py``) with its prompt from the
         store and its probe batch, on the server half's harmonizer for this client."""
         self.load_server_harmonizer(task, plan)
-        parts = FedSGAParts(self.ctx.model, self.cuts, self.probed, self.prompts, self.harmonizer_worker, self.probes,
-                            self.engine.client_worker)
         return FedSGAClient(self, task, plan, self.engine, self.store.get(task.client), self.probe(task.client),
-                            self.client_settings, parts)
+                            self.client_settings, self.client_parts)
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         if not self.use_harmonizer:
