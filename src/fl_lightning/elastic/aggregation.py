@@ -7,6 +7,14 @@ region is the whole tensor, and then each count is a single number.
 
 Accumulators are plain tensors (:meth:`SparseAccumulator.tensors`), so the runtime sums them
 across ranks with one all-reduce before calling :meth:`SparseAccumulator.result`.
+
+The sums must not depend on the order of the clients or on how ranks split them (two ranks give
+what one rank gives, bit for bit). A float32 value times an integer weight (a sample count) has
+at most 24 + log2(n) significant bits, so float64 adds such terms exactly, in any order. A
+non-integer weight (MaxNet's ``c`` and ``(1 - c) / (K - 1)``, FedAS's Fisher traces) gives
+products with all 53 bits, whose sums round differently in different orders; so such a weight and
+each weighted value are rounded to :data:`EXACT_BITS` significant bits first (a relative change
+of at most 2^-33, far below float32's 2^-24), and their sums are exact again.
 """
 
 from __future__ import annotations
@@ -19,6 +27,18 @@ import torch
 from fl_lightning.elastic.bn import variance_keys
 from fl_lightning.elastic.regions import LeadingSlice, Region
 from fl_lightning.elastic.routing import RegionMap
+
+
+EXACT_BITS = 32
+"""Significant bits kept of a non-integer weight and of each value it weights (float64 sums)."""
+_SPLITTER = float(2 ** (53 - EXACT_BITS) + 1)
+
+
+def exact_terms(x):
+    """``x`` (a float or a float64 tensor) rounded to :data:`EXACT_BITS` significant bits, by
+    Veltkamp's splitting: three separately rounded float64 operations."""
+    c = x * _SPLITTER
+    return c - (c - x)
 
 
 def aggregated_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -44,6 +64,7 @@ class SparseAccumulator:
                  dtype: torch.dtype = torch.float64, pooled_variances: bool = False):
         self.global_state = global_state
         self.dense = dense
+        self.dtype = dtype
         self.variances = {var: mean for mean, var in variance_keys(global_state)} if pooled_variances else {}
         """running-variance key -> its running-mean key, for the pooled variances"""
         self.keys = aggregated_keys(global_state)
@@ -56,6 +77,10 @@ class SparseAccumulator:
 
     def add(self, local_state: Mapping[str, torch.Tensor], weight: float, regions: RegionMap) -> None:
         """Add one client's returned values with weight ``n_i``."""
+        weight = float(weight)
+        rounded = not weight.is_integer() and self.dtype == torch.float64
+        if rounded:
+            weight = exact_terms(weight)
         for local_key, (global_key, region) in regions.items():
             if global_key not in self.values:
                 continue
@@ -65,7 +90,10 @@ class SparseAccumulator:
             if global_key in self.variances:  # its mean shares its region and local prefix
                 mean = local_state[local_key[:-len("running_var")] + "running_mean"]
                 value = value + mean.square()
-            region.scatter_add(self.values[global_key], value, alpha=weight)
+            if rounded:
+                region.scatter_add(self.values[global_key], exact_terms(value.to(torch.float64) * weight))
+            else:
+                region.scatter_add(self.values[global_key], value, alpha=weight)
             entry = self._pending[global_key].setdefault(_region_key(region), [region, 0.0])
             entry[1] += weight
 
