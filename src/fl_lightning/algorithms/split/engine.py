@@ -139,7 +139,7 @@ class SplitEngine:
                          server_optimizer=server_optimizer, client_backward=client.backward)
 
     def result(self, task: ClientTask, fit, module: Optional[nn.Module] = None,
-                      state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:
+               state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:
         """The client's result with the figures of a split round: the trained front (and V1's
         server copy) of ``state`` (default: the global model), or the front held by ``module``."""
         cut = task.cut
