@@ -100,8 +100,9 @@ def test_logged_cut_is_psi_of_the_logged_r_within_the_budget(spec_factory):
     partition = PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
                                 budgets=BudgetConfig(zipf_s=1.2, b_min=3.0e5, b_max=6.0e5, b_cap=6.0e5))
     rho = 0.5  # large enough that Psi(r) asks for the deepest cut where the budget forbids it
-    spec = spec_factory(name="psi", algorithm=fedsga(rho=rho), model=RESNET, train=TRAIN, partition=partition,
-                        federation=FederationConfig(rounds=5, clients_per_round=6))
+    # one local step a client: the test is of the cut rule, not of training
+    spec = spec_factory(name="psi", algorithm=fedsga(rho=rho), model=RESNET, train=dataclasses.replace(TRAIN, steps=1),
+                        partition=partition, federation=FederationConfig(rounds=5, clients_per_round=6))
     run_fit(spec)
     budgets = load_checkpoint(Path(spec.out_dir) / spec.name / "partition.pt")["budgets"].tolist()
     model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)

@@ -27,6 +27,9 @@ from option_checks import option_refusal
 RESNET = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 PLAIN = LocalTrainConfig(steps=1, batch_size=4, lr=0.1)  # one plain SGD step: hand computations
+# three local steps a client (not an epoch): step-by-step equivalences and exact resume hold
+# or break at the first steps of a round
+STEPS = LocalTrainConfig(steps=3, batch_size=16, lr=0.05, momentum=0.9)
 
 
 def fabric():
@@ -265,8 +268,8 @@ def test_zeroth_order_unbalanced_update_by_hand():
 def test_one_server_step_answered_at_the_start_is_splitfed(spec_factory):
     fed = FederationConfig(rounds=2, clients_per_round=3)
     mu = spec_factory(name="mu", algorithm=MUSplitFed(cut="layer2.1", tau=1, feedback_at="start"), model=RESNET,
-                      train=TRAIN, federation=fed)
-    plain = spec_factory(name="sfl", algorithm=SplitFed(cut="layer2.1"), model=RESNET, train=TRAIN, federation=fed)
+                      train=STEPS, federation=fed)
+    plain = spec_factory(name="sfl", algorithm=SplitFed(cut="layer2.1"), model=RESNET, train=STEPS, federation=fed)
     run_fit(mu)
     run_fit(plain)
     assert all(r["server_steps"] == r["steps"] for r in rows(mu, "clients.jsonl"))  # tau = 1 step per batch
@@ -346,12 +349,12 @@ def test_replayed_examples_reach_the_server(spec_factory):
 def test_multisfl_resumes_exactly(spec_factory):
     fed = FederationConfig(rounds=3, clients_per_round=3)
     options = dict(cut="layer2.0", replay_budget=0.1)
-    whole = spec_factory(name="whole", algorithm=MultiSFL(**options), model=RESNET, train=TRAIN, federation=fed)
+    whole = spec_factory(name="whole", algorithm=MultiSFL(**options), model=RESNET, train=STEPS, federation=fed)
     run_fit(whole)
-    part = spec_factory(name="part", algorithm=MultiSFL(**options), model=RESNET, train=TRAIN, federation=fed)
+    part = spec_factory(name="part", algorithm=MultiSFL(**options), model=RESNET, train=STEPS, federation=fed)
     part.stop_after = 1
     run_fit(part)
-    resumed = spec_factory(name="part", algorithm=MultiSFL(**options), model=RESNET, train=TRAIN, federation=fed)
+    resumed = spec_factory(name="part", algorithm=MultiSFL(**options), model=RESNET, train=STEPS, federation=fed)
     resumed.resume_from = str(Path(part.out_dir) / "part" / "checkpoints" / "last.ckpt")
     run_fit(resumed)
     a, b = saved(whole), saved(resumed)

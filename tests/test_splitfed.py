@@ -19,6 +19,8 @@ from option_checks import option_refusal
 RESNET = {"class_path": "fl_lightning.elastic.models.ResNet18", "init_args": {"width": 0.125}}
 VIT = {"class_path": "fl_lightning.elastic.models.ViT", "init_args": {"patch_size": 2, "embed_dim": 16, "depth": 4, "num_heads": 2}}
 TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+# one local step a client: for tests of what a client keeps or where it is cut, not of training
+ONE_STEP = LocalTrainConfig(steps=1, batch_size=16, lr=0.05, momentum=0.9)
 
 
 STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -167,7 +169,7 @@ def test_fedsga_calibrates_trains_the_estimator_and_adapts_cuts(shared_run):
 
 
 def test_prompts_stay_private(spec_factory):
-    spec = spec_factory(name="sga", algorithm=fedsga(split_strategy="static"), model=RESNET, train=TRAIN,
+    spec = spec_factory(name="sga", algorithm=fedsga(split_strategy="static"), model=RESNET, train=ONE_STEP,
                         federation=FederationConfig(rounds=2, clients_per_round=6))
     run_fit(spec)
     state = saved(spec)
@@ -204,11 +206,11 @@ def test_budgets_cap_the_cut(spec_factory):
     partition = PartitionConfig(method="dirichlet", num_clients=6, alpha=0.5,
                                 budgets=BudgetConfig(b_min=2e5, b_max=2.5e5, b_cap=2.5e5))
     spec = spec_factory(name="poor", algorithm=fedsga(split_strategy="random", respect_budgets=True), model=RESNET,
-                        train=TRAIN, partition=partition, federation=FederationConfig(rounds=2, clients_per_round=6))
+                        train=ONE_STEP, partition=partition, federation=FederationConfig(rounds=2, clients_per_round=6))
     run_fit(spec)
     assert {r["cut"] for r in rows(spec, "clients.jsonl")} == {0}
     rich = spec_factory(name="rich", algorithm=fedsga(split_strategy="random", respect_budgets=False), model=RESNET,
-                        train=TRAIN,
+                        train=ONE_STEP,
                         partition=partition, federation=FederationConfig(rounds=2, clients_per_round=6))
     run_fit(rich)
     assert len({r["cut"] for r in rows(rich, "clients.jsonl")}) > 1

@@ -20,7 +20,9 @@ from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 
 ROUNDS, STOP = 3, 2
-TRAIN = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, grad_clip=10.0)
+# three local steps a client (not an epoch): what a resume must restore is the same after any
+# number of steps, and the round still moves the model (the last assertion)
+TRAIN = LocalTrainConfig(steps=3, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, grad_clip=10.0)
 DIGITS = DataConfig(dataset=Digits(), val_size=100, calib_size=64)
 OFA = {"class_path": "fl_lightning.elastic.models.OFAResNet", "init_args": {"width_scale": 0.0625, "max_extra_blocks": 1, "divisor": 2}}
 SYNTHETIC = DataConfig(dataset=Synthetic(num_classes=4, image_size=16, num_train=400, num_test=80),
