@@ -11,7 +11,7 @@ from fl_lightning.algorithms.split.common import default_candidates
 from fl_lightning.modules.harmonizer import InterfaceHarmonizer, pool_interface
 from fl_lightning.modules.prompts import PromptChannel, border_order
 from fl_lightning.modules.sufficiency import (DepthProbes, SufficiencyEstimator, handcrafted_score, prompt_variation,
-                                              split_index, sufficiency_label, temporal_stability)
+                                              split_index, sufficiency_labels, temporal_stability)
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def test_an_examples_harmonized_output_does_not_depend_on_its_batch(head):
     """One example's projection (and harmonized logits) alone, in a batch of its own class and
     in a batch of ten classes, in training and evaluation mode: equal in float64."""
     torch.manual_seed(3)
-    h = InterfaceHarmonizer([8, 16], num_classes=10, projection_dim=6, head=head).double()
+    h = InterfaceHarmonizer([8, 16], num_classes=10, projection_dim=6, head=head, head_bias=head).double()
     if head:
         nn.init.normal_(h.head.weight)
     example = torch.rand(1, 16, 4, 4, dtype=torch.float64) * 3
@@ -168,9 +168,56 @@ def test_depth_probes_read_uniform_until_fitted_then_their_own_linear_classifier
 
 # -- descriptors, labels, estimator, policy ------------------------------------------------------
 def test_sufficiency_label_is_the_beta_rule():
-    assert sufficiency_label(1.05, 1.0, 0.05)
-    assert not sufficiency_label(1.0501, 1.0, 0.05)
-    assert sufficiency_label(0.5, 1.0, 0.0) and not sufficiency_label(1.2, 1.0, 0.1)
+    """beta = 0.05 against 1.0501 / 1.0: without the margin (or with beta applied to L(p1)
+    instead of L(p_ref)) the first pair would be labelled insufficient."""
+    p1 = torch.tensor([1.05, 1.0501, 0.5, 1.2, 1.1])
+    ref = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    assert sufficiency_labels(p1, ref, 0.05).tolist() == [True, False, True, False, False]
+    assert sufficiency_labels(p1, ref, 0.1).tolist() == [True, True, True, False, True]
+
+
+def _toy_interfaces(generator, clients=20, per_client=32, classes=10, width=16, signal=3.0):
+    """Probe interfaces of ``clients`` label-skewed clients (two classes each): class means
+    ``signal`` apart along their own axis at the separable depth, pure noise at the other."""
+    labels = torch.stack([torch.tensor([c % classes, (c + 1) % classes])[torch.randint(0, 2, (per_client,),
+                                                                                        generator=generator)]
+                          for c in range(clients)])
+    noise = torch.randn(clients, per_client, width, generator=generator)
+    separable = noise + signal * F.one_hot(labels, width).float()
+    unrelated = torch.randn(clients, per_client, width, generator=generator)
+    return separable, unrelated, labels
+
+
+def test_held_out_probe_labels_beat_chance_on_a_separable_task_and_tell_the_depths_apart():
+    """The calibration's probes are fit on the first half of each client's probe batch and
+    scored on the second half. On interfaces that separate the classes the held-out loss falls
+    well below chance (ln 10 = 2.303) and below the loss of the same probe on shuffled labels;
+    where p1 separates and p_ref carries nothing every client is labelled sufficient, and in the
+    mirrored case none is (a probe scored on its own training rows, or one fit on other data,
+    cannot tell these apart as reliably)."""
+    from fl_lightning.modules.sufficiency import held_out_losses
+
+    g = torch.Generator().manual_seed(5)
+    separable, unrelated, labels = _toy_interfaces(g)
+    fit, held = slice(0, 16), slice(16, None)
+    for shallow, deep, expect in ((separable, unrelated, True), (unrelated, separable, False)):
+        probes = DepthProbes({0: 16, 1: 16}, num_classes=10)
+        probes.fit({0: shallow[:, fit].flatten(0, 1), 1: deep[:, fit].flatten(0, 1)}, labels[:, fit].flatten())
+        loss_p1 = held_out_losses(probes, 0, shallow[:, held], labels[:, held])
+        loss_ref = held_out_losses(probes, 1, deep[:, held], labels[:, held])
+        good = loss_p1 if expect else loss_ref
+        assert good.shape == (20,) and float(good.max()) < 0.6 * math.log(10)
+        shuffled = labels[:, held][:, torch.randperm(16, generator=g)].roll(1, dims=0)
+        assert float(good.mean()) < float(held_out_losses(probes, 0 if expect else 1,
+                                                          (shallow if expect else deep)[:, held], shuffled).mean())
+        assert sufficiency_labels(loss_p1, loss_ref, 0.05).all() == expect
+        assert (~sufficiency_labels(loss_p1, loss_ref, 0.05)).all() == (not expect)
+    # each client's loss is its own rows' mean cross-entropy (an independent computation)
+    head = probes.heads["1"]
+    rows, y = separable[3, held], labels[3, held]
+    expected = F.cross_entropy(rows @ head.weight.t() + head.bias, y)
+    assert float(held_out_losses(probes, 1, separable[:, held], labels[:, held])[3]) == pytest.approx(float(expected),
+                                                                                                     rel=1e-5)
 
 
 def test_prompt_variation_by_hand():

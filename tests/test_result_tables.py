@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from submodel_tables import paired_interval, verdict  # noqa: E402
+from submodel_tables import holm_survivors, paired_interval, paired_p_value, verdict  # noqa: E402
 
 
 def test_paired_interval_is_scipys_paired_t_interval():
@@ -96,3 +96,22 @@ def test_table4_without_the_runs_data_is_refused_in_one_line(tmp_path, capsys, m
     assert refused.value.code == 2
     assert err.endswith("--table4: data.root: no Shakespeare data under 'data' (run the tool from the folder the runs "
                         "were made in)")
+
+
+def test_paired_p_value_by_hand():
+    """d = 1, 2, 3: t = 2 / (1 / sqrt 3) = 3.464 on 2 degrees of freedom, two-sided p = 0.0742
+    (a one-sided test would give 0.0371, a normal approximation 0.0005)."""
+    assert paired_p_value([1.0, 2.0, 3.0]) == pytest.approx(0.0741799, abs=1e-6)
+    assert paired_p_value([2.0, 2.0, 2.0]) == 0.0 and paired_p_value([0.0, 0.0]) == 1.0
+
+
+@pytest.mark.parametrize("p_values, expected", [
+    # thresholds 0.05/3, 0.05/2, 0.05: all three survive (Bonferroni's 0.0167 keeps only "a")
+    ({"a": 0.01, "b": 0.02, "c": 0.04}, {"a": True, "b": True, "c": True}),
+    # 0.03 > 0.025 stops the step-down: only "a" survives (Hochberg's step-up would keep all three)
+    ({"a": 0.01, "b": 0.03, "c": 0.04}, {"a": True, "b": False, "c": False}),
+    # the order of the table does not matter, an untestable row never survives
+    ({"c": 0.2, "a": 0.001, "n": float("nan")}, {"a": True, "c": False, "n": False}),
+])
+def test_holm_is_the_step_down_correction(p_values, expected):
+    assert holm_survivors(p_values) == expected

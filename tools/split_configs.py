@@ -55,9 +55,12 @@ VARIANTS = {
     "fedsga_static": ("FedSGA", {"split_strategy": "static"}),
     "fedsga_random": ("FedSGA", {"split_strategy": "random"}),
     # the readings the paper leaves open (docs/fedsga.md)
-    "fedsga_aux_harmon": ("FedSGA", {"harmonized_prediction": False}),
+    "fedsga_additive": ("FedSGA", {"readout": "additive"}),
+    "fedsga_additive_bias": ("FedSGA", {"readout": "additive_bias"}),
     "fedsga_copy_server": ("FedSGA", {"server_model": "copy"}),
     "fedsga_prompt_task": ("FedSGA", {"prompt_gradient": "task"}),
+    # SplitFed V2's server optimizer as its authors' script makes it: afresh for every batch
+    "splitfed_v2_per_batch": ("SplitFed", {"version": "v2", "server_optimizer": "per_batch"}),
 }
 # the middle boundary for SplitFed: FedSGA's p_ref
 SPLITFED_CUT = {"resnet18": "layer2.1", "vit_b16": "block5", "resnet18_narrow": "layer2.1", "vit_tiny": "block1"}

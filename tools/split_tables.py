@@ -66,12 +66,21 @@ def cost_figures(run, whole=None) -> dict:
         macs = [3 * whole[1] * r["samples"] * epochs for r in rows]
     traffic = [r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in rows]
     cuts = [r["cut"] for r in rows if "cut" in r]
-    labels = [r["sufficient"] for r in rows if "sufficient" in r]
+    # calibration labels and probe losses: per round in metrics.jsonl (the server labels from
+    # held-out probe examples); runs before that logged them per client
+    calibrations = [m for m in run["metrics"] if "calibration/probe_loss_p1" in m]
+    if calibrations:
+        labels = [m["calibration/frac_sufficient"] for m in calibrations]
+        probe_p1 = [m["calibration/probe_loss_p1"] for m in calibrations]
+        probe_ref = [m["calibration/probe_loss_ref"] for m in calibrations]
+    else:
+        labels = [r["sufficient"] for r in rows if "sufficient" in r]
+        probe_p1 = [r["probe_loss_p1"] for r in rows if "probe_loss_p1" in r]
+        probe_ref = [r["probe_loss_ref"] for r in rows if "probe_loss_ref" in r]
     last = max((r["round"] for r in rows), default=0)
     return {"params": mean(params), "macs": mean(macs), "bytes": mean(traffic),
             "cut_hist": [mean(c == k for c in cuts) for k in range(3)],
-            "probe_p1": mean(r["probe_loss_p1"] for r in rows if "probe_loss_p1" in r),
-            "probe_ref": mean(r["probe_loss_ref"] for r in rows if "probe_loss_ref" in r),
+            "probe_p1": mean(probe_p1), "probe_ref": mean(probe_ref),
             "prompt_norm": mean(r["prompt_norm"] for r in rows if "prompt_norm" in r and r["round"] == last),
             "seconds": mean(r.get("client_seconds", r.get("seconds", 0.0)) for r in rows),
             "total_macs": float(sum(macs)), "total_bytes": float(sum(traffic)),

@@ -128,6 +128,32 @@ def verdict(mean: float, half: float, reference: str) -> str:
     return "no difference detectable"
 
 
+def paired_p_value(differences) -> float:
+    """Two-sided p-value of the paired Student-t test that the mean difference is zero (nan
+    with fewer than two pairs, 0 when every pair differs by the same nonzero amount)."""
+    from scipy import stats
+
+    d = np.asarray(differences, dtype=np.float64)
+    if len(d) < 2:
+        return float("nan")
+    if d.std(ddof=1) == 0:
+        return 1.0 if d.mean() == 0 else 0.0
+    return float(stats.ttest_1samp(d, 0.0).pvalue)
+
+
+def holm_survivors(p_values: dict, alpha: float = 0.05) -> dict:
+    """Holm's step-down correction over a table's comparisons: name -> whether its difference
+    stays a finding at family-wise level ``alpha`` (the smallest p against alpha / m, the next
+    against alpha / (m - 1), ..., stopping at the first that fails)."""
+    ranked = sorted((p, name) for name, p in p_values.items() if np.isfinite(p))
+    out = {name: False for name in p_values}
+    for i, (p, name) in enumerate(ranked):
+        if p > alpha / (len(ranked) - i):
+            break
+        out[name] = True
+    return out
+
+
 def paired_cells(values: dict, reference: dict):
     """``values - reference`` seed by seed on their common seeds (fractions in, points out):
     ``([seeds, per seed, mean ± 95% CI], mean, half)``, or None without a common seed."""
@@ -159,15 +185,23 @@ def print_paired(figures: dict, reference: str, label: str) -> None:
     ref = figures.get(reference)
     if not ref:
         return
-    print(f"\nPaired per-seed differences against {reference} ({label} - {reference}, final acc, points; "
-          f"95% Student-t interval of the mean):\n")
-    print(f"| {label} | seeds | per seed | mean ± 95% CI | finding |")
-    print("| --- | --- | --- | --- | --- |")
+    rows, p_values = {}, {}
     for name, seeds in figures.items():
         paired = paired_cells(finals(seeds), finals(ref)) if name != reference else None
         if paired:
-            cells, mean, half = paired
-            print(f"| {name} | {' | '.join(cells)} | {verdict(mean, half, reference)} |")
+            rows[name] = paired
+            common = sorted(set(finals(seeds)) & set(finals(ref)))
+            p_values[name] = paired_p_value([finals(seeds)[s] - finals(ref)[s] for s in common])
+    survives = holm_survivors(p_values)
+    print(f"\nPaired per-seed differences against {reference} ({label} - {reference}, final acc, points; "
+          f"95% Student-t interval of the mean; Holm: the finding survives Holm's correction over the "
+          f"table's {len(rows)} comparisons at family-wise 0.05):\n")
+    print(f"| {label} | seeds | per seed | mean ± 95% CI | finding | p | Holm |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (cells, mean, half) in rows.items():
+        finding = verdict(mean, half, reference)
+        holm = "–" if finding == "no difference detectable" else ("survives" if survives[name] else "does not survive")
+        print(f"| {name} | {' | '.join(cells)} | {finding} | {p_values[name]:.3f} | {holm} |")
 
 
 def print_before_after(figures: dict, before: dict, label: str, what: str) -> None:

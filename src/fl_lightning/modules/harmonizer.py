@@ -9,9 +9,10 @@ the widest candidate's width, appends a learnable embedding of the split depth a
 with one two-layer MLP shared by all depths into a unit-norm semantic space. Class prototypes
 are the projected class means, aggregated once per round over every client weighted by class
 counts and carried across rounds by EMA; within a round they are fixed. The alignment loss is
-the cross-entropy of the prototype similarities at temperature ``tau``. With a prediction head
-(``head``), the harmonized representation also enters the server's prediction
-(:class:`HarmonizedNetwork`; docs/fedsga.md).
+the cross-entropy of the prototype similarities at temperature ``tau``: the harmonizer aligns and
+regularizes, and the server half's own classifier predicts (the paper's Sec. 3.4). With a read-out
+head (``head``, an option beyond the paper), the harmonized representation also enters the
+server's prediction (:class:`HarmonizedNetwork`; docs/fedsga.md).
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ class InterfaceHarmonizer(nn.Module):
         depth_dim: width of the learnable split-depth embedding.
         tau: prototype temperature tau_a.
         momentum: prototype EMA coefficient mu (across rounds).
-        head: a linear map from the semantic space to class logits, added to the server's
+        head: a linear read-out from the semantic space to class logits, added to the server's
             prediction (zero at initialization, so training starts from the backbone's).
+        head_bias: the read-out has a bias. It duplicates the classifier's: both get the same
+            gradient, so under one optimizer the class prior moves twice as fast.
     """
 
     def __init__(self, widths: Sequence[int], num_classes: int, projection_dim: int = 128, hidden: int = 256,
-                 depth_dim: int = 16, tau: float = 0.5, momentum: float = 0.9, head: bool = False):
+                 depth_dim: int = 16, tau: float = 0.5, momentum: float = 0.9, head: bool = False,
+                 head_bias: bool = False):
         super().__init__()
         self.widths = list(widths)
         self.in_width = max(self.widths)
@@ -63,10 +67,11 @@ class InterfaceHarmonizer(nn.Module):
         self.depth_embedding = nn.Embedding(len(self.widths), depth_dim)
         self.projector = nn.Sequential(nn.Linear(self.in_width + depth_dim, hidden), nn.ReLU(inplace=True),
                                        nn.Linear(hidden, projection_dim))
-        self.head = nn.Linear(projection_dim, num_classes) if head else None
+        self.head = nn.Linear(projection_dim, num_classes, bias=head_bias) if head else None
         if self.head is not None:
             nn.init.zeros_(self.head.weight)
-            nn.init.zeros_(self.head.bias)
+            if self.head.bias is not None:
+                nn.init.zeros_(self.head.bias)
         self.register_buffer("prototypes", torch.zeros(num_classes, projection_dim))
         self.register_buffer("has_prototype", torch.zeros(num_classes))
 

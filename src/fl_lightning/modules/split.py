@@ -102,17 +102,21 @@ def make_pair(fabric, cfg: LocalTrainConfig, *, client_forward: ClientForward, s
               server_momentum: Optional[Dict[int, torch.Tensor]] = None,
               after_client_backward: Optional[Callable[[], None]] = None,
               server_optimizer: Optional[torch.optim.Optimizer] = None,
-              client_backward: Optional[Callable] = None) -> SplitPair:
+              client_backward: Optional[Callable] = None, fresh_server_state: bool = False) -> SplitPair:
     """Build both optimizers through Fabric (SGD with the run's momentum and weight decay).
 
     ``server_momentum`` maps ``id(param)`` to a momentum buffer to start from: a server half
     that persists across clients and rounds (SplitFed V2, FedSGA's shared server) carries it.
     ``server_optimizer``: an optimizer already built for the server half (a cohort that shares
     one server step, MergeSFL); then ``server_params`` is not used.
+    ``fresh_server_state``: the server optimizer's state is dropped before every step, which is
+    what making it afresh for every batch does.
     """
     client_optimizer = fabric.setup_optimizers(sgd(client_params, lr, cfg))
     if server_optimizer is None:
         server_optimizer = sgd(server_params, server_lr, cfg)
+        if fresh_server_state:
+            server_optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: optimizer.state.clear())
         for group in server_optimizer.param_groups:
             for p in group["params"]:
                 buffer = (server_momentum or {}).get(id(p))

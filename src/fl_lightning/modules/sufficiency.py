@@ -31,9 +31,17 @@ def prompt_variation(before: list, after: list, grad_norms: torch.Tensor, tau: f
     return min(max(float((weights * delta).sum()), 0.0), 1.0)
 
 
-def sufficiency_label(loss_p1: float, loss_ref: float, beta: float) -> bool:
-    """The shallowest split suffices when ``L(p1) <= (1 + beta) L(p_ref)``."""
+def sufficiency_labels(loss_p1: torch.Tensor, loss_ref: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per client, the shallowest split suffices when ``L(p1) <= (1 + beta) L(p_ref)``."""
     return loss_p1 <= (1.0 + beta) * loss_ref
+
+
+@torch.no_grad()
+def held_out_losses(probes: "DepthProbes", depth: int, rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each client's probe loss at ``depth``: the mean cross-entropy of the depth's probe over
+    the client's rows ``[client, example, width]`` with labels ``[client, example]``."""
+    logits = probes.logits(rows.flatten(0, 1), depth)
+    return F.cross_entropy(logits, labels.flatten(), reduction="none").view(labels.shape).mean(dim=1)
 
 
 def handcrafted_score(descriptor: torch.Tensor) -> float:
@@ -93,11 +101,11 @@ class DepthProbes(nn.Module):
     interface (``harmonizer.standardized``), giving the probe loss L(p) of the calibration
     label and the alignment descriptor.
 
-    Every round the server refits each probe on the probe-batch interfaces of every committed
-    client at that depth (the received model's, computed by the client), warm-started from the
-    last round's, so a depth's probe is trained as often as any other's whatever share of the
-    clients the split policy sends there. Until its first fit a probe reads as the uniform
-    guess.
+    Every round the server refits each probe on the first half of every committed client's
+    probe-batch interfaces at that depth (the received model's, computed by the client),
+    warm-started from the last round's, so a depth's probe is trained as often as any other's
+    whatever share of the clients the split policy sends there; the second half, never fitted,
+    gives the calibration's losses. Until its first fit a probe reads as the uniform guess.
 
     Args:
         widths: depth index -> pooled interface width, for each probed depth.

@@ -60,14 +60,17 @@ class SplitEngine:
         server_lr: the server half's learning rate (None: the round's).
         server_trainables: the method's server-side tensors trained with the back, by name.
         train_pass: the method's training step over a client's shard, ``(client, pair) -> fit``.
+        fresh_server_state: the server half's optimizer is made afresh for every batch (no
+            momentum survives a step, none is carried).
     """
 
     def __init__(self, ctx, global_state: Dict[str, torch.Tensor], cuts: List[str], statistics, version: str,
                  server_lr: Optional[float], server_trainables: Callable[[], Dict[str, torch.Tensor]],
-                 train_pass: Callable):
+                 train_pass: Callable, fresh_server_state: bool = False):
         self.ctx, self.global_state, self.cuts, self.statistics = ctx, global_state, cuts, statistics
         self.version, self.server_lr = version, server_lr
         self.server_trainables, self.train_pass = server_trainables, train_pass
+        self.fresh_server_state = fresh_server_state
         self.halves = SplitHalves(ctx.model, cuts, ctx.data.bundle.input_shape)
         device = ctx.fabric.device
         self.client_worker = ctx.make_model().to(device)
@@ -81,7 +84,7 @@ class SplitEngine:
         """Build the client's pair, train it over the client's shard, and return the result."""
         pair = self.pair_for(client)
         fit = self.train_pass(client, pair)
-        if self.version == "v2":
+        if self.carries_momentum:
             self.stash_momentum(pair.server_optimizer)
         return self.result(client.task, fit)
 
@@ -127,7 +130,7 @@ class SplitEngine:
         names.update({id(p): name for name, p in extra.items()})
         self.server_names = names
         momentum = None
-        if self.version == "v2":
+        if self.carries_momentum:
             momentum = {id(p): self.server_momentum[names[id(p)]] for p in server_params
                         if names.get(id(p)) in self.server_momentum}
         return make_pair(r.fabric, r.train, client_forward=client.forward(front),
@@ -136,7 +139,13 @@ class SplitEngine:
                          server_params=server_params, lr=r.lr,
                          server_lr=self.server_lr if self.server_lr is not None else r.lr,
                          server_momentum=momentum, after_client_backward=client.after_backward,
-                         server_optimizer=server_optimizer, client_backward=client.backward)
+                         server_optimizer=server_optimizer, client_backward=client.backward,
+                         fresh_server_state=self.fresh_server_state)
+
+    @property
+    def carries_momentum(self) -> bool:
+        """V2's shared server half carries its optimizer's momentum across clients and rounds."""
+        return self.version == "v2" and bool(self.ctx.train.momentum) and not self.fresh_server_state
 
     def result(self, task: ClientTask, fit, module: Optional[nn.Module] = None,
                state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:

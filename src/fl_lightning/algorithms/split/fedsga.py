@@ -9,11 +9,12 @@ SplitFed V1 underneath instead):
 - descriptors (semantic alignment, temporal stability, prompt-state variation) on a fixed
   probe batch after each client fit, and the estimator Gamma_theta of the probability that the
   shallowest cut suffices, trained on calibration labels ``L(p1) <= (1 + beta) L(p_ref)``
-  every ``calibration_every`` rounds (``modules/sufficiency.py``);
+  every ``calibration_every`` rounds, the probe losses of the model the round received, on
+  held-out examples (``modules/sufficiency.py``);
 - the monotone, budget-aware policy Psi from that probability to a cut;
 - the depth-aware interface harmonizer with EMA class prototypes at the server
-  (``modules/harmonizer.py``): its alignment loss added to the server half's and, by default,
-  the harmonized interface on the server's prediction path.
+  (``modules/harmonizer.py``): its alignment loss regularizes the server half's, whose own
+  classifier predicts (an additive read-out of the harmonized interface is an option).
 
 Every formula and the choices the paper leaves open: docs/fedsga.md.
 """
@@ -29,15 +30,17 @@ from fl_lightning.algorithms.split.fedsga_client import CutChoice, FedSGAClient,
 from fl_lightning.algorithms.split.common import default_candidates
 from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
-from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt
+from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, number_type
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptModule
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
 
 Strategy = Literal["sufficiency", "static", "random"]
+Readout = Literal["server_head", "additive", "additive_bias"]
 ServerModel = Literal["shared", "copy"]
 PromptGradient = Literal["task", "all"]
+ProbeSize = number_type(int, ge=2)
 # seed streams: probe batches, random splits, harmonizer and estimator initialization
 PROBE_STREAM, SPLIT_STREAM, INIT_STREAM = 22, 23, 24
 
@@ -48,12 +51,12 @@ class FedSGA(SplitFed):
     def __init__(self, candidates: Optional[List[str]] = None, split_strategy: Strategy = "sufficiency",
                  static_cut: Optional[str] = None, adaptation_channel: bool = True,
                  sufficiency_estimator: bool = True, harmonizer: bool = True, server_model: ServerModel = "shared",
-                 harmonized_prediction: bool = True, prompt_gradient: PromptGradient = "all",
+                 readout: Readout = "server_head", prompt_gradient: PromptGradient = "all",
                  eval_cut: Optional[str] = None, num_prompts: PositiveInt = 4,
                  prompt_width: PositiveInt = 4, rho: NonNegativeFloat = 0.1, beta: NonNegativeFloat = 0.05,
                  lambda_align: NonNegativeFloat = 0.1, tau_a: PositiveFloat = 0.5, tau_m: PositiveFloat = 0.5,
                  prototype_momentum: ClosedUnitInterval = 0.9, projection_dim: PositiveInt = 128,
-                 calibration_every: PositiveInt = 5, probe_size: PositiveInt = 32,
+                 calibration_every: PositiveInt = 5, probe_size: ProbeSize = 32,
                  estimator_hidden: PositiveInt = 16, estimator_buffer: PositiveInt = 256,
                  respect_budgets: bool = True, server_lr: Optional[PositiveFloat] = None, **kwargs):
         """
@@ -68,18 +71,22 @@ class FedSGA(SplitFed):
             sufficiency_estimator: use Gamma_theta (false: the "w/o Suff. Est." ablation, a
                 hand-crafted score of the same descriptors).
             harmonizer: interface harmonization acts on the model: its alignment loss reaches
-                the backbone and (with ``harmonized_prediction``) its representation enters the
-                prediction. false: the "w/o Harmon." ablation; the projector and prototypes are
-                still trained, on detached interfaces, as the estimator's probe.
+                the backbone (and with an additive ``readout`` its representation enters the
+                prediction). false: the "w/o Harmon." ablation (plain cross-entropy at the
+                server).
             server_model: shared (one server model trained client by client in plan order, the
                 paper's Sec. 1 and 3) or copy (SplitFed V1: a server copy per client, averaged).
-            harmonized_prediction: the server predicts ``back(z) + W phi(pool(z), e(p))`` (the
-                harmonized interface on the prediction path, Sec. 3.4); false: the alignment
-                loss only (an auxiliary reading).
+            readout: what predicts at the server. server_head: the server half's own classifier,
+                ``back(z)``, the harmonizer aligning and regularizing (the paper's Sec. 3.4, which
+                describes prototype-based regularization and no read-out head). additive:
+                ``back(z) + W Z`` with ``Z = phi(pool(z), e(p))``, a bias-free linear read-out of
+                the harmonized interface on the prediction path (ours). additive_bias: the same
+                with a bias, whose gradient equals the classifier bias's (ours; the class prior
+                then moves twice as fast under label skew: docs/results/fedsga.md).
             prompt_gradient: what trains the prompt: all (every server loss term, standard
                 backpropagation, Sec. 3.5) or task (the server's task loss only; the alignment
                 term's gradient is kept from it, at one more backward of the front).
-            eval_cut: the cut at which the served model (harmonized prediction) is evaluated
+            eval_cut: the cut at which the served model is evaluated with an additive read-out
                 (None: p_ref); every candidate's accuracy is logged too.
             num_prompts: prompt tokens per client, m.
             prompt_width: border width in pixels of the input-side prompt (CNN backbones).
@@ -91,7 +98,8 @@ class FedSGA(SplitFed):
             prototype_momentum: EMA coefficient mu of the class prototypes.
             projection_dim: width of the harmonizer's shared semantic space.
             calibration_every: rounds between calibrations (rounds 1, 1 + k, 1 + 2k, ...).
-            probe_size: examples in each client's fixed probe batch.
+            probe_size: examples in each client's fixed probe batch (at least 2): the first half
+                fits the depth probes, the second half labels the calibration.
             estimator_hidden: hidden width of Gamma_theta.
             estimator_buffer: calibration pairs Gamma_theta is trained on (the most recent).
             respect_budgets: cap each client's cut at the deepest one whose client forward MACs
@@ -107,7 +115,7 @@ class FedSGA(SplitFed):
         self.use_estimator = sufficiency_estimator
         self.use_harmonizer = harmonizer
         self.server_model = server_model
-        self.harmonized_prediction = harmonized_prediction
+        self.readout = readout
         self.prompt_gradient = prompt_gradient
         self.eval_cut = eval_cut
         self.num_prompts = num_prompts
@@ -125,7 +133,7 @@ class FedSGA(SplitFed):
     @property
     def harmonized(self) -> bool:
         """The harmonized interface is on the server's prediction path."""
-        return self.use_harmonizer and self.harmonized_prediction
+        return self.use_harmonizer and self.readout != "server_head"
 
     # -- set-up ---------------------------------------------------------------------------------
     def candidate_cuts(self, model: nn.Module) -> List[str]:
@@ -152,7 +160,7 @@ class FedSGA(SplitFed):
         device = ctx.fabric.device
         self.ref_index = (len(self.cuts) - 1) // 2
         self.client_settings = FedSGASettings(self.adaptation_channel, self.use_harmonizer, self.harmonized,
-                                              self.lambda_align, self.blocks_alignment_from_prompt, self.beta,
+                                              self.lambda_align, self.blocks_alignment_from_prompt,
                                               self.tau_m, self.ref_index, self.num_prompts)
         self.static_index = self.cuts.index(self.static_cut) if self.static_cut is not None else self.ref_index
         self.eval_index = self.cuts.index(self.eval_cut) if self.eval_cut is not None else self.ref_index
@@ -173,7 +181,8 @@ class FedSGA(SplitFed):
 
         def harmonizer():
             return InterfaceHarmonizer(widths, ctx.num_classes, self.projection_dim, tau=self.tau_a,
-                                       momentum=self.prototype_momentum, head=self.harmonized).to(device)
+                                       momentum=self.prototype_momentum, head=self.harmonized,
+                                       head_bias=self.readout == "additive_bias").to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(ctx.seed, INIT_STREAM))
             self.harmonizer = harmonizer()
@@ -188,6 +197,7 @@ class FedSGA(SplitFed):
             self.keep(KeptModule(prefix, part))
         self.keep(KeptAttributes(self, {"calibration_pairs": "pairs"}, torch.float64))
         probe = min(self.probe_size, min(ctx.client_sizes))
+        self._fit_rows = (probe + 1) // 2  # the probe batch's first half fits the probes, the rest labels
         self.store = self.keep(ClientStateStore(lambda: {
             "prompt": self.prompts.initial(device),
             "descriptor": torch.zeros(3, device=device),
@@ -233,7 +243,7 @@ class FedSGA(SplitFed):
         acc.declare("harmonizer/weight", torch.zeros(()))
         acc.declare("prototypes/sums", torch.zeros_like(h.prototypes))
         acc.declare("prototypes/counts", torch.zeros(h.prototypes.shape[0]))
-        acc.declare("calibration/pairs", torch.zeros(n, 5))
+        acc.declare("calibration/descriptors", torch.zeros(n, 4))  # the plan's descriptor and a flag
         for d in self.probed:
             acc.declare(f"probe/rows{d}", torch.zeros(n, self._probe_count, self.widths[d]))
         acc.declare("probe/mask", torch.zeros(n))
@@ -321,10 +331,9 @@ class FedSGA(SplitFed):
         for depth, rows in pending.probe_rows.items():
             acc.add_sum(f"probe/rows{depth}", rows, at=task.client)
         acc.add_sum("probe/mask", 1.0, at=task.client)
-        if pending.sufficient is not None and pending.had_descriptor:
-            pair = torch.cat([pending.old_descriptor.double().cpu(), torch.tensor([pending.sufficient, 1.0],
-                                                                                  dtype=torch.float64)])
-            acc.add_sum("calibration/pairs", pair, at=task.client)
+        if task.choice.calibrate and pending.had_descriptor:
+            flagged = torch.cat([pending.old_descriptor.double(), pending.old_descriptor.new_ones(1).double()])
+            acc.add_sum("calibration/descriptors", flagged, at=task.client)
         acc.keep("clients", task.client, pending.store)
 
     # -- the server's round end -----------------------------------------------------------------
@@ -347,31 +356,60 @@ class FedSGA(SplitFed):
         if self.use_harmonizer:
             h.update_prototypes(acc["prototypes/sums"].to(h.prototypes.device), acc["prototypes/counts"].to(h.prototypes.device))
         probe_fit = self.fit_probes(acc)
+        if self.is_calibration(plan.round_idx):
+            figures.update(self.calibrate(acc))
         cuts = [t.choice.index for t in plan.tasks]
         figures.update({"split/mean_index": sum(cuts) / len(cuts),
                         "split/frac_p1": sum(k == 0 for k in cuts) / len(cuts)})
         figures.update({f"split/frac_cut{k}": sum(c == k for c in cuts) / len(cuts) for k in range(len(self.cuts))})
         figures.update(probe_fit)
-        pairs = acc["calibration/pairs"].cpu()
-        new_pairs = pairs[pairs[:, 4] > 0, :4]
-        if len(new_pairs):
-            self.pairs = torch.cat([self.pairs, new_pairs])[-self.estimator_buffer:]
-            figures["calibration/frac_sufficient"] = float(new_pairs[:, 3].mean())
-            if self.use_estimator and self.split_strategy == "sufficiency":
-                fit = self.estimator.fit(self.pairs[:, :3], self.pairs[:, 3])
-                figures.update({f"estimator/{k}": v for k, v in fit.items()})
         return figures
 
-    def fit_probes(self, sums) -> Dict[str, float]:
-        """Refit every probed depth's probe on the round's probe interfaces of every committed
-        client, in client order (the same on every rank)."""
+    def probe_data(self, sums) -> tuple[List[int], Dict[int, torch.Tensor], torch.Tensor]:
+        """The round's probe interfaces: the committed clients in index order (the same on every
+        rank), each probed depth's rows ``[client, example, width]`` and the labels ``[client, example]``."""
         clients = [c for c in range(self.ctx.num_clients) if sums["probe/mask"][c] > 0]
         if not clients:
+            return clients, {}, torch.zeros(0, 0, dtype=torch.long)
+        labels = torch.stack([self.probe(c)[1] for c in clients])
+        rows = {d: sums[f"probe/rows{d}"][clients].to(labels.device) for d in self.probed}
+        return clients, rows, labels
+
+    def fit_probes(self, sums) -> Dict[str, float]:
+        """Refit every probed depth's probe on the first half of every committed client's probe
+        batch, the interfaces of the model this round received."""
+        clients, rows, labels = self.probe_data(sums)
+        if not clients:
             return {}
-        labels = torch.cat([self.probe(c)[1] for c in clients])
-        device = labels.device
-        features = {d: sums[f"probe/rows{d}"][clients].flatten(0, 1).to(device) for d in self.probed}
-        return {f"probe/{k}": v for k, v in self.probes.fit(features, labels).items()}
+        fit = self._fit_rows
+        features = {d: r[:, :fit].flatten(0, 1) for d, r in rows.items()}
+        return {f"probe/{k}": v for k, v in self.probes.fit(features, labels[:, :fit].flatten()).items()}
+
+    def calibrate(self, sums) -> Dict[str, float]:
+        """A calibration round's labels and Gamma's training: every client that had a descriptor
+        is labelled ``L(p1) <= (1 + beta) L(p_ref)`` from the losses of the probes just refit on
+        this round's interfaces, scored on its held-out probe examples, and the label pairs with
+        the descriptor the round's plan used."""
+        from fl_lightning.modules.sufficiency import held_out_losses, sufficiency_labels
+
+        clients, rows, labels = self.probe_data(sums)
+        flagged = sums["calibration/descriptors"]
+        chosen = (flagged[clients, 3] > 0).nonzero().flatten().tolist()
+        if not chosen:
+            return {}
+        held = slice(self._fit_rows, None) if labels.shape[1] > self._fit_rows else slice(None)
+        losses = {d: held_out_losses(self.probes, d, rows[d][chosen][:, held], labels[chosen][:, held])
+                  for d in (0, self.ref_index)}
+        sufficient = sufficiency_labels(losses[0], losses[self.ref_index], self.beta).double().cpu()
+        descriptors = flagged[[clients[k] for k in chosen], :3].double().cpu()
+        self.pairs = torch.cat([self.pairs, torch.cat([descriptors, sufficient[:, None]], 1)])[-self.estimator_buffer:]
+        figures = {"calibration/frac_sufficient": float(sufficient.mean()),
+                   "calibration/probe_loss_p1": float(losses[0].mean()),
+                   "calibration/probe_loss_ref": float(losses[self.ref_index].mean())}
+        if self.use_estimator and self.split_strategy == "sufficiency":
+            fit = self.estimator.fit(self.pairs[:, :3], self.pairs[:, 3])
+            figures.update({f"estimator/{k}": v for k, v in fit.items()})
+        return figures
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:

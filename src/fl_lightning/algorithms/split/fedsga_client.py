@@ -1,6 +1,6 @@
-"""A FedSGA client's round: the calibration probes on the received model (calibration rounds),
-its prompt, the server's loss with the alignment term, and the descriptors it reports after
-training (docs/fedsga.md).
+"""A FedSGA client's round: the received model's probe interfaces (the server fits the depth
+probes and labels calibration rounds from them), its prompt, the server's loss with the alignment
+term, and the descriptors it reports after training (docs/fedsga.md).
 
 The method (``algorithms/split/fedsga.py``) makes one :class:`FedSGAClient` per task from the
 client's store entry; the object carries everything the round learns about that client (its
@@ -41,12 +41,10 @@ class FedSGASettings:
     """The client trains private prompt tokens."""
     use_harmonizer: bool
     harmonized: bool
-    """The harmonized read-out is on the server's prediction path."""
+    """An additive read-out of the harmonized interface is on the server's prediction path."""
     lambda_align: float
     blocks_alignment_from_prompt: bool
     """``prompt_gradient: task``: the alignment term's gradient is kept from the prompt."""
-    beta: float
-    """Sufficiency margin of the calibration label."""
     tau_m: float
     """Prompt contribution temperature."""
     ref_index: int
@@ -79,14 +77,13 @@ class NextClientState:
     old_descriptor: torch.Tensor
     """The descriptor the round's plan used, paired with this round's calibration label."""
     had_descriptor: bool
-    sufficient: Optional[float]
-    """The calibration label of this round (None outside calibration rounds)."""
     class_sums: torch.Tensor
     """Per class, the sum of the projected features of this client's examples (the round's prototype statistics)."""
     class_counts: torch.Tensor
     """Examples of each class the server saw from this client."""
     probe_rows: Dict[int, torch.Tensor]
-    """The received model's standardized pooled probe interfaces at each probed depth (the probes' training data)."""
+    """The received model's standardized pooled probe interfaces at each probed depth (what the
+    server fits the probes on and labels the calibration from)."""
 
 
 class FedSGAClient(SplitClient):
@@ -109,26 +106,13 @@ class FedSGAClient(SplitClient):
         self.align_grad: Optional[torch.Tensor] = None  # its gradient at the cut (prompt_gradient: task)
 
     def fit(self):
-        """The received model's probe interfaces (and in calibration rounds the probe losses),
-        the split round, then the descriptors; the client's next store entry waits in the
-        result's payload."""
-        from fl_lightning.modules.sufficiency import sufficiency_label
-
-        settings, probes = self.settings, self.parts.probes
+        """The received model's probe interfaces, the split round, then the descriptors; the
+        client's next store entry waits in the result's payload."""
         probe_link = Channel()
         self.probe_rows = self.received_interfaces(probe_link)
-        calibration = {}
-        if self.task.choice.calibrate:
-            _, y = self.probe
-            ref = settings.ref_index
-            loss_p1 = probes.loss(self.probe_rows[0], y, 0)
-            loss_ref = probes.loss(self.probe_rows[ref], y, ref)
-            calibration = {"probe_loss_p1": loss_p1, "probe_loss_ref": loss_ref,
-                           "sufficient": float(sufficiency_label(loss_p1, loss_ref, settings.beta))}
         result = self.engine.run(self)
         result.channel.merge(probe_link)
-        result.metrics.update(calibration)
-        figures, result.payload = self.report(calibration, result.channel)
+        figures, result.payload = self.report(result.channel)
         result.metrics.update(figures)
         return result
 
@@ -225,7 +209,7 @@ class FedSGAClient(SplitClient):
 
     # -- after training -------------------------------------------------------------------------
     @torch.no_grad()
-    def report(self, calibration: dict, channel: Channel) -> Tuple[Dict[str, float], NextClientState]:
+    def report(self, channel: Channel) -> Tuple[Dict[str, float], NextClientState]:
         """Descriptors on the probe batch with the trained front and prompt (batch norm on the
         probe batch's statistics, as the interface is computed in training; the client uploads
         its shallow interface): the round's figures and the client's next store
@@ -257,8 +241,7 @@ class FedSGAClient(SplitClient):
                    "has_descriptor": torch.ones_like(state["has_descriptor"]),
                    "probe_features": pooled.to(state["probe_features"])},
             old_descriptor=state["descriptor"].clone(), had_descriptor=bool(state["has_descriptor"].item()),
-            sufficient=calibration.get("sufficient"), class_sums=self.class_sums, class_counts=self.class_counts,
-            probe_rows=self.probe_rows)
+            class_sums=self.class_sums, class_counts=self.class_counts, probe_rows=self.probe_rows)
         figures = {"cut": self.depth, "alignment": alignment, "stability": stability,
                    "prompt_variation": variation, "prompt_norm": float(prompt.norm())}
         if self.task.choice.r is not None:

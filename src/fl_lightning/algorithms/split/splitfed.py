@@ -6,8 +6,9 @@ activations the client sends and returns the gradient at the cut (``modules/spli
 - V1: every client's server half is a copy of the global back, trained on that client's
   activations; fronts and server copies are averaged sample-weighted at the end of the round.
 - V2: one server half is trained client by client in a shuffled order (the cohort runs in
-  order on rank 0), its optimizer persisting across clients and rounds; only the fronts are
-  averaged.
+  order on rank 0), its optimizer's momentum carried across clients and rounds (or, as the
+  authors' script, an optimizer made afresh for every batch: ``server_optimizer: per_batch``);
+  only the fronts are averaged.
 
 Each client's round is a :class:`SplitClient` made per task (``new_client``): its forward,
 backward and the server's loss and step on its batches. Subclasses choose a cut per client
@@ -33,6 +34,7 @@ from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
 
 ORDER_STREAM = 21  # seed stream of SplitFed V2's client order
+ServerOptimizerLife = Literal["carried", "per_batch"]
 
 
 class SplitFed(FedAvg):
@@ -44,7 +46,7 @@ class SplitFed(FedAvg):
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
                  server_lr: Optional[PositiveFloat] = None, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
                  calib_batch_size: PositiveInt = CALIB_BATCH_SIZE, calib_transform: Literal["train", "eval"] = "train",
-                 weighting: Optional[Weighting] = None):
+                 weighting: Optional[Weighting] = None, server_optimizer: ServerOptimizerLife = "carried"):
         """
         Args:
             cut: block name after which the model is split (the last block the client runs);
@@ -66,12 +68,18 @@ class SplitFed(FedAvg):
             weighting: a client's weight in the averages of fronts (and V1's server copies):
                 samples (its examples, the project's common rule; the default) or uniform (one
                 per client: the authors' ``FedAvg``, a plain mean).
+            server_optimizer: the server half's optimizer state. carried: one optimizer per
+                client round (V2: its momentum carried across clients and rounds). per_batch: made
+                afresh for every batch, as the SplitFed authors' scripts build it inside the
+                server's training function, so no momentum survives a step (SGD's first step
+                with momentum is a plain step).
         """
         super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
                          calib_transform=calib_transform, weighting=weighting)
         self.cut = cut
         self.version = version
         self.server_lr = server_lr
+        self.server_optimizer = server_optimizer
 
     @property
     def sequential_clients(self) -> bool:
@@ -100,7 +108,8 @@ class SplitFed(FedAvg):
             raise ConfigError("model", f"{type(ctx.model).__name__} has no block boundaries to split at")
         self.cuts = self.candidate_cuts(ctx.model)
         self.engine = SplitEngine(ctx, self.global_state, self.cuts, self.statistics, self.version, self.server_lr,
-                                  self.server_trainables, self.train_pass)
+                                  self.server_trainables, self.train_pass,
+                                  fresh_server_state=self.server_optimizer == "per_batch")
         self.halves = self.engine.halves  # the method's rules read the cuts' keys and costs
         self.keep(KeptTensors("server_momentum/", self.engine.server_momentum))
 
@@ -147,7 +156,7 @@ class SplitFed(FedAvg):
         acc = super().new_accumulator(plan)
         if self.version == "v2":
             acc.before_reduce(self.add_server_half)
-            if self.ctx.train.momentum:
+            if self.engine.carries_momentum:
                 for name, tensor in self._server_tensors().items():
                     acc.declare(f"momentum/{name}", torch.zeros_like(tensor, dtype=torch.float64))
         return acc
@@ -174,7 +183,7 @@ class SplitFed(FedAvg):
         if all(torch.isfinite(state[k]).all() for k in weights if state[k].is_floating_point()):
             for key, weight in weights.items():
                 acc.add(state, weight, key_regions(self.global_state, [key]))
-        if self.ctx.train.momentum:
+        if self.engine.carries_momentum:
             for name in self._server_tensors():
                 buffer = self.engine.server_momentum.get(name)
                 if buffer is not None:
@@ -182,7 +191,7 @@ class SplitFed(FedAvg):
 
     def finish_round(self, acc, plan) -> Dict[str, float]:
         figures = super().finish_round(acc, plan)
-        if self.version == "v2" and self.ctx.train.momentum:
+        if self.engine.carries_momentum:
             tensors = self._server_tensors()
             self.engine.server_momentum.clear()
             self.engine.server_momentum.update({name: acc[f"momentum/{name}"].to(t.dtype)
