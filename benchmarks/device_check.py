@@ -2,7 +2,8 @@
 
 Prints one line per check (PASS, FAIL or INFO) and a last line with the count; exit status 0
 when every check passed, 1 when one failed, 2 when there is no CUDA GPU to check (one line,
-nothing run or written). About 3 minutes on one H200; at most 8 (each run has a time limit).
+nothing run or written). At most 8 minutes on one H200 (each run has a time limit; a run left
+without time is a FAIL line saying so).
 
 1. ``quickstart-cuda-vs-cpu``: ``configs/quickstart.yaml`` (FEAST), 6 rounds, one CUDA rank
    against one CPU rank, same config and seed.
@@ -27,10 +28,19 @@ difference of the 1-thread result, and in any case within one standard error of 
 accuracy (sqrt(p (1 - p) / n) over the n test examples: a difference below it is invisible to
 any comparison the project makes), for the test loss 2 % of its value.
 
-    benchmarks/device_check.sh [--out DIR] [--accelerator cpu]
+7. The main job's slice (``benchmarks/main_job_check.py``): FEAST CIFAR-100 with the 55.7M
+   supernet on generated images, 2 rounds in float32 and bf16 through
+   ``benchmarks/main_job_round.py`` (sync debug on, phase seconds), 2 ranks sharing the device
+   (and 2 GPUs where present), and FEAST's training MACs per second against a dense loop of the
+   largest cached variant.
+
+    benchmarks/device_check.sh [--out DIR] [--accelerator cpu] [--cpu-smoke] [--checks all|compare|main-job]
 
 ``--accelerator cpu`` rehearses every check on the CPU (the "GPU" runs on the CPU; no
-nvidia-smi): it shows that the pipeline runs, not that the GPU does.
+nvidia-smi): it shows that the pipeline runs, not that the GPU does. ``--cpu-smoke`` does the
+same at small sizes (1 compared round, 2 clients of 2 steps, the main job's slice on a narrowed
+supernet), so that every part runs end to end in minutes; ``--checks`` picks checks 1-6
+(compare) or 7 (main-job).
 """
 
 from __future__ import annotations
@@ -59,6 +69,11 @@ EQUAL_WORK = [RESNET, "--model.width", "0.25", "--partition.method", "iid", "--p
 COMPARED_ROUNDS = {"quickstart": 6, "resnet18": 2}
 """Rounds before the comparison: the quick start is near chance after 2 rounds, the ResNet well above."""
 TIMED_ROUNDS = 6
+SMOKE_ROUNDS = {"quickstart": 1, "resnet18": 1}
+SMOKE_TIMED_ROUNDS = 2
+SMOKE_SCALE = ["--federation.clients_per_round", "2", "--train.steps", "2"]
+"""``--cpu-smoke``: 1 compared round, 2 timed, 2 clients of 2 steps each."""
+CHECK_GROUPS = ("all", "compare", "main-job")
 BF16_POINTS = 0.05
 """bf16 keeps 8 significant bits (each product is off by up to 2^-9 = 0.2 %); the issue's "within a
 few points" of the float32 result, as 5 points of test accuracy after the same rounds."""
@@ -84,6 +99,7 @@ class Run:
     samples: List[tuple] = field(default_factory=list)
     """(utilization %, memory MiB) from nvidia-smi over the steady rounds."""
     memory_peak_mib: Optional[float] = None
+    stdout: str = ""
 
     @property
     def error(self) -> Optional[str]:
@@ -97,9 +113,13 @@ class Run:
         return json.loads((self.folder / "summary.json").read_text())["final"]
 
     @property
+    def rows(self) -> List[dict]:
+        """The rows of ``metrics.jsonl``, one per round."""
+        return [json.loads(line) for line in (self.folder / "metrics.jsonl").read_text().splitlines()]
+
+    @property
     def round_seconds(self) -> List[float]:
-        rows = [json.loads(line) for line in (self.folder / "metrics.jsonl").read_text().splitlines()]
-        return [row["round_seconds"] for row in rows]
+        return [row["round_seconds"] for row in self.rows]
 
     @property
     def peak_cuda_bytes(self) -> Optional[int]:
@@ -119,28 +139,38 @@ SCALE = [1.0]
 
 
 def fit(config: List[str], out: Path, name: str, device: List[str], rounds: int, timed: bool = False,
-        env: Optional[dict] = None, smi: Optional[str] = None) -> Run:
+        env: Optional[dict] = None, smi: Optional[str] = None, schedule: Optional[List[str]] = None,
+        data_root: Optional[Path] = None) -> Run:
     """``python -m fl_lightning fit`` (through a wrapper that reports torch's peak CUDA memory);
-    ``timed``: no evaluation, for steady round times; ``smi``: sample nvidia-smi meanwhile."""
-    schedule = (["--eval.every", "1000", "--checkpoint_every", "1000", "--federation.rounds", "1000",
-                 "--stop_after", str(rounds)] if timed else
-                ["--federation.rounds", str(rounds), "--eval.every", str(rounds)])
+    ``timed``: no evaluation, for steady round times; ``schedule``: these rounds and evaluation
+    options instead; ``smi``: sample nvidia-smi meanwhile."""
+    if schedule is None:
+        schedule = (["--eval.every", "1000", "--checkpoint_every", "1000", "--federation.rounds", "1000",
+                     "--stop_after", str(rounds)] if timed else
+                    ["--federation.rounds", str(rounds), "--eval.every", str(rounds)])
     command = [sys.executable, "-c", PEAK, "fit", "--config", config[0], *config[1:], *schedule, *device,
-               "--data.root", str(ROOT / "data"), "--out_dir", str(out), "--name", name]
+               "--data.root", str(data_root or ROOT / "data"), "--out_dir", str(out), "--name", name]
+    return run_command(command, out / name, env, smi)
+
+
+def run_command(command: List[str], folder: Path, env: Optional[dict] = None, smi: Optional[str] = None,
+                stdout=subprocess.DEVNULL) -> Run:
+    """``command`` in the checkout's root within its share of the time limit; a run that writes
+    into ``folder``. ``stdout``: where its standard output goes (kept in ``Run.stdout`` when PIPE)."""
     started = time.perf_counter()
     limit = min(RUN_LIMIT_S * SCALE[0], DEADLINE[0] - started)
     if limit < 10:
-        return Run(out / name, 1, "error: no time left for this run within the 8 minutes", 0.0)
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+        return Run(folder, 1, "error: no time left for this run within the 8 minutes", 0.0)
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=stdout,
                                stderr=subprocess.PIPE, text=True)
-    sampler = Sampler(smi, out / name / "metrics.jsonl") if smi else None
+    sampler = Sampler(smi, folder / "metrics.jsonl") if smi else None
     try:
-        _, stderr = process.communicate(timeout=limit)
+        output, stderr = process.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         process.kill()
-        _, stderr = process.communicate()
+        output, stderr = process.communicate()
         stderr += f"\nerror: the run was stopped after {limit:.0f} s"
-    run = Run(out / name, process.returncode, stderr, time.perf_counter() - started)
+    run = Run(folder, process.returncode, stderr, time.perf_counter() - started, stdout=output or "")
     if sampler is not None:
         run.samples, run.memory_peak_mib = sampler.stop()
     return run
@@ -258,7 +288,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="cpu: rehearse the checks without a GPU")
     parser.add_argument("--minutes", type=float, default=TOTAL_LIMIT_S / 60,
                         help="time limit of all runs together (each run's scales with it)")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="every check on the CPU at small sizes: shows that each part runs end to end")
+    parser.add_argument("--checks", choices=CHECK_GROUPS, default="all",
+                        help="compare: the CUDA-vs-CPU comparisons, timings and memory; main-job: the main job's "
+                             "slice (benchmarks/main_job_check.py); all: both")
     args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        args.accelerator = "cpu"
     if not args.minutes > 0:
         print(f"device_check: error: minutes: must be > 0, got {args.minutes}", file=sys.stderr)
         return 2
@@ -274,7 +311,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
     out = args.out or Path(tempfile.mkdtemp(prefix="device_check-"))
     out.mkdir(parents=True, exist_ok=True)
-    lines = run_checks(out, args.accelerator)
+    lines = run_checks(out, args.accelerator, args.cpu_smoke, args.checks)
     failed = sum(line.startswith("FAIL") for line in lines)
     print(f"device_check: {len(lines) - failed} of {len(lines)} checks passed in {time.perf_counter() - started:.0f} s "
           f"(runs in {out})", flush=True)
@@ -288,29 +325,47 @@ def say(line: str) -> str:
     return line
 
 
-def run_checks(out: Path, accelerator: str) -> List[str]:
+def run_checks(out: Path, accelerator: str, smoke: bool = False, checks: str = "all") -> List[str]:
+    """Every check of ``checks`` (see ``CHECK_GROUPS``), one line each; ``smoke``: at small sizes."""
+    DEADLINE[0] = time.perf_counter() + TOTAL_LIMIT_S * SCALE[0]
+    lines: List[str] = []
+    if checks in ("all", "compare"):
+        lines += comparison_checks(out, accelerator, smoke)
+    if checks in ("all", "main-job"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from main_job_check import run_main_job_checks
+
+        lines += run_main_job_checks(out, accelerator, smoke, run_command, fit, say)
+    return lines
+
+
+def comparison_checks(out: Path, accelerator: str, smoke: bool = False) -> List[str]:
+    """Checks 1-6 of the module's doc."""
     device = ["--fabric.accelerator", accelerator, "--fabric.devices", "1"]
     cpu = ["--fabric.accelerator", "cpu", "--fabric.devices", "1"]
     exact = {"NVIDIA_TF32_OVERRIDE": "0"}  # float32 on both sides (cuDNN and cuBLAS honour it)
     smi = shutil.which("nvidia-smi") if accelerator == "cuda" else None
-    DEADLINE[0] = time.perf_counter() + TOTAL_LIMIT_S * SCALE[0]
+    configs = {"quickstart": QUICKSTART, "resnet18": EQUAL_WORK}
+    rounds, timed_rounds = (SMOKE_ROUNDS, SMOKE_TIMED_ROUNDS) if smoke else (COMPARED_ROUNDS, TIMED_ROUNDS)
+    if smoke:
+        configs = {key: [*config, *SMOKE_SCALE] for key, config in configs.items()}
     lines: List[str] = []
     compared = {}
-    for label, config in (("quickstart-cuda-vs-cpu", QUICKSTART), ("resnet18-cuda-vs-cpu", EQUAL_WORK)):
+    for label in ("quickstart-cuda-vs-cpu", "resnet18-cuda-vs-cpu"):
         key = label.split("-")[0]
-        runs = [fit(config, out, f"{key}_{name}", extra, COMPARED_ROUNDS[key], env=exact)
+        runs = [fit(configs[key], out, f"{key}_{name}", extra, rounds[key], env=exact)
                 for name, extra in (("device", device), ("cpu1", [*cpu, "--fabric.threads_per_rank", "1"]),
                                     ("cpu2", [*cpu, "--fabric.threads_per_rank", "2"]))]
         compared[key] = runs
-        lines.append(say(compare(label, *runs, test_examples(config), COMPARED_ROUNDS[key])))
-    bf16 = fit(EQUAL_WORK, out, "resnet18_bf16", [*device, "--fabric.precision", "bf16-mixed"],
-               COMPARED_ROUNDS["resnet18"])
+        lines.append(say(compare(label, *runs, test_examples(configs[key]), rounds[key])))
+    bf16 = fit(configs["resnet18"], out, "resnet18_bf16", [*device, "--fabric.precision", "bf16-mixed"],
+               rounds["resnet18"])
     lines.append(say(bf16_line(bf16, compared["resnet18"][0])))
-    timed = {key: fit(config, out, f"{key}_timed", device, TIMED_ROUNDS, timed=True, smi=smi)
-             for key, config in (("resnet18", EQUAL_WORK), ("quickstart", QUICKSTART))}
+    timed = {key: fit(configs[key], out, f"{key}_timed", device, timed_rounds, timed=True, smi=smi)
+             for key in ("resnet18", "quickstart")}
     cpu_timed = {key: runs[1] for key, runs in compared.items()}
-    lines.append(say(round_time_line(timed, cpu_timed, accelerator)))
-    lines.append(say(utilization_line(timed["resnet18"], smi)))
+    lines.append(say(round_time_line(timed, cpu_timed, accelerator, timed_rounds)))
+    lines.append(say(utilization_line(timed["resnet18"], smi, timed_rounds)))
     lines.append(say(memory_line(timed)))
     return lines
 
@@ -325,7 +380,7 @@ def bf16_line(bf16: Run, fp32: Run) -> str:
             f"{f['test_loss']:.4f}, {'finite' if finite(b) else 'NOT finite'}")
 
 
-def round_time_line(timed: dict, cpu: dict, accelerator: str) -> str:
+def round_time_line(timed: dict, cpu: dict, accelerator: str, timed_rounds: int = TIMED_ROUNDS) -> str:
     parts = []
     for key, label in (("resnet18", "equal-work FedAvg round"), ("quickstart", "quick start round")):
         run = timed[key]
@@ -333,11 +388,11 @@ def round_time_line(timed: dict, cpu: dict, accelerator: str) -> str:
             return f"FAIL round-time: {label} did not finish ({run.error})"
         on_cpu = f"{steady(cpu[key].round_seconds):.3f} s" if not cpu[key].error else "n/a"
         parts.append(f"{label} {steady(run.round_seconds):.3f} s on {accelerator} (median of rounds 1-"
-                     f"{TIMED_ROUNDS - 1}), {on_cpu} on one CPU thread")
+                     f"{timed_rounds - 1}), {on_cpu} on one CPU thread")
     return "INFO round-time: " + "; ".join(parts)
 
 
-def utilization_line(run: Run, smi: Optional[str]) -> str:
+def utilization_line(run: Run, smi: Optional[str], timed_rounds: int = TIMED_ROUNDS) -> str:
     if run.error:
         return f"FAIL gpu-utilization: the equal-work run did not finish ({run.error})"
     if not smi:
@@ -345,7 +400,7 @@ def utilization_line(run: Run, smi: Optional[str]) -> str:
     if not run.samples:
         return "INFO gpu-utilization: n/a (no nvidia-smi sample during the steady rounds)"
     used = [u for u, _ in run.samples]
-    return (f"INFO gpu-utilization: equal-work rounds 1-{TIMED_ROUNDS - 1}: mean {statistics.mean(used):.0f} %, "
+    return (f"INFO gpu-utilization: equal-work rounds 1-{timed_rounds - 1}: mean {statistics.mean(used):.0f} %, "
             f"median {statistics.median(used):.0f} %, max {max(used):.0f} % over {len(used)} samples of 100 ms")
 
 

@@ -124,14 +124,11 @@ def bare_round_seconds(spec: RunSpec, world: int, rounds: int) -> list:
 
 def equal_work_spec(out: str) -> RunSpec:
     """The round's RunSpec exactly as ``fit`` parses the config and overrides."""
-    from fl_lightning.cli import shared_parser, _instantiate
+    from fl_lightning.cli import parse_command
 
-    parser = shared_parser()
-    cfg = parser.parse_args(["fit", "--config", str(ROOT / RESNET), *EQUAL_WORK, "--data.root", str(ROOT / "data")])
-    args = _instantiate(parser, cfg).fit
-    return RunSpec(name="bare", out_dir=out, seed=args.seed, data=args.data, partition=args.partition,
-                   model=args.model, train=args.train, federation=args.federation, eval=args.eval,
-                   fabric=args.fabric, algorithm=args.algorithm)
+    _, spec, _ = parse_command(["fit", "--config", str(ROOT / RESNET), *EQUAL_WORK, "--data.root", str(ROOT / "data")])
+    spec.name, spec.out_dir = "bare", out
+    return spec
 
 
 def part_equal_work(out: str, rounds: int, repeats: int) -> None:

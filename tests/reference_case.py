@@ -200,7 +200,7 @@ def _run(fed, spec, rounds, after_round) -> Rounds:
     commit = alg.commit
 
     def keep(acc, task, result, plan):
-        state = result.update.module.state_dict() if result.update is not None else {}
+        state = result.model.module.state_dict() if result.model is not None else {}
         out.returned[-1][task.client] = {k: v.detach().clone() for k, v in state.items()}
         commit(acc, task, result, plan)
 

@@ -100,7 +100,7 @@ def run_case(method: str, out_dir=None, alg=None, frozen_bn: bool = False) -> di
 
     def recording_commit(acc, task, result, plan):
         local_states[(plan.round_idx, task.client)] = {
-            k: v.detach().clone() for k, v in result.update.module.state_dict().items()}
+            k: v.detach().clone() for k, v in result.model.module.state_dict().items()}
         commit(acc, task, result, plan)
 
     alg.commit = recording_commit

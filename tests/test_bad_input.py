@@ -201,7 +201,7 @@ FIT_CASES = [
     (["--algorithm", "FedProx", "--algorithm.mu", "inf"], "algorithm.mu"),
     (["--algorithm", "FedProx", "--algorithm.mu=-inf"], "algorithm.mu"),
     # models that cannot be built or would not fit in memory
-    (["--model.width", "1000"], "model"),
+    (["--model.width", "1000"], "model.width"),
     (["--model", VIT, "--model.embed_dim", "64", "--model.num_heads", "5"], "model.num_heads"),
     (["--algorithm", "Feast", "--model", OFA, "--model.width_scale", "0.1"], "model.width_scale"),
     (["--algorithm", "Feast", "--model", OFA, "--algorithm.search.segments", "[]"],
@@ -739,7 +739,7 @@ def _options_needing_a_value():
 
     import fl_lightning.algorithms as algorithms
     import fl_lightning.elastic.models as models
-    from fl_lightning.cli import fit
+    from fl_lightning.cli.schema import default, options
 
     def optional(hint) -> bool:
         return type(None) in typing.get_args(hint)
@@ -754,11 +754,11 @@ def _options_needing_a_value():
             elif not optional(hints[f.name]):
                 cases.append((yaml.safe_dump(nest({f.name: None})), f"{prefix}.{f.name}"))
 
-    for p in inspect.signature(fit).parameters.values():
-        if dataclasses.is_dataclass(p.default):
-            walk(p.name, type(p.default), lambda v, n=p.name: {n: v})
-        elif p.name in ("seed", "checkpoint_every", "name", "out_dir"):
-            cases.append((yaml.safe_dump({p.name: None}), p.name))
+    for option in options("fit"):
+        if dataclasses.is_dataclass(default(option)):
+            walk(option.name, option.default_factory, lambda v, n=option.name: {n: v})
+        elif option.name in ("seed", "checkpoint_every", "name", "out_dir"):
+            cases.append((yaml.safe_dump({option.name: None}), option.name))
     from fl_lightning.elastic.models.base import ElasticModel
 
     for section, module, base in (("model", models, ElasticModel), ("algorithm", algorithms, algorithms.Algorithm)):
@@ -839,3 +839,68 @@ def test_every_float_option_stays_within_float32(text, ok):
         else:
             with pytest.raises(OutOfRange, match="float32"):
                 parse_number(float, span, "a number", text)
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals that need the data or the supernet name the option the user set
+# ---------------------------------------------------------------------------------------
+
+
+def _quickstart_fit(tmp_path, *args) -> list:
+    """The quick start on one rank (in this process), searching its cache instead of loading it."""
+    return ["fit", "--config", str(QUICKSTART), "--out_dir", str(tmp_path / "runs"), "--fabric.devices", "1",
+            "--algorithm.init_args.cache", "null", *args]
+
+
+# The quick start's narrowed supernet costs 69.9K to 8.89M MACs (paper convention); its clients'
+# budgets start at b_min = 200K.
+SEARCH_REFUSALS = [
+    (["--algorithm.search.segments", "[[20e6, 30e6, 2, 0.4]]"], "algorithm.search.segments[0]",
+     "its targets 20M to 30M MACs lie beyond the supernet"),
+    (["--algorithm.search.segments", "[[5e5, 4e6, 3, 0.25], [1e3, 2e3, 1, 0.4]]"], "algorithm.search.segments[1]",
+     "its target 2K MACs lies beyond the supernet"),
+    (["--algorithm.search.segments", "[[1e6, 4e6, 2, 0.3]]"], "algorithm.search.segments",
+     "the lowest target, 1M MACs, is above the smallest client budget 200K MACs"),
+    (["--partition.budgets.b_min", "5e4", "--partition.gamma", "0"], "partition.budgets.b_min",
+     "the smallest client budget, 50K MACs, affords no subnet"),
+]
+
+
+@pytest.mark.parametrize("args,key,says", SEARCH_REFUSALS, ids=[k + str(i) for i, (_, k, _) in enumerate(SEARCH_REFUSALS)])
+def test_a_searched_cache_is_refused_before_the_search(tmp_path, capsys, monkeypatch, args, key, says):
+    """Segments beyond the supernet's MACs, or a cache that would not reach the poorest client,
+    are refused from the supernet's smallest and largest subnets, before any target is searched."""
+    import fl_lightning.elastic.search.cache as cache_module
+
+    def no_search(*_, **__):
+        raise AssertionError("the cache was searched before the refusal")
+
+    monkeypatch.setattr(cache_module, "build_cache", no_search)
+    line = fails_cleanly(_quickstart_fit(tmp_path, *args), capsys, key, tmp_path)
+    assert says in line and "0.0M" not in line
+
+
+def test_server_splits_that_leave_the_clients_too_little_name_the_split(tmp_path, capsys):
+    """Digits holds 1438 training examples (1797 less its 20% test split, 359); 20 clients with
+    min_size 10 need 200, so at most 1238 may be held by the server."""
+    def line(key, *args):
+        return fails_cleanly(["fit", "--out_dir", str(tmp_path / "runs"), *args], capsys, key, tmp_path)
+
+    assert "1437 server-held examples leave 1 of the 1438 training examples for the clients, who need 200 " \
+           "(20 clients x min_size 10); at most 1238 fit" in line("data.val_size", "--data.val_size", "1437")
+    assert "val_size 1000 + calib_size 437 server-held examples leave 1 of the 1438" in \
+        line("data.calib_size", "--data.val_size", "1000", "--data.calib_size", "437")
+    # without server splits the dataset itself is too small: the client count is what was set
+    assert "2000 clients" in line("partition.num_clients", "--partition.num_clients", "2000",
+                                  "--partition.min_size", "0", "--federation.clients_per_round", "2")
+
+
+@pytest.mark.parametrize("value,text", [(1000, "1K"), (23_400, "23.4K"), (200_000, "200K"), (999_999, "1M"),
+                                        (4_462_000, "4.46M"), (596e6, "596M"), (1.5e9, "1.5G"), (512, "512"),
+                                        (0, "0")])
+def test_counts_show_small_budgets(value, text):
+    """A budget of 1,000 MACs printed as ``{:.1f}M`` read "0.0M"; three significant digits with
+    the largest prefix that keeps the figure >= 1 show it (999,999 rounds up to 1M, not 1e+03K)."""
+    from fl_lightning.units import count, macs
+
+    assert count(value) == text and macs(value) == f"{text} MACs"

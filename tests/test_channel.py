@@ -6,7 +6,7 @@ import torch
 from fl_lightning.elastic.regions import Full
 from fl_lightning.elastic.routing import Routed
 from fl_lightning.runtime.channel import DOWN, UP, Channel
-from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.link import Uplink
 
 
 def test_bytes_follow_each_tensors_own_precision():
@@ -48,7 +48,7 @@ def test_a_client_row_carries_the_channels_figures():
     channel = Channel()
     channel.down("model", torch.zeros(3))
     channel.up("prototypes", torch.zeros(2, 4))
-    row = ClientResult(7, 12, 0.5, metrics={"steps": 3}, channel=channel).row()
+    row = Uplink(7, 12, 0.5, metrics={"steps": 3}, channel=channel).row()
     assert row == {"loss": 0.5, "samples": 12, "bytes_down": 12, "bytes_up": 32, "steps": 3}
 
 

@@ -131,8 +131,8 @@ def test_every_method_kind_is_a_class_of_the_package():
     from fl_lightning import algorithms
 
     kinds = check.method_kinds()
-    assert len(kinds) == 24 and "Algorithm" not in kinds and "SubmodelAlgorithm" not in kinds
-    assert {"FedAvg", "FedOpt", "Feast", "HASFL", "SplitFed", "MultiSFL", "FIARSE"} <= set(kinds)
+    assert len(kinds) == 25 and "Algorithm" not in kinds and "SubmodelAlgorithm" not in kinds
+    assert {"FedAvg", "FedOpt", "FedDyn", "Feast", "HASFL", "SplitFed", "MultiSFL", "FIARSE"} <= set(kinds)
     assert all(issubclass(getattr(algorithms, k), algorithms.Algorithm) for k in kinds)
     for kind, (config, _) in check.STAND_INS.items():
         assert kind in kinds and (ROOT / config).is_file()

@@ -68,6 +68,42 @@ def test_print_config_is_complete_and_runnable(tmp_path, capsys):
     assert again.fit.federation.rounds == cfg["federation"]["rounds"]
 
 
+def test_fit_parses_into_the_run_that_a_saved_config_reopens(tmp_path):
+    """One schema: the command line gives a RunSpec, and the config it resolves to reopens as an
+    equal RunSpec (sections equal, the same algorithm with the same options)."""
+    from fl_lightning.cli import load_fit_config, parse_command
+    from fl_lightning.federation.run_spec import RunSpec
+
+    command, spec, resolved = parse_command(["fit", "--config", "configs/fedavg_digits.yaml", "--algorithm",
+                                             "FedProx", "--algorithm.mu", "0.25", "--seed", "7"])
+    assert command == "fit" and type(spec) is RunSpec and (spec.seed, spec.algorithm.mu) == (7, 0.25)
+    path = tmp_path / "config.yaml"
+    path.write_text(resolved)
+    again = load_fit_config(path)
+    assert type(again) is RunSpec
+    for name in ("data", "partition", "train", "federation", "eval", "fabric", "seed", "name", "loggers"):
+        assert getattr(again, name) == getattr(spec, name), name
+    assert type(again.algorithm) is type(spec.algorithm) and vars(again.algorithm) == vars(spec.algorithm)
+    assert (spec.resume_from, spec.config_yaml) == (None, "")  # filled in by fit, never options
+
+
+def test_every_command_has_documented_options_and_a_runner():
+    """Each command's dataclass: every option has a docstring (its --help), the parser takes
+    exactly its options, and a function of commands.py runs it."""
+    from docstring_parser import parse_from_object
+
+    from fl_lightning.cli.commands import run
+    from fl_lightning.cli.parser import shared_parser
+    from fl_lightning.cli.schema import COMMANDS, options
+
+    for name, cls in COMMANDS.items():
+        documented = {p.arg_name: p.description for c in cls.__mro__[:-1] for p in parse_from_object(c).params}
+        assert all(documented.get(f.name) for f in options(name)), name
+        parsed = shared_parser().subcommand_parsers[name].get_defaults()
+        assert set(vars(parsed)) - {"config"} == {f.name for f in options(name)}, name
+        assert run.dispatch(cls) is not run.dispatch(object), name
+
+
 OVERLAY_BASE = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 
@@ -357,7 +393,7 @@ def test_every_numeric_option_carries_its_range():
 
     from fl_lightning import cli, config
     from fl_lightning.algorithms import Algorithm
-    from fl_lightning.parse_errors import algorithm_names
+    from fl_lightning.cli.parse_errors import algorithm_names
     import fl_lightning.algorithms as algorithms
 
     unranged = []

@@ -72,7 +72,7 @@ def test_every_dataset_class_is_exported_with_its_loader_and_checker():
     assert {cls for cls in exported if cls is not DatasetSource} == set(SOURCES)
     assert {cls.name for cls in SOURCES} >= {"digits", "synthetic", "cifar10", "cifar100", "emnist", "cinic10",
                                              "tinyimagenet", "domainnet", "shakespeare"}
-    assert CIFAR10().options() == {}
+    assert CIFAR10().options() == {"skip_integrity_check": False}
     assert Synthetic().options()["num_classes"] == 10
 
 
@@ -105,7 +105,7 @@ def test_missing_directory_names_expected_layout(tmp_path):
     with pytest.raises(ConfigError) as err:
         CIFAR10().check(str(tmp_path / "nowhere"), False)
     assert err.value.key == "data.root"
-    assert "cifar-10-batches-py" in str(err.value) and "download=True" in str(err.value)
+    assert "cifar-10-batches-py" in str(err.value) and "--data.download true" in str(err.value)
     with pytest.raises(ConfigError) as err:
         TinyImageNet().load(str(tmp_path), False, True)
     assert err.value.key == "data.root" and "val_annotations.txt" in str(err.value)
@@ -252,6 +252,38 @@ def test_cifar100_from_python_pickles(tmp_path, no_md5):
     b = CIFAR100().load(str(tmp_path), False, True)
     assert b.num_classes == 100 and len(b.train) == 8 and len(b.test) == 3
     assert b.train_targets.tolist() == train["fine_labels"]
+
+
+def test_generated_cifar_files_load_only_with_the_integrity_check_skipped(tmp_path):
+    """Files in the real format holding other images: torchvision's md5 comparison refuses them
+    (one line naming the file) unless ``skip_integrity_check``, which reads them as they are."""
+    rng = np.random.default_rng(2)
+    base = tmp_path / "cifar-100-python"
+    base.mkdir()
+    train, test = _cifar_batch(rng, 8, 100, "fine_labels"), _cifar_batch(rng, 3, 100, "fine_labels")
+    _pickle(base / "train", train)
+    _pickle(base / "test", test)
+    _pickle(base / "meta", {"fine_label_names": [f"f{i}" for i in range(100)]})
+    with pytest.raises(ConfigError) as refused:
+        CIFAR100().load(str(tmp_path), False, True)
+    assert refused.value.key == "data.root" and "md5 differs" in str(refused.value) and "train" in str(refused.value)
+    bundle = CIFAR100(skip_integrity_check=True).load(str(tmp_path), False, False)
+    assert torch.equal(bundle.train.data[5], torch.from_numpy(train["data"][5].reshape(3, 32, 32)))
+    assert bundle.test.targets.tolist() == test["fine_labels"] and bundle.extras["classes"][7] == "f7"
+    with pytest.raises(ConfigError) as both:
+        CIFAR100(skip_integrity_check=True).check(str(tmp_path), True)
+    assert both.value.key == "data.dataset.skip_integrity_check"
+    with pytest.raises(ConfigError) as absent:
+        CIFAR10(skip_integrity_check=True).check(str(tmp_path), False)
+    assert absent.value.key == "data.root" and "cifar-10-batches-py" in str(absent.value)
+
+
+def test_integrity_skip_is_a_config_option(tmp_path):
+    from fl_lightning.cli import parse_command
+
+    _, args, _ = parse_command(["fit", "--config", "configs/feast_cifar100.yaml",
+                                "--data.dataset.init_args.skip_integrity_check", "true"])
+    assert args.data.dataset == CIFAR100(skip_integrity_check=True)
 
 
 # ---------------------------------------------------------------------------------------

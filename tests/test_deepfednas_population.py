@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fl_lightning.algorithms.supernet import feast_accounting as acc
-from fl_lightning.data.budgets import (PAPER_CIFAR100_POPULATION, afford_counts, budget_statistics,
-                                       population_shard_sizes, search_population_seeds, zipf_budgets)
+from fl_lightning.analysis.population import (PAPER_CIFAR100_POPULATION, afford_counts, budget_statistics,
+                                              population_shard_sizes, search_population_seeds)
+from fl_lightning.data.budgets import zipf_budgets
 from fl_lightning.data.partition import alpha_data_for, make_partition
 from fl_lightning.data.splits import carve_server_splits
 from fl_lightning.elastic.models import build_model

@@ -1,6 +1,7 @@
-"""benchmarks/device_check.sh without a GPU: it parses, and stops at once with one line; and the
-pieces its verdicts rest on (tolerances, nvidia-smi lines, comparison lines) on made-up runs.
-No test here needs a GPU or runs a fit."""
+"""benchmarks/device_check.sh without a GPU: it parses, and stops at once with one line; the
+pieces its verdicts rest on (tolerances, nvidia-smi lines, comparison lines, the main job's
+lines) on made-up runs; and its main-job slice end to end at smoke size on the CPU
+(``--cpu-smoke``). No test here needs a GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
@@ -29,8 +31,8 @@ def _module():
 check = _module()
 
 
-def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
+def run_script(*args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, **env})
 
 
@@ -139,7 +141,7 @@ def test_the_checks_run_valid_fit_commands_and_print_one_line_each(tmp_path, mon
     _Finished.started = []
     monkeypatch.setattr(check.subprocess, "Popen", _Finished)
     monkeypatch.setattr(check, "test_examples", lambda config: 1000)
-    lines = check.run_checks(tmp_path, "cuda")
+    lines = check.run_checks(tmp_path, "cuda", checks="compare")
     assert [line.split(":")[0] for line in lines] == [
         "PASS quickstart-cuda-vs-cpu", "PASS resnet18-cuda-vs-cpu", "PASS bf16-mixed", "INFO round-time",
         "INFO gpu-utilization", "INFO peak-memory"]
@@ -155,3 +157,86 @@ def test_the_checks_run_valid_fit_commands_and_print_one_line_each(tmp_path, mon
     exact = [run for run in _Finished.started if run.env.get("NVIDIA_TF32_OVERRIDE") == "0"]
     assert len(exact) == 6  # the compared runs are float32 on both sides
     assert sum("bf16-mixed" in command for command in commands) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The main job's slice (benchmarks/main_job_check.py)
+# ---------------------------------------------------------------------------------------------
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import main_job_check as main_job  # noqa: E402
+
+SUMMARY_LINE = ("dispatches/step 913 (before n/a, ratio n/a); host syncs/client 1.0; main-process CPU/example "
+                "0.051 ms; peak memory 0.94 GB")
+INSTRUMENT_OUT = f"""main_job_round: configs/feast_cifar100.yaml, 2 round(s) of 4000
+phase                      seconds     CPU s  host syncs
+data and augmentation         0.18      0.17           0
+forward and backward          0.74      0.70          12
+reduction                     0.08      0.08           1
+dispatches: 913 top-level operators per step
+{SUMMARY_LINE}
+"""
+
+
+def _main_run(tmp_path: Path, name: str, losses=(4.6, 4.5), stdout: str = INSTRUMENT_OUT, code: int = 0):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": i, "train_loss": loss, "round_seconds": 2.0,
+                                                              "sum/train_macs": 3e12}) + "\n"
+                                                  for i, loss in enumerate(losses)))
+    return check.Run(folder, code, "" if code == 0 else "error: fabric.precision: no", 1.0, stdout=stdout)
+
+
+def test_the_instrument_line_passes_a_finished_run_with_finite_losses_only(tmp_path):
+    line = main_job.instrument_line("main-job-fp32", _main_run(tmp_path, "ok"))
+    assert line.startswith("PASS main-job-fp32: 2 rounds, round seconds 2.00, 2.00; " + SUMMARY_LINE)
+    assert line.endswith("phases: data and augmentation 0.18 s, forward and backward 0.74 s, reduction 0.08 s")
+    nan = main_job.instrument_line("main-job-bf16", _main_run(tmp_path, "nan", losses=(4.6, float("nan"))))
+    assert nan.startswith("FAIL main-job-bf16: non-finite training loss")
+    quiet = main_job.instrument_line("main-job-fp32", _main_run(tmp_path, "quiet", stdout="phase  seconds\n"))
+    assert quiet.startswith("FAIL main-job-fp32: the instrument printed no summary line")
+    failed = main_job.instrument_line("main-job-bf16", _main_run(tmp_path, "failed", code=2))
+    assert failed == "FAIL main-job-bf16: did not finish (error: fabric.precision: no)"
+
+
+def _checkpoint(folder: Path, value: float) -> None:
+    (folder / "checkpoints").mkdir()
+    model = {"w": torch.full((3,), 1.0), "b": torch.tensor([value])}
+    torch.save({"model": model}, folder / "checkpoints" / "last.ckpt")
+
+
+def test_shared_device_requires_the_one_rank_model_bit_for_bit_on_a_cpu(tmp_path):
+    alone, same, off = (_main_run(tmp_path, name) for name in ("alone", "same", "off"))
+    _checkpoint(alone.folder, 0.5)
+    _checkpoint(same.folder, 0.5)
+    _checkpoint(off.folder, 0.5 + 2**-24)  # one float32 unit in the last place at 0.5
+    assert main_job.shared_line(same, alone, "cpu").startswith("PASS shared-device: model after 2 rounds equal")
+    assert main_job.shared_line(off, alone, "cpu").startswith("FAIL shared-device:")
+    assert "largest difference 5.96e-08" in main_job.shared_line(off, alone, "cpu")
+    assert main_job.shared_line(off, alone, "cuda").startswith("INFO shared-device:")
+
+
+def test_the_throughput_ratio_is_feast_macs_per_second_over_the_dense_loops(tmp_path, monkeypatch):
+    runs = {"fp32": _main_run(tmp_path, "fp32"), "bf16": _main_run(tmp_path, "bf16")}
+    monkeypatch.setattr(main_job, "dense_rate", lambda config, cache, accelerator, precision:
+                        (6e12 if precision == "fp32" else 1.2e13, "578.0M MACs"))
+    line = main_job.throughput_line(runs, [main_job.CONFIG], "cuda")
+    # FEAST: 3e12 training MACs in a 2 s round = 1.5 TMAC/s; against 6 and 12 TMAC/s
+    assert "fp32: FEAST round 1 1.500 TMAC/s vs dense loop 6.000 TMAC/s, ratio 0.250" in line
+    assert "bf16: FEAST round 1 1.500 TMAC/s vs dense loop 12.000 TMAC/s, ratio 0.125" in line
+
+
+def test_the_cpu_smoke_runs_the_main_job_slice_end_to_end(tmp_path):
+    """The instrument in float32 and bf16, 2 ranks sharing the CPU against 1, the dense loop:
+    every line a pass (or INFO), and the throughput line's FEAST rate the run's own
+    ``sum/train_macs / round_seconds``."""
+    done = run_script("--cpu-smoke", "--checks", "main-job", "--out", str(tmp_path), timeout=1200)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert [line.split(":")[0] for line in lines] == [
+        "PASS main-job-fp32", "PASS main-job-bf16", "PASS shared-device", "INFO main-job-throughput", "device_check"]
+    assert lines[-1].startswith("device_check: 4 of 4 checks passed")
+    last = [json.loads(row) for row in (tmp_path / "main_fp32" / "main_job_round" / "metrics.jsonl").read_text()
+            .splitlines()][-1]
+    feast = main_job.rate(last["sum/train_macs"] / last["round_seconds"])
+    assert f"fp32: FEAST round 1 {feast} vs dense loop" in lines[3]

@@ -125,3 +125,35 @@ def test_two_cut_split_method_reduces_to_splitfed_v2_and_cuts_by_parity(spec_fac
         expected = (0.8 * -log_p.gather(1, y[:, None]).squeeze(1) + 0.2 * -log_p.mean(1)).mean()
         loss = client.server_loss(back, sent, y)
     assert abs(float(loss) - float(expected)) <= 1e-5 * max(1.0, float(expected))
+
+
+def test_fedcm_sends_its_direction_and_at_alpha_one_is_fedavg(spec_factory):
+    """The page's FedCM: at alpha 1 it is FedAvg (momentum 0) to the bit; at alpha 0.5 its
+    clients receive Delta beside the model (as many bytes as the parameters, float32), and after
+    round 0 Delta is (x_0 - x_1) / (lr K) by hand, K the clients' mean local steps (a Delta
+    without the 1 / K, or of x_1 - x_0, would be off by a factor of K or of sign)."""
+    from fl_lightning.config import LocalTrainConfig
+
+    ns = doc_namespace()
+    train = LocalTrainConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.0)
+    fed = FederationConfig(rounds=2, clients_per_round=3)
+    cm1 = spec_factory(name="cm1", algorithm=ns["FedCM"](alpha=1.0), train=train, federation=fed)
+    avg = spec_factory(name="avg", algorithm=FedAvg(), train=train, federation=fed)
+    run_fit(cm1)
+    run_fit(avg)
+    a, b = last_model(cm1), last_model(avg)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+    one = spec_factory(name="cm", algorithm=ns["FedCM"](alpha=0.5), train=train,
+                       federation=FederationConfig(rounds=1, clients_per_round=3))
+    initial = build_global_model(one, build_federated_data(one.data, one.partition, 0)).state_dict()
+    run_fit(one)
+    rows = [json.loads(l) for l in (Path(one.out_dir) / "cm" / "clients.jsonl").read_text().splitlines()]
+    params = {k for k, _ in build_global_model(one, build_federated_data(one.data, one.partition, 0)).named_parameters()}
+    param_bytes = sum(initial[k].numel() * 4 for k in params)
+    assert all(r["delta_bytes_down"] == param_bytes for r in rows)
+    steps = sum(r["steps"] for r in rows) / len(rows)
+    saved = load_checkpoint(Path(one.out_dir) / "cm" / "checkpoints" / "last.ckpt")
+    for key in params:
+        expected = (initial[key].double() - saved["model"][key].double()) / (0.05 * steps)
+        assert torch.allclose(saved["algorithm"][f"delta/{key}"].double(), expected, rtol=1e-5, atol=1e-6), key

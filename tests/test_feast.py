@@ -112,7 +112,7 @@ def test_bn_recalibration_matches_an_independent_estimate(spec_factory, tmp_path
     algorithm = spec.algorithm
     before = {k: v.clone() for k, v in algorithm.ctx.model.state_dict().items()}
     variant = algorithm.cache.specs[-1]
-    subnet = algorithm.calibrated_subnet(variant)
+    subnet = algorithm.variants.calibrated_subnet(variant)
     bn = next(m for m in subnet.modules() if isinstance(m, torch.nn.BatchNorm2d))
     inputs = []
     hook = bn.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
@@ -126,7 +126,7 @@ def test_bn_recalibration_matches_an_independent_estimate(spec_factory, tmp_path
     variances = torch.stack([h.transpose(0, 1).flatten(1).var(dim=1, unbiased=True) for h in inputs]).mean(0)
     torch.testing.assert_close(bn.running_mean, means, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(bn.running_var, variances, rtol=1e-4, atol=1e-5)
-    again = algorithm.calibrated_subnet(variant)
+    again = algorithm.variants.calibrated_subnet(variant)
     for key, value in subnet.state_dict().items():
         assert torch.equal(value, again.state_dict()[key]), key
     for key, value in algorithm.ctx.model.state_dict().items():
@@ -325,10 +325,10 @@ def test_routed_but_untrained_positions_enter_the_denominator_of_eq_7(spec_facto
             return super().plan(round_idx)
 
         def commit(self, acc, task, result, plan):
-            local = result.update.module.state_dict()
+            local = result.model.module.state_dict()
             self.returned.append((float(result.num_samples), {
                 global_key: (region, local[local_key].detach().to(torch.float64).clone())
-                for local_key, (global_key, region) in result.update.regions.items()}))
+                for local_key, (global_key, region) in result.model.regions.items()}))
             super().commit(acc, task, result, plan)
 
     spec = feast_spec(spec_factory, tmp_path, "eq7")
@@ -396,3 +396,15 @@ def test_trained_and_routed_data_mass_per_round(spec_factory, tmp_path, rule):
             assert largest / routed < share <= 1.0
         assert {k for k in row if k.startswith("mass/trained_frac/")} >= {"mass/trained_frac/stem",
                                                                           "mass/trained_frac/classifier"}
+
+
+@pytest.mark.parametrize("routing", [True, False])
+def test_only_routing_free_feast_builds_a_worker(spec_factory, tmp_path, routing):
+    """With routing every client trains its routed envelope, so no whole-supernet worker is
+    built (at paper scale it held 55.7M parameters for nothing); without routing the worker is
+    where clients train."""
+    from fl_lightning.federation.builder import build_context, make_fabric
+
+    spec = feast_spec(spec_factory, tmp_path, f"worker_{routing}", routing=routing)
+    build_context(spec, make_fabric(spec.fabric))
+    assert hasattr(spec.algorithm, "worker") == (not routing)

@@ -391,3 +391,37 @@ def test_train_client_with_fabric_manual_backward(supernet, macs):
         client.model.set_active(MAX)
         assert (client.model(x).argmax(1) == y).float().mean() >= 0.9  # chance: 0.25
     assert client.forward_macs() == sum(n * sum(macs[s] for s in specs) for n, specs in client.schedule)
+
+
+def test_multi_tensor_sgd_takes_the_per_tensor_steps_bit_for_bit(supernet, macs):
+    """FEAST's client updates every parameter in one multi-tensor SGD call; three steps with
+    momentum and weight decay (the first creates the momentum buffers) leave every parameter
+    as per-tensor SGD does. Plain SGD without momentum, the neighbouring update, ends elsewhere."""
+    client = make_client(supernet, macs)
+    foreach = client.configure_optimizers()
+    assert foreach.defaults["foreach"] is True
+    twin = make_client(supernet, macs)
+    twin.load_state_dict(client.state_dict())
+    per_tensor = torch.optim.SGD(twin.model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2, foreach=False)
+    client.momentum, client.weight_decay = 0.9, 1e-2
+    foreach = client.configure_optimizers()
+    plain = make_client(supernet, macs)
+    plain.load_state_dict(client.state_dict())
+    no_momentum = torch.optim.SGD(plain.model.parameters(), lr=0.05, weight_decay=1e-2)
+    for step in range(3):
+        x, y = batch(seed=step)
+        for module, optimizer in ((client, foreach), (twin, per_tensor), (plain, no_momentum)):
+            optimizer.zero_grad(set_to_none=True)
+            module.training_step((x, y), step)
+            optimizer.step()
+    state, twin_state = client.model.state_dict(), twin.model.state_dict()
+    assert all(torch.equal(state[k], twin_state[k]) for k in state)
+    assert not all(torch.equal(state[k], v) for k, v in plain.model.state_dict().items())
+
+
+def test_trained_variants_are_those_of_the_schedule(supernet, macs):
+    client = make_client(supernet, macs)
+    for step in range(4):
+        client.training_step(batch(seed=step), step)
+    assert client.trained_variants() == {spec for _, specs in client.schedule for spec in specs}
+    assert {MIN, MAX} <= client.trained_variants() <= set(SPECS)

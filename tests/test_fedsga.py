@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from fl_lightning.algorithms import FedSGA, SplitFed
 from fl_lightning.config import BudgetConfig, FederationConfig, LocalTrainConfig, PartitionConfig
+from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.checkpoint import load_checkpoint
 from fl_lightning.federation.loop import run_fit
 from fl_lightning.elastic.models import ResNet18
@@ -171,11 +172,17 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     state = algorithm.store.get(task.client)
     with torch.no_grad():
         state["prompt"].normal_(0, 0.1)
-    algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
-    pair = algorithm.engine.pair_for(algorithm.new_client(task, plan))
     x, y = next(ctx.shards[task.client].steps(1, torch.Generator().manual_seed(0)))
     unknown = int(y[0])  # one class without a prototype: its examples are left out of the alignment
-    algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
+
+    def fresh_pair():  # both halves, the harmonizer and the prompt (from the store) as the round starts
+        downlink = Channel().deliver(algorithm.downlink(task, plan))  # loads the halves and the harmonizer
+        algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
+        client = algorithm.new_client(task, plan)
+        client.begin(downlink)
+        return client, algorithm.engine.build_pair(client, downlink.model.module)
+
+    _, pair = fresh_pair()
     z = pair.client_forward(x)
     sent = z.detach().requires_grad_()
     h = algorithm.harmonizer_worker
@@ -199,12 +206,6 @@ def test_server_loss_is_ce_plus_lambda_align_and_the_gradients_reach_front_and_p
     from fl_lightning.modules.split import SplitFit, split_step
 
     prompt0 = state["prompt"].clone()
-
-    def fresh_pair():  # both halves, the harmonizer and the prompt (from the store) as the round starts
-        algorithm.harmonizer_worker.load_state_dict(algorithm.harmonizer.state_dict())
-        algorithm.harmonizer_worker.has_prototype[unknown] = 0.0
-        client = algorithm.new_client(task, plan)
-        return client, algorithm.engine.pair_for(client)
 
     client, pair = fresh_pair()
     fit = SplitFit(len(y))
@@ -360,3 +361,27 @@ def test_the_p1_probe_does_not_depend_on_how_many_clients_trained_at_p1(spec_fac
     assert fits["static"].keys() == fits["random"].keys()
     for key in fits["static"]:
         torch.testing.assert_close(fits["static"][key], fits["random"][key], rtol=0, atol=0, msg=key)
+
+
+def test_a_client_cut_at_p1_receives_the_front_to_p_ref_for_its_probes(spec_factory):
+    """A client splitting at p1 computes the received model's interfaces at p1 and p_ref, so it
+    receives the front up to p_ref (counted down) and sends back only what it trained, the front
+    to p1 (counted up): under sbn, the exchanged (non-statistics) tensors of each front."""
+    from fl_lightning.elastic.bn import statistics_keys
+    from fl_lightning.elastic.models import build_model
+    from fl_lightning.elastic.split import split_keys
+
+    spec = spec_factory(name="p1", algorithm=fedsga(split_strategy="static", static_cut="layer1.1"), model=RESNET,
+                        train=dataclasses.replace(TRAIN, steps=1), federation=FederationConfig(rounds=1, clients_per_round=3))
+    run_fit(spec)
+    model = build_model(ResNet18, 10, (1, 8, 8), width=0.125)
+    state, unsent = model.state_dict(), statistics_keys(model)
+
+    def front_bytes(cut):
+        return sum(state[k].numel() * 4 for k in split_keys(model, cut)[0] if k not in unsent)
+
+    assert front_bytes("layer1.1") < front_bytes("layer2.1")
+    for r in rows(spec, "clients.jsonl"):
+        assert r["cut"] == 0
+        assert r["model_bytes_down"] == front_bytes("layer2.1")
+        assert r["model_bytes_up"] == front_bytes("layer1.1")

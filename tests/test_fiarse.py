@@ -135,7 +135,7 @@ def test_aggregation_is_the_sample_weighted_mean_of_deltas_over_the_clients_that
         spec_factory, weighting, server_lr, support):
     from fl_lightning.elastic.routing import Routed
     from fl_lightning.runtime.plan import ClientTask, RoundPlan
-    from fl_lightning.runtime.result import ClientResult
+    from fl_lightning.runtime.link import Uplink
 
     alg = FIARSE(weighting=weighting, server_lr=server_lr, support=support)
     ctx = _context(spec_factory, alg)
@@ -162,7 +162,7 @@ def test_aggregation_is_the_sample_weighted_mean_of_deltas_over_the_clients_that
             else:
                 state[key].add_(deltas[name])
         regions = masked_region_map(alg.worker_regions, masks)
-        result = ClientResult(client, samples[name], 0.0, update=Routed(module, regions))
+        result = Uplink(client, samples[name], 0.0, model=Routed(module, regions))
         alg.commit(acc, plan.tasks[client], result, plan)
     acc.reduce(ctx.fabric, plan.cohort, plan.cohort)
     alg.finish_round(acc, plan)

@@ -293,7 +293,8 @@ def test_fedas_fisher_weights_and_aggregate(spec_factory):
     for client, fisher in zip(cohort, fishers):
         # traffic: the global body down (the head stays personal), the whole trained model up
         assert logged[client]["bytes_down"] == sum(n for k, n in sizes.items() if k not in HEAD)
-        assert logged[client]["bytes_up"] == sum(sizes.values())
+        assert logged[client]["bytes_up"] == sum(sizes.values()) + 8  # and the Fisher trace, one float64
+        assert logged[client]["fisher_bytes_up"] == 8
         assert logged[client]["fisher_trace"] == pytest.approx(fisher, rel=1e-6)
         assert logged[client]["align_loss"] > 0.0  # the within-class scatter around the prototypes
     weights = [f / sum(fishers) for f in fishers]

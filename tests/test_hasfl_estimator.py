@@ -38,8 +38,8 @@ def one_round(spec_factory, algorithm, on_commit=None):
     def keep(acc, task, result, plan):
         if on_commit is not None:
             on_commit(task, result)
-        state = result.update.module.state_dict()
-        returned[task.client] = {g: state[k].detach().clone() for k, (g, _) in result.update.regions.items()
+        state = result.model.module.state_dict()
+        returned[task.client] = {g: state[k].detach().clone() for k, (g, _) in result.model.regions.items()
                                  if g in alg.param_keys}
         commit(acc, task, result, plan)
 
@@ -82,7 +82,7 @@ def test_estimates_ignore_the_batch_norm_statistics(spec_factory):
     plain, hats, _ = one_round(spec_factory, HASFL(caps=[1.0] * 6, t_warm=10, bn="aggregated"))
 
     def move_statistics(task, result):
-        module = result.update.module
+        module = result.model.module
         with torch.no_grad():
             for key in statistics_keys(module):
                 buffer = module.get_buffer(key)

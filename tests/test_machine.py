@@ -205,3 +205,76 @@ def test_auto_under_a_launcher_takes_its_rank_count_on_every_node():
         with pytest.raises(ConfigError) as err:
             place(fabric, 10, False, SMALL, machine(8), launcher=launcher)
         assert err.value.key == key and "torchrun started 1 rank(s) on each of 2 node(s)" in str(err.value)
+
+
+# -- the memory estimate (federation/memory.py) ------------------------------------------------
+
+def test_saved_activations_count_each_kept_tensor_once_and_no_weights():
+    """Linear(5, 7) - ReLU - Linear(7, 3) at batch 4 keeps its input (4 x 5 floats) and the ReLU's
+    output (4 x 7), which the second layer also keeps: 80 + 112 = 192 bytes. Counting the
+    second keeping again would give 304, counting the (transposed) weights 416."""
+    from fl_lightning.federation.memory import saved_activation_bytes
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    assert saved_activation_bytes(model, None, (5,), 4) == 4 * 5 * 4 + 4 * 7 * 4 == 192
+    assert saved_activation_bytes(model, None, (5,), 8) == 384  # linear in the batch
+
+
+def test_the_estimate_is_the_sum_of_what_a_rank_holds():
+    """A dense CNN on digits: data, the model, a float64 value per weight, the worker's weights,
+    gradients and momentum, and its activations, each counted here from the built model."""
+    from fl_lightning.algorithms import FedAvg
+    from fl_lightning.federation.memory import ACTIVATION_RESIDENT, RANK_BASE_BYTES, saved_activation_bytes
+
+    data = DataConfig(dataset=Digits())
+    footprint = Footprint.of({"class_path": "fl_lightning.elastic.models.CNN"}, data, 16, FedAvg())
+    real = CNN(10, (1, 8, 8))
+    weights = sum(p.numel() for p in real.parameters())
+    floats = sum(t.numel() for t in real.state_dict().values() if t.is_floating_point())
+    buffers = sum(b.numel() * b.element_size() for b in real.buffers())
+    with torch.device("meta"):
+        meta = CNN(10, (1, 8, 8))
+    activations = saved_activation_bytes(meta, meta.max_spec(), (1, 8, 8), 16)
+    assert activations > 16 * 64 * 4  # more than the input alone
+    expected = (RANK_BASE_BYTES + 1_797 * 64 * 4 + (4 * weights + buffers) + 8 * floats + (3 * 4 * weights + buffers)
+                + int(ACTIVATION_RESIDENT * activations))
+    assert footprint.per_rank == expected
+    assert Footprint.of({"class_path": "fl_lightning.elastic.models.CNN"}, data).per_rank < expected  # no activations
+
+
+def test_feast_estimates_its_largest_envelope_and_costliest_variant(tmp_path):
+    """FEAST routes a client at most the envelope of its cached variants and trains its costliest
+    variant at most: the estimate holds three times that envelope's weights, not the supernet's."""
+    from test_feast import MODEL, small_cache
+
+    from fl_lightning.algorithms import Feast
+    from fl_lightning.elastic.envelope import envelope, routed_param_count
+    from fl_lightning.elastic.models.base import shapes_only
+    from fl_lightning.elastic.search.cache import VariantCache
+    from fl_lightning.federation.memory import Holdings, saved_activation_bytes, shapes_model
+
+    path = small_cache(tmp_path)
+    built = shapes_model(MODEL, 4, (3, 16, 16))
+    specs = VariantCache.load(path).specs
+    holdings = Holdings.of(built, 0, (3, 16, 16), 8, Feast(cache=path))
+    envelope_weights = routed_param_count(built, specs)
+    assert envelope_weights < sum(p.numel() for p in built.parameters()), "the test needs a smaller envelope"
+    with shapes_only():
+        routed = built.build_local(envelope(specs, built.max_expansion), elastic=True)
+    assert holdings.client == 3 * 4 * envelope_weights + sum(b.numel() * b.element_size() for b in routed.buffers())
+    assert holdings.activations == saved_activation_bytes(built, specs[-1], (3, 16, 16), 8)
+    assert Holdings.of(built, 0, (3, 16, 16), 8, Feast(cache=path, routing=False)).client > holdings.client
+
+
+@pytest.mark.parametrize("options,key", [({"width": 1000.0}, "model.width"),
+                                         ({"channels": [8, 16, 32], "width": 1000.0}, "model.width"),
+                                         ({"channels": [8, 16, 99999]}, "model.channels"),
+                                         ({}, "model")])
+def test_a_model_too_large_is_blamed_on_the_option_that_makes_it_so(options, key):
+    """The option whose default shrinks the model most; ``channels`` smaller than its default is
+    not the one to blame for a width of 1000."""
+    from fl_lightning.federation.memory import inflating_option
+
+    assert inflating_option({"class_path": "fl_lightning.elastic.models.CNN", "init_args": options}, 10,
+                            (1, 8, 8)) == key

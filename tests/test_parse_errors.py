@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fl_lightning.cli import main
-from fl_lightning.parse_errors import Typed, given_tree, locate
+from fl_lightning.cli.parse_errors import Typed, given_tree, locate
 
 SILENT = ValueError("")  # a refusal whose text says nothing: the walk must not need it
 

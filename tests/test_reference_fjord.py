@@ -85,13 +85,20 @@ def test_fjord_rounds_match_the_flower_baseline(tmp_path, form):
     case = golden["case"]
     alg = FjORD(caps=case["caps"], tiers=case["tiers"], **case["options"])
     assert alg.bn == "per_width"
-    modules, client_module = {}, alg.client_module
+    modules, new_client = {}, alg.new_client
 
-    def module_of(routed, task, plan):
-        modules[(plan.round_idx, task.client)] = client_module(routed, task, plan)
-        return modules[(plan.round_idx, task.client)]
+    def keeping_modules(task, plan):  # each client's training module, to read the widths it drew
+        client = new_client(task, plan)
+        objective = client.objective
 
-    alg.client_module = module_of
+        def kept(downlink):
+            modules[(plan.round_idx, task.client)] = objective(downlink)
+            return modules[(plan.round_idx, task.client)]
+
+        client.objective = kept
+        return client
+
+    alg.new_client = keeping_modules
     train = replace(TRAIN, lr=case["lr"], momentum=case["momentum"], weight_decay=case["weight_decay"])
     spec = make_spec(tmp_path, alg, clients_per_round=3, rounds=case["rounds"], train=train,
                      model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": case["channels"]}})

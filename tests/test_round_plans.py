@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fl_lightning.algorithms import FedAvg
+from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.cli import main
 from fl_lightning.config import FederationConfig, LocalTrainConfig
 from fl_lightning.elastic.routing import Routed
@@ -22,19 +23,27 @@ class FixedCohort(FedAvg):
     metric of its own to every client's row."""
 
     def __init__(self, clients, lr_factor=None):
+        super().__init__()
         self.clients, self.lr_factor = list(clients), dict(lr_factor or {})
 
     def plan(self, round_idx):
         tasks = [ClientTask(c, choice=self.lr_factor.get(c, 1.0)) for c in self.clients]  # the lr factor
         return RoundPlan(round_idx, self.round_lr(round_idx), tasks)
 
-    def client_module(self, routed, task, plan):
-        module = super().client_module(routed, task, plan)
-        module.lr = plan.lr * task.choice
-        return module
+    def new_client(self, task, plan):
+        return ScaledLrClient(self.client_round(task, plan))
 
     def client_figures(self, task, result, plan):
-        return {"weight_norm": float(sum(p.detach().pow(2).sum() for p in result.update.module.parameters()))}
+        return {"weight_norm": float(sum(p.detach().pow(2).sum() for p in result.model.module.parameters()))}
+
+
+class ScaledLrClient(LocalClient):
+    """Local training at the round's rate times the task's factor (its ``choice``)."""
+
+    def objective(self, downlink):
+        module = super().objective(downlink)
+        module.lr = self.round.lr * self.task.choice
+        return module
 
 
 def rows(spec, name):
@@ -98,8 +107,6 @@ class Cyclic(FedAvg):
     """Within a round each client continues from the previous client's model (cyclic /
     sequential training): the result depends on the order, so the cohort must run in order."""
 
-    sequential_clients = True
-
     def route(self, task, plan):
         if task.client == plan.cohort[0]:
             return super().route(task, plan)
@@ -107,7 +114,7 @@ class Cyclic(FedAvg):
 
     def commit(self, acc, task, result, plan):
         if task.client == plan.cohort[-1]:
-            acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
+            acc.add(result.model.module.state_dict(), 1.0, result.model.regions)
 
 
 def test_sequential_clients_on_two_ranks_match_one_rank(spec_factory, fit_on_ranks):

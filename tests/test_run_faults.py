@@ -303,17 +303,17 @@ def test_data_refusals_come_before_two_ranks_launch(tmp_path, capsys, args, key)
     assert not out.exists()
 
 
-def test_a_refusal_after_two_forked_ranks_launch_is_one_line(tmp_path):
-    """An algorithm that refuses its set-up once the ranks run (FEAST: budgets that afford no
-    cached variant) ends with the placement line and its own line, no launch banner."""
+def test_a_refusal_from_the_population_is_the_only_line_before_two_ranks_launch(tmp_path):
+    """A method refusing its population (FEAST: budgets that afford no cached variant) refuses
+    it before any rank starts: its line is the only one, no placement line, no launch banner."""
     config = Path(fl_lightning.__file__).parents[2] / "configs" / "quickstart.yaml"
     run = _start_fit(["fit", "--config", str(config), "--out_dir", str(tmp_path / "runs"), "--fabric.devices", "2",
                       "--partition.budgets.b_min", "1000", "--partition.budgets.b_max", "2000"])
     _, err = run.communicate(timeout=300)
     lines = [line for line in err.splitlines() if line.strip()]
     assert run.returncode == 2, err
-    assert len(lines) == 2 and lines[0].startswith("fit: 2 rank(s)"), err
-    assert lines[1].startswith("error: partition.budgets.b_min:") and "affords no cached variant" in lines[1]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: partition.budgets.b_min:") and "affords no cached variant" in lines[0]
     assert not (tmp_path / "runs").exists()
 
 
@@ -435,12 +435,12 @@ def test_update_check_names_non_finite_tensors_and_lets_a_sum_overflow(bad, expe
     from torch import nn
 
     from fl_lightning.elastic.routing import Routed
-    from fl_lightning.runtime.result import ClientResult
+    from fl_lightning.runtime.link import Uplink
 
     module = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
     with torch.no_grad():
         module["a"].weight.fill_(3e38)
         module["b"].weight[0, 0] = bad
-    result = ClientResult(client=0, num_samples=1, loss=0.5, update=Routed(module, {}))
+    result = Uplink(client=0, num_samples=1, loss=0.5, model=Routed(module, {}))
     problem = result.non_finite()
     assert (problem is None) if expected is None else expected in problem

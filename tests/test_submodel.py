@@ -350,3 +350,64 @@ def test_hasfl_on_two_ranks_equals_one_rank(spec_factory, fit_on_ranks):
     assert not torch.equal(one["algorithm"]["h_tilde"], torch.ones(6, dtype=torch.float64))
     metrics = rows(two_spec, "metrics.jsonl")
     assert all(sum(k.startswith("H_hat/") for k in m) == 4 for m in metrics)
+
+
+def test_each_evaluated_width_is_scored_with_statistics_of_its_own(spec_factory):
+    """``eval_widths``: after a round, the width-0.5 sub-model's test loss and accuracy equal a
+    hand computation: the leading half extracted from the global model, its BN statistics the
+    mean and unbiased variance of the whole client pool in one batch (a statistics pass whose
+    batch holds every example), then scored in evaluation mode. The full width's figure is the
+    served model's; slicing the full width's statistics instead gives another loss."""
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from fl_lightning.elastic.bn import batch_norms
+    from fl_lightning.federation.loop import Federation
+    from fl_lightning.federation.run_dir import RunDir
+
+    algorithm = HeteroFL(caps=CAPS, bn="sbn", calib_transform="eval", calib_batch_size=4096,
+                         eval_widths=[0.5, 1.0])
+    spec = spec_factory(name="widths", algorithm=algorithm, federation=FederationConfig(rounds=1, clients_per_round=6))
+    fed = Federation(Fabric(accelerator="cpu", devices=1), spec, RunDir(spec.out_dir, spec.name))
+    fed._open_outputs()
+    fed.run_round(0)
+    got = fed.algorithm.evaluate("test", 64)
+    ctx = fed.ctx
+    data = ctx.data
+    pool = torch.cat([torch.as_tensor(c, dtype=torch.long) for c in data.clients])
+    x_pool = torch.stack([data.bundle.train_eval[int(i)][0] for i in pool])
+    dataset, indices = data.split("test")
+    indices = torch.arange(len(dataset)) if indices is None else indices  # the whole test set
+    x_test = torch.stack([dataset[int(i)][0] for i in indices])
+    y_test = torch.tensor([int(dataset[int(i)][1]) for i in indices])
+
+    def by_hand(width, own_statistics=True):
+        module = ctx.model.extract(WidthSpec.uniform(width, fed.algorithm.stages)).module
+        if own_statistics:
+            for bn in batch_norms(module):
+                bn.reset_running_stats()
+                bn.momentum = 1.0  # one batch: the running statistics become that batch's
+            module.train()
+            with torch.no_grad():
+                module(x_pool)
+        module.eval()
+        with torch.no_grad():
+            logits = module(x_test)
+        return float(F.cross_entropy(logits, y_test)), float((logits.argmax(1) == y_test).float().mean())
+
+    for width in (0.5, 1.0):
+        loss, acc = by_hand(width)
+        assert got[f"loss_w{width:g}"] == pytest.approx(loss, rel=1e-4)
+        assert abs(got[f"acc_w{width:g}"] - acc) <= 1.5 / len(y_test)
+    assert got["loss_w1"] == pytest.approx(got["loss"], rel=1e-6)
+    sliced, _ = by_hand(0.5, own_statistics=False)  # the global model's statistics, sliced
+    assert abs(sliced - got["loss_w0.5"]) > 1e-3
+
+
+def test_eval_widths_must_be_distinct(spec_factory):
+    from fl_lightning.errors import ConfigError
+
+    spec = spec_factory(name="dup", algorithm=Uniform(eval_widths=[0.5, 0.5]))
+    with pytest.raises(ConfigError) as error:
+        run_fit(spec)
+    assert error.value.key == "algorithm.eval_widths"

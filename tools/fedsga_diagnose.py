@@ -37,7 +37,7 @@ def diagnose(run: Path, batches: int, batch_size: int) -> dict:
     from fl_lightning.elastic.bn import recalibrate_bn
     from fl_lightning.modules.harmonizer import HarmonizedNetwork
     from fl_lightning.runtime.evaluation import evaluate
-    from fl_lightning.saved_runs import open_saved_run
+    from fl_lightning.cli.saved_runs import open_saved_run
 
     saved = open_saved_run(run, "last", FabricConfig(accelerator="cpu", devices=1, threads_per_rank=1))
     algorithm, ctx = saved.spec.algorithm, saved.ctx

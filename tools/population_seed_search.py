@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from fl_lightning.algorithms.supernet.feast_accounting import least_reachable_clients
-from fl_lightning.data.budgets import PAPER_CIFAR100_POPULATION, search_population_seeds
+from fl_lightning.analysis.population import PAPER_CIFAR100_POPULATION, search_population_seeds
 from fl_lightning.elastic.models.ofa_resnet import OFAResNet
 from fl_lightning.elastic.search.cache import OPTION_DEFAULTS, VariantCache
 from fl_lightning.elastic.search.cost import DeepFedNASArch, cost_model

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fl_lightning.data.federated import build_federated_data
 from fl_lightning.runtime.checkpoint import save_checkpoint
-from fl_lightning.saved_runs import load_run_spec
+from fl_lightning.cli.saved_runs import load_run_spec
 from fl_lightning.tool_parser import ToolParser
 
 

@@ -12,10 +12,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple, Union, get_args
 
-from fl_lightning.data.sources import DatasetSource, Digits
-
-DEFAULT_DATASET = Digits
-"""The dataset of a config that names none."""
+from fl_lightning.data.sources import DatasetSource
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import (FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                                        number_type)
@@ -29,6 +26,7 @@ ServerSource = Literal["train", "valid"]
 LrSchedule = Literal["constant", "exponential", "cosine"]
 TestSchedule = Literal["every", "final"]
 ClientTest = Literal["own", "global"]
+AugmentOn = Literal["auto", "host", "device"]
 # lightning.fabric.connector: the accelerator registry plus "auto" and "gpu".
 Accelerator = Literal["auto", "cpu", "cuda", "gpu", "mps", "tpu"]
 # lightning.fabric.strategies.STRATEGY_REGISTRY plus "auto".
@@ -42,6 +40,11 @@ Strategy = Literal["auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
                     "transformer-engine-float16", "64", "32", "16", "bf16"]
 PrecisionInt = Literal[64, 32, 16]
+
+LoggerSpec = Union[str, dict]
+"""A Lightning logger: its class (a name in lightning.fabric.loggers or lightning.pytorch.loggers, or
+an import path), or {class_path: ..., init_args: {...}} (``federation/loggers.py``)."""
+DEFAULT_LOGGERS = ("TensorBoardLogger",)
 
 SCHEDULES = get_args(LrSchedule)
 ACCELERATORS = get_args(Accelerator)
@@ -64,6 +67,13 @@ class DataConfig:
     randaugment: Optional[Tuple[PositiveInt, number_type(int, ge=0, le=30)]] = None
     """RandAugment [num_ops, magnitude] ahead of the training transform, e.g. [2, 6] (FEAST);
     uint8 image datasets only."""
+    augment_on: AugmentOn = "auto"
+    """Where training mini-batches are made: host (each example through the dataset's transform
+    in the main process, as torchvision applies it), device (the uint8 images kept on the
+    device, each batch gathered and augmented there with every example's draws its own: the
+    same distribution as host, other random numbers) or auto (device on a GPU when the data is
+    in memory and every step of its transform has a batched form, else host). docs/runtime.md,
+    The data path."""
     server_source: ServerSource = "train"
     """Where the server-held validation and calibration splits come from: train (carved out of
     the training pool before partitioning) or valid (the dataset's separate validation split,
@@ -74,8 +84,11 @@ class DataConfig:
     """Server-held examples for batch-norm recalibration."""
 
     def source(self) -> DatasetSource:
-        """The dataset (digits when none is named)."""
-        return self.dataset if self.dataset is not None else DEFAULT_DATASET()
+        """The dataset. A command line that names none gets Digits (``cli/schema.py``); a config
+        built in Python names its own."""
+        if self.dataset is None:
+            raise ConfigError("data.dataset", "no dataset given; name one, e.g. {class_path: fl_lightning.data.Digits}")
+        return self.dataset
 
 
 @dataclass
@@ -165,6 +178,12 @@ class FabricConfig:
     for evaluate and extract (docs/runtime.md, Devices)."""
     num_nodes: PositiveInt = 1
     """Number of nodes."""
+    ranks_per_device: PositiveInt = 1
+    """Ranks sharing each device: a node runs ``devices`` x this many ranks, rank r on device
+    r // ranks_per_device, each training its share of the round's clients. Several small clients
+    on one GPU keep it busy where one client's steps are bound by the host (NVIDIA MPS lets their
+    kernels run side by side). Their reductions go through gloo (NCCL refuses two ranks on one
+    GPU). Results do not depend on it (docs/runtime.md, Several ranks per device)."""
     strategy: Strategy = "auto"
     """Fabric strategy; auto picks ddp when devices > 1. Client models are never wrapped, so
     ddp (or auto) is the one that matters; fsdp needs CUDA, deepspeed and xla their packages."""

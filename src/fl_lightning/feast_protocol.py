@@ -15,10 +15,6 @@ EXTRACTION_POPULATION = 512
 KAPPA_FB = 3.0
 """Eq. 26: forward-plus-backward convolution MACs as a multiple of the forward MACs."""
 
-CALIB_BATCH_SIZE = 100
-"""Batch size of BN recalibration (the paper fixes the samples and their order, not the batch)."""
-
-
 def extraction_rho(budget: float) -> float:
     """The ceiling as Supp. E.3 states it for the paper's cache: the low-compute segment's rho_0
     below the main segment's lowest target (0.40 below 50M), else the main segment's (0.31).

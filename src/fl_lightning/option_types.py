@@ -167,12 +167,3 @@ def check_numbers(key: str, value: Any, int_limit: int = INT_LIMIT) -> None:
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > int_limit:
         raise ConfigError(key, f"{value} is out of range (at most {int_limit:,} in size)")
 
-
-def is_number(value: Any) -> bool:
-    """An int or float (a bool is not a number here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_finite_number(value: Any) -> bool:
-    """A number that is neither infinite nor NaN."""
-    return is_number(value) and math.isfinite(value)

@@ -101,13 +101,20 @@ def record(form: str):
     alg = algorithm(form)
     spec = make_spec(tempfile.mkdtemp(), alg, clients_per_round=3, rounds=ROUNDS, train=train_config(),
                      model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": list(CHANNELS)}})
-    modules, client_module = {}, alg.client_module
+    modules, new_client = {}, alg.new_client
 
-    def keep(routed, task, plan):
-        modules[(plan.round_idx, task.client)] = client_module(routed, task, plan)
-        return modules[(plan.round_idx, task.client)]
+    def keeping_modules(task, plan):  # each client's training module, to read the widths it drew
+        client = new_client(task, plan)
+        objective = client.objective
 
-    alg.client_module = keep
+        def kept(downlink):
+            modules[(plan.round_idx, task.client)] = objective(downlink)
+            return modules[(plan.round_idx, task.client)]
+
+        client.objective = kept
+        return client
+
+    alg.new_client = keeping_modules
     run = run_rounds(spec, ROUNDS, dtype=torch.float64)
     widths = [{t.client: t.choice.p for t in alg.plan(r).tasks} for r in range(ROUNDS)]  # plans depend on (seed, round)
     ctx = run.fed.ctx

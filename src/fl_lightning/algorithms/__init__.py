@@ -3,7 +3,7 @@ FedProx, init_args: {mu: 0.01}}``.
 
 - this folder: the base (``base.py``: ``Algorithm`` and ``FedAvg``), a client's round
   (``client.py``), the served-statistics part (``bn_protocol.py``), serving by budget
-  (``levels.py``, ``level_report.py``) and the plain FL methods (FedOpt, FedProx, SCAFFOLD, FedMut);
+  (``levels.py``, ``level_report.py``) and the plain FL methods (FedOpt, FedProx, SCAFFOLD, FedDyn, FedMut);
 - ``submodel/``: width slices per client (HeteroFL, FjORD, Uniform, Random-budget, HAS-FL, FedRolex);
 - ``supernet/``: FEAST and its baselines (FIARSE, ScaleFL, SuperFedNAS, DeepFedNAS);
 - ``split/``: split FL (SplitFed, FedSGA, MergeSFL, MU-SplitFed, MultiSFL);
@@ -12,6 +12,7 @@ FedProx, init_args: {mu: 0.01}}``.
 
 from fl_lightning.algorithms.base import Algorithm, RunContext
 from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms.feddyn import FedDyn
 from fl_lightning.algorithms.fedmut import FedMut
 from fl_lightning.algorithms.fedopt import FedOpt
 from fl_lightning.algorithms.fedprox import FedProx
@@ -31,7 +32,7 @@ from fl_lightning.algorithms.supernet.fednas import DeepFedNAS, SuperFedNAS
 from fl_lightning.algorithms.supernet.fiarse import FIARSE
 from fl_lightning.algorithms.supernet.scalefl import ScaleFL
 
-__all__ = ["Algorithm", "FedAvg", "FedOpt", "FedProx", "Scaffold", "Feast", "CacheSearch", "RunContext",
+__all__ = ["Algorithm", "FedAvg", "FedOpt", "FedProx", "Scaffold", "FedDyn", "Feast", "CacheSearch", "RunContext",
            "SubmodelAlgorithm", "HeteroFL", "FedRolex", "FjORD", "Uniform", "RandomBudget", "HASFL",
            "SplitFed", "FedSGA", "FedBABU", "FedGH", "FedAS", "FedMut", "MergeSFL", "MUSplitFed", "MultiSFL",
            "SuperFedNAS", "DeepFedNAS", "ScaleFL", "FIARSE"]

@@ -4,11 +4,13 @@ Each round the loop asks an algorithm for a plan, then hands it the plan's tasks
 
 - ``plan(round_idx) -> RoundPlan``: the cohort and what each client trains; ``work(task)``
   estimates each task's training work, by which ranks share the round's clients.
-- ``fit_cohort(plan, owned)``: this rank's share of the plan, yielding ``(task, result)``.
+- ``fit_cohort(plan, owned)``: this rank's share of the plan, yielding ``(task, uplink)``: what
+  each client sent back (``runtime/link.py``), counted by its channel.
 - ``new_accumulator(plan)``: the round's state (``runtime/round_state.py``): the global
   tensors' weighted means, plus whatever sums and client stores the method declares.
-- ``commit(acc, task, result, plan)``: what a finite result teaches, written into the
-  accumulator and nowhere else. A client whose loss or update is not finite is never committed.
+- ``commit(acc, task, uplink, plan)``: what a finite uplink teaches, written into the
+  accumulator and nowhere else; it reads the uplink only. A client whose loss or update is not
+  finite is never committed.
 - ``finish_round(acc, plan)``: once the loop has reduced the accumulator over ranks (one
   reduction; no method calls a collective), apply it and return the round's figures.
 - ``evaluate(split)`` scores on the server what the method serves (the global model;
@@ -34,37 +36,51 @@ them, so that the command line can list and parse algorithms in about a second.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from fl_lightning.algorithms.bn_protocol import ServedStatistics, StatisticsOptions
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.aggregation import SparseAccumulator
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.runtime.client_selection import UniformSelection
-from fl_lightning.runtime.context import RunContext
+from fl_lightning.runtime.context import Population, RunContext
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.link import Uplink
 from fl_lightning.runtime.round_state import RoundAccumulator
 
 
 class Algorithm(ABC):
     """A federated method as the loop sees it: twelve hooks, and the set-up and checkpointing
-    of the base."""
+    of the base.
 
-    dense = True
-    """Every client returns every tensor (a plain average); False: position-wise counts."""
-    default_bn = "aggregated"
-    """The family's served-statistics protocol when ``bn`` is not given."""
-    bn = default_bn
-    """Where served models get their BN statistics (``bn_protocol.ServedStatistics``); the
-    families that expose it as an option set it in their constructor."""
-    sbn_data, calib_batch_size, calib_transform = "train", CALIB_BATCH_SIZE, "train"
-    sequential_clients = False
-    """True when a round's clients must train one after another against shared server state
-    (SplitFed V2's single server model): the whole cohort then runs on rank 0, in plan order,
-    so a multi-rank run gives the single-rank result."""
+    Its switches are set by its constructor (``super().__init__(...)``, nothing read from class
+    attributes): ``statistics`` (a ``bn_protocol.StatisticsOptions``: where served models get
+    their BN statistics), ``weighting`` (a committed client's weight in the round's means:
+    samples or uniform), ``dense`` (every client returns every tensor, a plain average; False:
+    position-wise counts) and ``sequential_clients`` (a round's clients train one after another
+    against shared server state, SplitFed V2's single server model: the whole cohort then runs
+    on rank 0, in plan order, so a multi-rank run gives the single-rank result).
+    """
+
     kept = ()
+
+    def __init__(self, statistics: StatisticsOptions = StatisticsOptions(), weighting: str = "samples",
+                 dense: bool = True, sequential_clients: bool = False):
+        self.statistics_options = statistics
+        self.weighting, self.dense, self.sequential_clients = weighting, dense, sequential_clients
+
+    @property
+    def bn(self) -> str:
+        """Where served models get their BN statistics (``bn_protocol.ServedStatistics``)."""
+        return self.statistics_options.protocol
+
+    @property
+    def served_names(self) -> Dict[str, str]:
+        """The served models' names in the logs, by ``evaluate`` figure key (e.g.
+        ``{"variant03_acc": "variant03 4.46M MACs"}``): a method serving several models names
+        them by their MACs; empty by default (``federation/log_tags.py``)."""
+        return {}
 
     # -- set-up and state: the base's, never overridden ----------------------------------------
     def setup(self, ctx: RunContext) -> None:
@@ -72,12 +88,11 @@ class Algorithm(ABC):
         context and the global tensors kept, its served-statistics part built (which checks
         the ``bn`` options before any work) and its client selector (uniform; a method may
         replace it), then :meth:`prepare`."""
-        from fl_lightning.algorithms.bn_protocol import ServedStatistics
-
-        self.check(ctx.train)
+        self.check(ctx.train, Population(ctx.budgets, ctx.model, tuple(ctx.data.bundle.input_shape)))
         self.ctx = ctx
         self.global_state = ctx.model.state_dict()
-        self.statistics = ServedStatistics(ctx, self.bn, self.sbn_data, self.calib_batch_size, self.calib_transform)
+        o = self.statistics_options
+        self.statistics = ServedStatistics(ctx, o.protocol, o.sbn_data, o.batch_size, o.transform)
         self.selector = UniformSelection(ctx.seed, ctx.num_clients, ctx.clients_per_round)
         self.kept = []
         self.prepare(ctx)
@@ -101,8 +116,10 @@ class Algorithm(ABC):
             part.load_state_dict(state)
 
     # -- the hooks ---------------------------------------------------------------------------
-    def check(self, train: LocalTrainConfig) -> None:
-        """Refuse configurations the algorithm does not define (raise ConfigError)."""
+    def check(self, train: LocalTrainConfig, population: Optional[Population] = None) -> None:
+        """Refuse configurations the algorithm does not define (raise ConfigError): from the
+        options alone, and with ``population`` (the clients' budgets, the model's shapes) what
+        only they can refuse, before any rank starts."""
 
     def prepare(self, ctx: RunContext) -> None:
         """The method's own set-up (``ctx``, ``global_state`` and ``statistics`` are there
@@ -122,7 +139,7 @@ class Algorithm(ABC):
         return float(len(self.ctx.shards[task.client]))
 
     @abstractmethod
-    def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, ClientResult]]:
+    def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, Uplink]]:
         """Train this rank's clients of the plan, yielding each ``(task, result)``."""
 
     def new_accumulator(self, plan: RoundPlan) -> RoundAccumulator:
@@ -132,7 +149,7 @@ class Algorithm(ABC):
                                                   pooled_variances=self.statistics.protocol == "client"))
 
     @abstractmethod
-    def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
+    def commit(self, acc: RoundAccumulator, task: ClientTask, result: Uplink, plan: RoundPlan) -> None:
         """Write what a finite result teaches into the round's accumulator (nothing else)."""
 
     @abstractmethod

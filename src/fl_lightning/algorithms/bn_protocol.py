@@ -27,20 +27,35 @@ BN layers and :func:`fl_lightning.elastic.bn.recalibrate_bn` do.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, List, Literal, Sequence
 
 import torch
 from torch import nn
 
-from fl_lightning.elastic.bn import batch_moments, batch_norms, recalibrate_bn, statistics_keys, use_batch_statistics
+from fl_lightning.defaults import CALIB_BATCH_SIZE
+from fl_lightning.elastic.bn import batch_moments, batch_norms, statistics_keys, use_batch_statistics
 from fl_lightning.elastic.routing import Routed
-from fl_lightning.runtime.calibration import ServerCalibration
+from fl_lightning.runtime.calibration import ServerCalibration, recalibrate_without_waiting
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.seeding import derive_seed
 
 Protocol = Literal["aggregated", "sbn", "recalibrate", "client"]
 SbnData = Literal["train", "calib"]
 SBN_STREAM = 14  # seed stream of the sBN pass over the client data: its order and augmentation draw
+
+
+@dataclass(frozen=True)
+class StatisticsOptions:
+    """A method's served-statistics choice, as its constructor resolves the ``bn`` options (the
+    part :class:`ServedStatistics` is built from at set-up)."""
+
+    protocol: Protocol = "aggregated"
+    sbn_data: SbnData = "train"
+    batch_size: int = CALIB_BATCH_SIZE
+    """Batch size of the statistics pass (sbn and recalibrate)."""
+    transform: Literal["train", "eval"] = "train"
+    """Images of that pass through the training augmentation (train) or none (eval)."""
 
 
 def without_statistics(routed: Routed) -> Routed:
@@ -56,15 +71,11 @@ def drop_statistics(routed: Routed) -> Routed:
     return Routed(routed.module, {k: v for k, v in routed.regions.items() if k not in dropped})
 
 
-def _inputs(batch):
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
 def estimate_statistics(models: Sequence[nn.Module], batches: Iterable) -> int:
     """Reset and re-estimate every model's BN statistics on the same batches, in one pass
-    (each model sees every batch once; the models do not interact)."""
-    group = nn.ModuleList(models)
-    return recalibrate_bn(group, batches, forward=lambda batch: [m(_inputs(batch)) for m in models])
+    (each model sees every batch once; the models do not interact), reading no device value
+    per layer and batch (``runtime/calibration.py``)."""
+    return recalibrate_without_waiting(nn.ModuleList(models), batches, forward=lambda x: [m(x) for m in models])
 
 
 class ServedStatistics:

@@ -1,19 +1,20 @@
 """A client's round as an object: the procedure one client runs, apart from the server's policy.
 
-The method (a ``FedAvg`` or one of its family) is the server: it plans the round, says what a client receives
-and how results merge. For each task it makes a client object (``FedAvg.new_client(task,
-plan)``) whose ``fit()`` runs that client's round and returns its ``ClientResult``. Whatever
-the round learns about the client (FedAS's alignment loss and Fisher trace, FedGH's
-prototypes, FedSGA's prompt) lives on the object or travels on the result, never on the method.
+The method (a ``FedAvg`` or one of its family) is the server: it plans the round, builds what a
+client receives (its ``downlink``) and commits what comes back. For each task it makes a client
+object (``FedAvg.new_client(task, plan)``) from the client's round and the method's settings
+alone; the object never sees the method. Its ``fit(downlink)`` runs the client's round on what
+the downlink carries and returns an ``Uplink`` (``runtime/link.py``): the client owns its
+objective and its figures, the method owns plan, route and aggregate, and the direction is one
+way.
 
-- :class:`LocalClient`: federated local training. ``receive`` (the routed model comes down),
-  train, ``after_training`` (what goes back up, and the result), then the method's
-  per-client figures. FedAS aligns before training and measures its Fisher trace after; FedGH
-  uploads prototypes instead of its model.
-- ``split/common.py``'s ``SplitClient``: split learning, the server half in the loop. It is
-  given the rank's split engine (``split/engine.py``) and its ``fit`` runs the round on it: the
-  engine builds the client/server pair, trains it and makes the result; the client object
-  supplies its forward, backward and the server's loss and step on its batches.
+- :class:`LocalClient`: federated local training of the received model with cross-entropy and
+  SGD. A client with another objective overrides :meth:`LocalClient.objective` (FedProx's
+  proximal term, SCAFFOLD's corrected steps, FEAST's variants) and, when it sends back more
+  or less than its trained model, :meth:`LocalClient.uplink` (SCAFFOLD's ``delta c_i``, FedGH's
+  prototypes, FedBABU's body).
+- ``split/common.py``'s ``SplitClient``: split learning, the server half in the loop, on the
+  rank's split engine.
 
 Every client gets its round as a frozen :class:`ClientRound` (the task, the round's learning
 rate, the training settings, its shard, the device, its batch-order stream) and the method's
@@ -24,20 +25,16 @@ FedSGA's ``FedSGASettings``), so that what a client may read is written down in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Type
+from typing import Any, Dict, Optional
 
 import torch
 
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.elastic.routing import Routed
-from fl_lightning.runtime.channel import Channel
+from fl_lightning.runtime.link import Downlink, Uplink
 from fl_lightning.runtime.local_training import LocalFit, train_locally
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator
-
-if TYPE_CHECKING:
-    from fl_lightning.algorithms.fedavg import FedAvg
 
 
 @dataclass(frozen=True)
@@ -61,6 +58,10 @@ class ClientRound:
                    ctx.num_classes)
 
     @property
+    def client(self) -> int:
+        return self.task.client
+
+    @property
     def device(self) -> torch.device:
         return self.fabric.device
 
@@ -70,54 +71,52 @@ class ClientRound:
 
 
 class Client:
-    """One client's round of ``method`` (the method that made it): ``round`` is what the client
-    is given; the method is the server it talks to."""
+    """One client's round, given its :class:`ClientRound`; ``fit`` runs it on a downlink."""
 
-    def __init__(self, method: "FedAvg", task: ClientTask, plan: RoundPlan):
-        self.method, self.task, self.plan = method, task, plan
-        self.round = ClientRound.of(method.ctx, task, plan)
+    def __init__(self, round: ClientRound):
+        self.round = round
 
-    def fit(self) -> ClientResult:
-        """Run the client's round; the result is committed by the method if it is finite."""
+    @property
+    def task(self) -> ClientTask:
+        return self.round.task
+
+    def fit(self, downlink: Downlink) -> Uplink:
+        """Run the client's round on what ``downlink`` carries; the uplink is committed by the
+        method if it is finite."""
         raise NotImplementedError
 
 
 class LocalClient(Client):
-    """Receive the routed model, train it locally, send it back (the default of every FL method)."""
+    """Train the received model locally with cross-entropy and SGD, send it back (the default
+    of every FL method)."""
 
-    def __init__(self, method: "FedAvg", task: ClientTask, plan: RoundPlan):
-        super().__init__(method, task, plan)
-        self.channel = Channel()
-        """Everything that crosses between the server and this client in the round."""
-
-    def fit(self) -> ClientResult:
-        routed = self.receive()
-        module = self.method.client_module(routed, self.task, self.plan)
+    def fit(self, downlink: Downlink) -> Uplink:
+        module = self.objective(downlink)
         fit = self.train(module)
-        result = self.after_training(routed, module, fit)
-        result.metrics.update(self.method.client_figures(self.task, result, self.plan))
-        return result
+        return self.uplink(downlink, module, fit)
 
-    def receive(self) -> Routed:
-        """The model the client starts from (the method's routing), sent down the channel."""
-        routed = self.method.route(self.task, self.plan)
-        self.method.send_model(self.channel, routed, self.task)
-        return routed
+    def objective(self, downlink: Downlink):
+        """The LightningModule that trains the received model (plain cross-entropy and SGD at the
+        run's momentum and weight decay)."""
+        from fl_lightning.modules.supervised import SupervisedClient
+
+        r = self.round
+        return SupervisedClient(downlink.model.module, r.lr, r.train.momentum, r.train.weight_decay)
 
     def train(self, module) -> LocalFit:
         """Local training over the client's shard, batches drawn from its (seed, round, client) stream."""
         r = self.round
         return train_locally(r.fabric, module, r.shard, r.train, r.generator())
 
-    def after_training(self, routed: Routed, module, fit: LocalFit) -> ClientResult:
-        """What the trained client sends up (the method's ``return_model``), and its result."""
-        self.method.return_model(self.channel, routed, self.task)
-        return self.result(routed, module, fit)
+    def uplink(self, downlink: Downlink, module, fit: LocalFit) -> Uplink:
+        """What goes back: the received model, trained (every region it received)."""
+        return self.result(downlink, fit, model=downlink.model)
 
-    def result(self, routed: Routed, module, fit: LocalFit, kind: Type[ClientResult] = ClientResult,
-               figures: Optional[dict] = None, **fields) -> ClientResult:
-        """The client's result (of type ``kind``, with ``fields``): the trained model, the fit's
-        ``steps`` and ``seconds`` then ``figures`` in its metrics, and the client's channel."""
+    def result(self, downlink: Downlink, fit: LocalFit, model: Optional[Routed] = None,
+               figures: Optional[Dict[str, float]] = None, **fields) -> Uplink:
+        """The client's uplink: ``model`` (what goes up of it), the fit's ``steps`` and
+        ``seconds`` then ``figures`` in its metrics, on the client's channel, with ``fields``
+        (``tensors``, ``held``)."""
         metrics = {"steps": fit.steps, "seconds": fit.seconds, **(figures or {})}
-        return kind(self.task.client, fit.num_samples, fit.loss, update=routed, module=module, metrics=metrics,
-                    channel=self.channel, **fields)
+        return Uplink(self.task.client, fit.num_samples, fit.loss, model=model, metrics=metrics,
+                      channel=downlink.channel, **fields)

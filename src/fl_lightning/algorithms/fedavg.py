@@ -4,16 +4,14 @@ Each round (``Algorithm``'s hooks, as FedAvg fills them):
 
 - ``plan``: a uniform sample of ``clients_per_round`` clients, every one training the whole
   model at the round's learning rate (``round_lr``).
-- ``fit_cohort``: this rank's clients one after another, each through the object
-  ``new_client(task, plan)`` makes (``algorithms/client.py``), its global RNG seeded from
-  (seed, round, client). A method that trains its cohort jointly (MergeSFL) overrides it.
-- A client's round (``LocalClient``): the global tensors routed into a local model
-  (``route``), sent down the client's ``Channel`` (``send_model``), wrapped in a
-  LightningModule (``client_module``), trained, sent back (``return_model``);
-  ``client_figures`` adds the method's own per-client figures. A method whose client does
-  more (FedAS's alignment, FedGH's prototypes, the split methods' server half in the loop)
-  returns its own client object from ``new_client``.
-- ``commit``: the client's tensors into the round's weighted means (``weight``: its examples,
+- ``fit_cohort``: this rank's clients one after another, its global RNG seeded from (seed,
+  round, client): the method builds the client's ``downlink`` (by default the global tensors
+  routed into a local model, ``route``), the client's ``Channel`` counts it and hands it to the
+  object ``new_client(task, plan)`` makes (``algorithms/client.py``), whose ``fit`` returns an
+  ``Uplink`` that the channel counts in turn; ``client_figures`` adds the method's own figures of
+  the task (a width, a level, costs). A method that trains its cohort jointly (MergeSFL)
+  overrides it.
+- ``commit``: the uplink's tensors into the round's weighted means (``weight``: its examples,
   or one per client); ``finish_round`` moves the global model to them (``apply``: through the
   server step when the method has one).
 - ``evaluate``: the global model on a server split, with the statistics its
@@ -27,16 +25,16 @@ from typing import Dict, Iterator, List, Literal, Optional, Tuple
 import torch
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
-from fl_lightning.algorithms.client import Client, LocalClient
+from fl_lightning.algorithms.bn_protocol import Protocol, SbnData, StatisticsOptions
+from fl_lightning.algorithms.client import Client, ClientRound, LocalClient
 from fl_lightning.elastic.routing import Routed, full_region_map, load_routed_state
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
+from fl_lightning.defaults import CALIB_BATCH_SIZE
 from fl_lightning.option_types import PositiveInt
-from fl_lightning.runtime.channel import DOWN, UP, Channel
+from fl_lightning.runtime.channel import Channel
 from fl_lightning.runtime.context import RunContext
 from fl_lightning.runtime.evaluation import evaluate
+from fl_lightning.runtime.link import Downlink, Uplink
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.round_state import RoundAccumulator
 from fl_lightning.runtime.schedule import round_lr
 from fl_lightning.runtime.seeding import seed_client
@@ -52,9 +50,6 @@ class FedAvg(Algorithm):
     statistics of the population instead (``docs/served_statistics.md``).
     """
 
-    default_weighting = "samples"
-    """A committed result's weight in the round's means when ``weighting`` is not given."""
-    weighting = default_weighting
     server_step = None
     """The server's step (``runtime/server_optimizer.py``) when the method has one: ``apply``
     moves the global model through it; None: the global model takes the round's aggregate."""
@@ -79,9 +74,8 @@ class FedAvg(Algorithm):
                 et al.'s n_k / n) or uniform (one per client, the plain mean several authors'
                 code takes). None: the method's own default (samples; FedMut's: uniform).
         """
-        self.bn, self.sbn_data = bn if bn is not None else self.default_bn, sbn_data
-        self.weighting = weighting if weighting is not None else self.default_weighting
-        self.calib_batch_size, self.calib_transform = calib_batch_size, calib_transform
+        super().__init__(StatisticsOptions(bn if bn is not None else "aggregated", sbn_data, calib_batch_size,
+                                           calib_transform), weighting if weighting is not None else "samples")
 
     def prepare(self, ctx: RunContext) -> None:
         """One reusable worker per rank: clients train one after another, and loading the
@@ -100,50 +94,49 @@ class FedAvg(Algorithm):
         t = self.ctx.train
         return round_lr(t.lr, t.lr_schedule, round_idx, self.ctx.rounds, t.lr_decay)
 
-    def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, ClientResult]]:
+    def fit_cohort(self, plan: RoundPlan, owned: List[ClientTask]) -> Iterator[Tuple[ClientTask, Uplink]]:
         """This rank's clients one after another, each with its global RNG seeded from
-        (seed, round, client)."""
+        (seed, round, client): the downlink through the client's channel to the client object,
+        its uplink back through the same channel, then the method's figures of the task."""
         for task in owned:
             seed_client(self.ctx.seed, plan.round_idx, task.client)
-            yield task, self.new_client(task, plan).fit()
+            channel = Channel()
+            downlink = channel.deliver(self.downlink(task, plan))
+            uplink = channel.collect(self.new_client(task, plan).fit(downlink))
+            uplink.metrics.update(self.client_figures(task, uplink, plan))
+            yield task, uplink
+
+    def downlink(self, task: ClientTask, plan: RoundPlan) -> Downlink:
+        """What the server sends the client: by default the routed model (``route``)."""
+        return Downlink(self.route(task, plan))
 
     def new_client(self, task: ClientTask, plan: RoundPlan) -> Client:
-        """The object that runs the client's round (``algorithms/client.py``): by default local
-        training of what ``route`` gives, through ``send_model`` / ``client_module`` /
-        ``return_model`` / ``client_figures``."""
-        return LocalClient(self, task, plan)
+        """The object that runs the client's round (``algorithms/client.py``), made from the
+        client's round and the method's settings, never from the method: by default local
+        training with cross-entropy and SGD."""
+        return LocalClient(self.client_round(task, plan))
 
-    def client_figures(self, task: ClientTask, result: ClientResult, plan: RoundPlan) -> Dict[str, float]:
+    def client_round(self, task: ClientTask, plan: RoundPlan) -> ClientRound:
+        """What the client is given for its round (task, learning rate, training settings, shard)."""
+        return ClientRound.of(self.ctx, task, plan)
+
+    def client_figures(self, task: ClientTask, result: Uplink, plan: RoundPlan) -> Dict[str, float]:
         """The method's own per-client figures of a trained client (its width, level, costs),
         logged beside the fit's; none by default."""
         return {}
 
-    def send_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
-        """What the server sends a client to train: the routed slices."""
-        channel.send_routed(DOWN, routed)
-
-    def return_model(self, channel: Channel, routed: Routed, task: ClientTask) -> None:
-        """What a client sends back: the slices it received, trained."""
-        channel.send_routed(UP, routed)
-
     def route(self, task: ClientTask, plan: RoundPlan) -> Routed:
+        """The global tensors the client trains, copied into the rank's worker."""
         load_routed_state(self.worker, self.global_state, self.worker_regions)
         return self.statistics.route(Routed(self.worker, self.worker_regions))
 
-    def client_module(self, routed: Routed, task: ClientTask, plan: RoundPlan):
-        """The LightningModule that trains ``routed.module`` (plain cross-entropy and SGD)."""
-        from fl_lightning.modules.supervised import SupervisedClient
+    def commit(self, acc: RoundAccumulator, task: ClientTask, result: Uplink, plan: RoundPlan) -> None:
+        """Write what a finite uplink teaches into the round's accumulator (nothing else):
+        by default its model's tensors, weighted by :meth:`weight`."""
+        if result.model is not None:
+            acc.add(result.model.module.state_dict(), self.weight(result), result.model.regions)
 
-        t = self.ctx.train
-        return SupervisedClient(routed.module, plan.lr, t.momentum, t.weight_decay)
-
-    def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult, plan: RoundPlan) -> None:
-        """Write what a finite result teaches into the round's accumulator (nothing else):
-        by default its tensors, weighted by :meth:`weight`."""
-        if result.update is not None:
-            acc.add(result.update.module.state_dict(), self.weight(result), result.update.regions)
-
-    def weight(self, result: ClientResult) -> float:
+    def weight(self, result: Uplink) -> float:
         """A committed result's weight in the round's means: its examples (samples) or one
         per client (uniform)."""
         return float(result.num_samples) if self.weighting == "samples" else 1.0

@@ -4,11 +4,11 @@ the global model along the last global update; the returned models are averaged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
-from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms.fedavg import FedAvg, Weighting
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import NonNegativeFloat, PositiveInt, number_type
 from fl_lightning.runtime.kept_state import KeptTensors
@@ -59,11 +59,9 @@ class FedMut(FedAvg):
     depend on ranks. Details: docs/fl_baselines.md.
     """
 
-    default_weighting = "uniform"
-
     def __init__(self, alpha: NonNegativeFloat = 4.0, acc_rate: number_type(float, ge=0, lt=1) = 0.0,
                  acc_rounds: PositiveInt = 50,
-                 mutate_buffers: bool = False, **kwargs):
+                 mutate_buffers: bool = False, weighting: Optional[Weighting] = None, **kwargs):
         """
         Args:
             alpha: mutation radius (the official code's ``--radius``, default 4.0).
@@ -74,12 +72,12 @@ class FedMut(FedAvg):
                 official code mutates every state-dict entry; false (default): parameters only,
                 the layers the paper mutates along their gradient (statistics have none, and
                 ``var + alpha v dvar`` goes negative).
-            **kwargs: FedAvg's options (``bn``; ``weighting``: uniform by default here, the
-                official code's plain mean, under which the balanced mutations cancel; samples:
-                FedAvg's n_i, the mutations then leave ``alpha sum_i n_i v_i / n`` times the
-                last update in the aggregate).
+            weighting: uniform (the default when None: the official code's plain mean, under
+                which the balanced mutations cancel) or samples (FedAvg's n_i: the mutations
+                then leave ``alpha sum_i n_i v_i / n`` times the last update in the aggregate).
+            **kwargs: FedAvg's served-statistics options (``bn``, ...).
         """
-        super().__init__(**kwargs)
+        super().__init__(weighting=weighting if weighting is not None else "uniform", **kwargs)
         self.alpha = alpha
         self.acc_rate = acc_rate
         self.acc_rounds = acc_rounds

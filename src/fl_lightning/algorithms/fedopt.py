@@ -23,7 +23,7 @@ class FedOpt(FedAvg):
         super().__init__(**kwargs)
         self.server = server
 
-    def check(self, train):
+    def check(self, train, population=None):
         self.server.check("algorithm.server")
 
     def prepare(self, ctx):

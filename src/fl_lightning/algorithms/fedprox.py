@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.option_types import NonNegativeFloat
+
+
+class ProximalLocalClient(LocalClient):
+    """A FedProx client: local training of ``loss + (mu / 2) ||w - w_received||^2``."""
+
+    def __init__(self, round: ClientRound, mu: float):
+        super().__init__(round)
+        self.mu = mu
+
+    def objective(self, downlink):
+        from fl_lightning.modules.proximal import ProximalClient
+
+        r = self.round
+        return ProximalClient(downlink.model.module, r.lr, r.train.momentum, r.train.weight_decay, mu=self.mu)
 
 
 class FedProx(FedAvg):
@@ -18,8 +33,5 @@ class FedProx(FedAvg):
         super().__init__(**kwargs)
         self.mu = mu
 
-    def client_module(self, routed, task, plan):
-        from fl_lightning.modules.proximal import ProximalClient
-
-        t = self.ctx.train
-        return ProximalClient(routed.module, plan.lr, t.momentum, t.weight_decay, mu=self.mu)
+    def new_client(self, task, plan):
+        return ProximalLocalClient(self.client_round(task, plan), self.mu)

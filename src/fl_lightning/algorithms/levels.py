@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.units import macs
 
 
 def assign_levels(budgets: Sequence[float], level_macs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +55,10 @@ class LevelAssignment:
         budgets = torch.as_tensor([float(b) for b in budgets], dtype=torch.float64)
         assigned, fallback = assign_levels(budgets.tolist(), macs)
         return cls(macs, budgets, assigned, fallback)
+
+    def served_names(self) -> Dict[str, str]:
+        """Each level's evaluation figure (``level<k>_acc``) named by its served MACs, for the logs."""
+        return {f"level{k + 1}_acc": f"level{k + 1} {macs(m)}" for k, m in enumerate(self.macs)}
 
     def counts(self) -> List[int]:
         """Clients per level."""

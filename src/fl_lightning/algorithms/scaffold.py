@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import torch
 
+from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.errors import ConfigError
+from fl_lightning.runtime.link import Downlink
 from fl_lightning.option_types import PositiveFloat
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.kept_state import KeptTensors
 from fl_lightning.runtime.server_optimizer import ServerOptimizer
+
+
+class ScaffoldClient(LocalClient):
+    """A SCAFFOLD client: steps corrected by ``c - c_i`` (``c`` received, ``c_i`` its own), then
+    option II, ``c_i+ = c_i - c + (x - y) / (K lr)``; up go the trained model and ``delta c_i``,
+    and it keeps ``c_i+``."""
+
+    def objective(self, downlink: Downlink):
+        from fl_lightning.modules.control_variates import ControlVariateClient
+
+        model = downlink.model.module
+        self.names = [name for name, _ in model.named_parameters()]
+        self.received = [p.detach().clone() for p in model.parameters()]  # x, the round's global model
+        c, c_i = downlink.tensors, downlink.held
+        correction = [c[f"c/{n}"] - c_i[n] for n in self.names]
+        return ControlVariateClient(model, self.round.lr, correction, weight_decay=self.round.train.weight_decay)
+
+    def uplink(self, downlink, module, fit):
+        from fl_lightning.modules.control_variates import option_ii_update
+
+        if fit.steps == 0:
+            return self.result(downlink, fit, model=downlink.model)
+        c, c_i = downlink.tensors, downlink.held
+        trained = [p.detach() for p in module.model.parameters()]
+        new_c_i = option_ii_update([c_i[n] for n in self.names], [c[f"c/{n}"] for n in self.names],
+                                   self.received, trained, fit.steps, self.round.lr)
+        return self.result(downlink, fit, model=downlink.model,
+                           tensors={f"delta_c/{n}": v - c_i[n] for n, v in zip(self.names, new_c_i)},
+                           held=dict(zip(self.names, new_c_i)))
 
 
 class Scaffold(FedAvg):
@@ -30,7 +61,7 @@ class Scaffold(FedAvg):
         super().__init__(**kwargs)
         self.server_lr = server_lr
 
-    def check(self, train):
+    def check(self, train, population=None):
         if train.momentum != 0:
             raise ConfigError("train.momentum", "SCAFFOLD uses vanilla local SGD (option II); set it to 0")
 
@@ -55,28 +86,26 @@ class Scaffold(FedAvg):
         acc.register("control", self.store)
         return acc
 
-    def client_module(self, routed, task, plan):
-        from fl_lightning.modules.control_variates import ControlVariateClient
+    def downlink(self, task, plan):
+        """The routed model, the server control variate ``c`` (counted), and the client's own
+        ``c_i`` (held by the client)."""
+        down = super().downlink(task, plan)
+        down.tensors = {f"c/{name}": value for name, value in self.c.items()}
+        down.held = self.store.get(task.client)
+        return down
 
-        c_i = self.store.get(task.client)
-        correction = [self.c[name] - c_i[name] for name in self.param_names]
-        return ControlVariateClient(routed.module, plan.lr, correction, weight_decay=self.ctx.train.weight_decay)
+    def new_client(self, task, plan):
+        return ScaffoldClient(self.client_round(task, plan))
 
     def commit(self, acc, task, result, plan):
-        from fl_lightning.modules.control_variates import option_ii_update
-
+        """The model into the mean; the client's ``delta c_i`` into the sum that moves ``c``, and
+        its new ``c_i`` into the store (a client that took no step changes neither)."""
         super().commit(acc, task, result, plan)
-        if result.steps == 0:
+        if not result.held:
             return
-        c_i = self.store.get(task.client)
-        local = dict(result.module.model.named_parameters())
-        names = self.param_names
-        new_c_i = option_ii_update([c_i[n] for n in names], [self.c[n] for n in names],
-                                   [self.global_state[n] for n in names],
-                                   [local[n].detach() for n in names], result.steps, plan.lr)
-        for name, value in zip(names, new_c_i):
-            acc.add_sum(f"delta_c/{name}", value - c_i[name])
-        acc.keep("control", task.client, dict(zip(names, new_c_i)))
+        for name in self.param_names:
+            acc.add_sum(f"delta_c/{name}", result.tensors[f"delta_c/{name}"])
+        acc.keep("control", task.client, result.held)
 
     def finish_round(self, acc, plan):
         self.apply(acc.result())

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fl_lightning.runtime.output_files import write_file
+from fl_lightning.units import count
 
 
 def _label_counts(client_indices: Sequence, y: np.ndarray, num_classes: int) -> np.ndarray:
@@ -96,11 +97,11 @@ def format_report(report: Dict, top_k: int = 3) -> str:
         f"size min/median/max {s['min_size']}/{s['median_size']:g}/{s['max_size']}; mean TV {mean_tv}",
     ]
     budgets = report.get("budgets")
-    header = f"{'client':>6} {'size':>7} {'TV':>6}" + (f" {'budget(M)':>9}" if budgets else "") + "  top labels (label:count)"
+    header = f"{'client':>6} {'size':>7} {'TV':>6}" + (f" {'budget':>9}" if budgets else "") + "  top labels (label:count)"
     lines.append(header)
     for i, (n, tv, row) in enumerate(zip(report["sizes"], report["tv_distance"], report["label_counts"])):
         tv_s = "  n/a" if tv is None else f"{tv:.3f}"
-        b_s = f" {budgets[i] / 1e6:9.1f}" if budgets else ""
+        b_s = f" {count(budgets[i]):>9}" if budgets else ""
         lines.append(f"{i:>6} {n:>7} {tv_s:>6}{b_s}  {_top_labels(row, top_k)}")
     return "\n".join(lines)
 
@@ -118,24 +119,32 @@ def _plot(report: Dict, path: BinaryIO) -> None:
     fig = Figure(figsize=(11, height))
     FigureCanvasAgg(fig)
     y = np.arange(n_clients)
+    budgets = report.get("budgets")
+    # panels side by side on the clients' axis: the labels, (with many classes) the sizes, the budgets
+    widths = [4] + ([1] if n_classes > 20 else []) + ([1] if budgets else [])
+    axes = list(np.atleast_1d(fig.subplots(1, len(widths), sharey=True, gridspec_kw={"width_ratios": widths})))
+    ax = axes[0]
     if n_classes <= 20:
         # few classes: stacked bars read directly as "how many of each label"
-        ax = fig.add_subplot(1, 1, 1)
         colors = colormaps["tab20"](np.arange(n_classes) % 20)
         left = np.zeros(n_clients)
         for c in range(n_classes):
             ax.barh(y, counts[:, c], left=left, color=colors[c], height=0.85, label=str(c), linewidth=0)
             left += counts[:, c]
-        ax.legend(title="label", fontsize=6, title_fontsize=7, ncol=1, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        axes[-1].legend(*ax.get_legend_handles_labels(), title="label", fontsize=6, title_fontsize=7, ncol=1,
+                        loc="center left", bbox_to_anchor=(1.0, 0.5))  # right of the rightmost panel
         ax.set_xlabel("examples")
     else:
         # many classes: a heat-map of counts beside the per-client sizes stays legible at 100 x 100
-        ax, ax_size = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [4, 1]})
         im = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower")
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01, label="examples")
         ax.set_xlabel("label")
-        ax_size.barh(y, counts.sum(axis=1), height=0.85, color="tab:gray")
-        ax_size.set_xlabel("examples")
+        axes[1].barh(y, counts.sum(axis=1), height=0.85, color="tab:gray")
+        axes[1].set_xlabel("examples")
+    if budgets:
+        axes[-1].barh(y, budgets, height=0.85, color="tab:brown")
+        axes[-1].set_xscale("log")  # Zipf budgets span orders of magnitude
+        axes[-1].set_xlabel("MAC budget")
     ax.set_ylabel("client")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(-0.5, n_clients - 0.5)

@@ -74,7 +74,7 @@ def _first_dir(candidates: Sequence[str], marker: str) -> Optional[str]:
 
 
 def _missing(root: str, what: str, layout: str, downloadable: bool = False) -> ConfigError:
-    hint = "or pass download=True" if downloadable else "it cannot be downloaded automatically"
+    hint = "or pass --data.download true" if downloadable else "it cannot be downloaded automatically"
     return ConfigError("data.root", f"no {what} under '{root}': expected {layout}; {hint}")
 
 
@@ -308,7 +308,10 @@ def _cifar_root(name: str, root: str) -> Optional[str]:
 
 
 def _check_cifar(name: str):
-    def check(root, download):
+    def check(root, download, *, skip_integrity_check=False):
+        if download and skip_integrity_check:  # torchvision checks what it downloads; there is nothing to skip
+            raise ConfigError("data.dataset.skip_integrity_check", "true reads files already on disk; it cannot be "
+                                                                   "combined with data.download: true")
         if download:
             return
         base, files, title = _CIFAR[name]
@@ -324,17 +327,37 @@ def _check_cifar(name: str):
 _check_cifar10, _check_cifar100 = _check_cifar("cifar10"), _check_cifar("cifar100")
 
 
-def _load_cifar(name: str, root: str, download: bool, augment: bool, stats, num_classes: int) -> DatasetBundle:
+def _without_integrity_check(cls):
+    """``cls`` (torchvision's CIFAR10 or CIFAR100) reading its files without comparing them with
+    the md5 sums of the real release: files of the real format holding other images (generated
+    data for a benchmark) load; the parsing is torchvision's own."""
+
+    class Unchecked(cls):
+        def _check_integrity(self) -> bool:
+            return True
+
+        def _load_meta(self) -> None:  # torchvision's, less its md5 comparison
+            with open(os.path.join(self.root, self.base_folder, self.meta["filename"]), "rb") as handle:
+                self.classes = pickle.load(handle, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {label: i for i, label in enumerate(self.classes)}
+
+    Unchecked.__name__ = Unchecked.__qualname__ = cls.__name__
+    return Unchecked
+
+
+def _load_cifar(name: str, root: str, download: bool, augment: bool, stats, num_classes: int,
+                skip_integrity_check: bool = False) -> DatasetBundle:
     from torchvision import datasets as tvd
 
     cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
     folder = _cifar_root(name, root) or root
+    reader = _without_integrity_check(cls) if skip_integrity_check else cls
     splits = {}
     for split in ("train", "test"):
         try:
-            ds = cls(folder, train=split == "train", download=download)
+            ds = reader(folder, train=split == "train", download=download)
         except Exception as error:  # torchvision: md5 mismatch, unpickling, reshape, download
-            raise _cifar_problem(name, cls, folder, download, error) from None
+            raise _cifar_problem(name, cls, folder, download, error, not skip_integrity_check) from None
         images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
         splits[split] = (images, torch.tensor(ds.targets, dtype=torch.long), ds.classes)
     train_tf, eval_tf = image_transforms(stats, crop=32, padding=4, flip=True, augment=augment)
@@ -344,8 +367,10 @@ def _load_cifar(name: str, root: str, download: bool, augment: bool, stats, num_
                    extras={"classes": list(splits["train"][2])})
 
 
-def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception) -> ConfigError:
-    """Which CIFAR file is broken, and how: checked in torchvision's order (md5, then contents)."""
+def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception,
+                   check_md5: bool = True) -> ConfigError:
+    """Which CIFAR file is broken, and how: checked in torchvision's order (md5 unless skipped,
+    then contents)."""
     import torchvision.datasets.cifar as tv_cifar
 
     base = os.path.join(folder, cls.base_folder)
@@ -356,7 +381,7 @@ def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception
         path = os.path.join(base, file)
         if not os.path.isfile(path):
             return corrupt_file(path, "missing", hint)
-        if not tv_cifar.check_integrity(path, md5):
+        if check_md5 and not tv_cifar.check_integrity(path, md5):
             return corrupt_file(path, f"does not match the {title} release (md5 differs: truncated or modified)", hint)
         try:
             with open(path, "rb") as handle:
@@ -374,18 +399,22 @@ def _cifar_problem(name: str, cls, folder: str, download: bool, error: Exception
     return ConfigError("data.root", f"{title} under '{folder}' cannot be read ({_reason(error)})")
 
 
-def load_cifar10(root: str = "data", download: bool = False, augment: bool = True) -> DatasetBundle:
+def load_cifar10(root: str = "data", download: bool = False, augment: bool = True, *,
+                 skip_integrity_check: bool = False) -> DatasetBundle:
     """CIFAR-10 via torchvision, as uint8 CHW tensors in memory.
 
     Train: RandomCrop(32, padding=4), horizontal flip, scale to [0, 1], normalise; eval and
-    test: scale and normalise only.
+    test: scale and normalise only. ``skip_integrity_check``: read the files without comparing
+    them with the release's md5 sums (generated data in the real format).
     """
-    return _load_cifar("cifar10", root, download, augment, CIFAR10_STATS, 10)
+    return _load_cifar("cifar10", root, download, augment, CIFAR10_STATS, 10, skip_integrity_check)
 
 
-def load_cifar100(root: str = "data", download: bool = False, augment: bool = True) -> DatasetBundle:
-    """CIFAR-100 (fine labels) via torchvision; transforms as for CIFAR-10."""
-    return _load_cifar("cifar100", root, download, augment, CIFAR100_STATS, 100)
+def load_cifar100(root: str = "data", download: bool = False, augment: bool = True, *,
+                  skip_integrity_check: bool = False) -> DatasetBundle:
+    """CIFAR-100 (fine labels) via torchvision; transforms and ``skip_integrity_check`` as for
+    CIFAR-10."""
+    return _load_cifar("cifar100", root, download, augment, CIFAR100_STATS, 100, skip_integrity_check)
 
 
 def _emnist_files(split: str) -> list[str]:

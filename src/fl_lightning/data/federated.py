@@ -12,7 +12,7 @@ from torchvision.transforms import v2
 from fl_lightning.config import DataConfig, PartitionConfig
 from fl_lightning.data.base import DatasetBundle
 from fl_lightning.data.budgets import zipf_budgets
-from fl_lightning.data.partition import (alpha_data_for, make_partition, natural_partition,
+from fl_lightning.data.partition import (alpha_data_for, clients_need, make_partition, natural_partition,
                                          validate_partition_params)
 from fl_lightning.data.splits import carve_server_splits, groups_to_pool, label_matched_shards, to_dataset_indices
 from fl_lightning.errors import ConfigError
@@ -109,21 +109,25 @@ def with_randaugment(dataset: Dataset, num_ops: int, magnitude: int) -> Dataset:
     return dataset.with_transform(v2.Compose(steps))
 
 
-def check_server_splits(data: DataConfig, available: int, what: str, room: int) -> None:
+def check_server_splits(data: DataConfig, available: int, what: str, room: int, room_for: str = "one") -> None:
     """``val_size + calib_size`` examples fit in ``available`` with ``room`` to spare (the
-    clients' pool); the ConfigError names the size that does not fit: val_size when it alone
-    does not, else calib_size."""
+    clients' pool; ``room_for`` says why that many); the ConfigError names the size that does
+    not fit: val_size when it alone does not, else calib_size."""
     most = available - room
     if data.val_size + data.calib_size <= most:
         return
     key = "data.val_size" if data.val_size > most or data.calib_size == 0 else "data.calib_size"
     given = f"val_size {data.val_size} + calib_size {data.calib_size}" if data.calib_size else f"{data.val_size}"
-    spare = " and leave one for the clients" if room else ""
+    left = available - data.val_size - data.calib_size
+    if room and left >= 0:
+        raise ConfigError(key, f"{given} server-held examples leave {left} of the {available} {what} for the "
+                               f"clients, who need {room_for}; at most {most} fit")
+    spare = f" and leave {room_for} for the clients" if room else ""
     raise ConfigError(key, f"{given} server-held examples, but the dataset has {available} {what}; "
                            f"at most {most} fit{spare}")
 
 
-def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
+def _server_pool(data: DataConfig, partition: PartitionConfig, bundle: DatasetBundle, seed: int):
     """(client pool indices, val indices, calib indices, dataset the server splits index)."""
     if data.server_source == "valid":
         valid = bundle.extras.get("valid")
@@ -134,7 +138,11 @@ def _server_pool(data: DataConfig, bundle: DatasetBundle, seed: int):
         rest, val, calib = carve_server_splits(valid_targets, data.val_size, data.calib_size, seed)
         return torch.arange(len(bundle.train_targets)), val, calib, valid
     targets = bundle.train_targets
-    check_server_splits(data, len(targets), "training examples", room=1)
+    need = 1 if partition.method == "natural" else clients_need(partition.num_clients, partition.min_size)
+    if need > len(targets):  # too few examples even without server splits: partition.num_clients is refused
+        need = 1
+    room_for = f"{need} ({partition.num_clients} clients x min_size {partition.min_size})" if need > 1 else "one"
+    check_server_splits(data, len(targets), "training examples", room=need, room_for=room_for)
     pool, val, calib = carve_server_splits(targets, data.val_size, data.calib_size, seed)
     return pool, val, calib, None
 
@@ -146,7 +154,7 @@ def build_federated_data(data: DataConfig, partition: PartitionConfig, seed: int
     if data.randaugment:
         bundle.train = with_randaugment(bundle.train, *data.randaugment)
     targets = bundle.train_targets
-    pool, val, calib, server = _server_pool(data, bundle, seed)
+    pool, val, calib, server = _server_pool(data, partition, bundle, seed)
     groups = None
     if partition.method == "natural":
         if bundle.groups is None:

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from fl_lightning.config import PartitionMethod
-from fl_lightning.data.budgets import B_CAP, allocation_weights, seeded_rng
+from fl_lightning.data.budgets import B_CAP, allocation_weights
 from fl_lightning.errors import ConfigError
+from fl_lightning.seeds import seeded_rng
 
 PARTITION_METHODS = get_args(PartitionMethod)
 CLASS_ORDERS = ("ascending", "random")
@@ -81,6 +82,12 @@ def _check_min_size(min_size) -> int:
     return int(min_size)
 
 
+def clients_need(num_clients: int, min_size: int) -> int:
+    """The fewest pool examples a partition among ``num_clients`` can be drawn from: one per
+    client, whatever ``min_size`` says, and ``min_size`` each."""
+    return max(int(num_clients), int(num_clients) * int(min_size))
+
+
 def _check_feasible(num_examples: int, num_clients: int, min_size: int) -> None:
     if num_clients > num_examples:  # a client needs an example, whatever min_size says
         raise ConfigError("partition.num_clients", f"{num_clients} clients, but the pool has {num_examples} examples")
@@ -93,19 +100,21 @@ def _check_feasible(num_examples: int, num_clients: int, min_size: int) -> None:
 
 
 def _rejection_sample(
-    draw: Callable[[], Optional[np.ndarray]], num_clients, min_size, max_retries, what, hint="increase alpha"
+    draw: Callable[[], Optional[np.ndarray]], num_clients, min_size, max_retries, what, hint="increase alpha",
+    key: str = "partition.alpha"
 ):
     """Redraw the whole partition until every client has >= min_size examples.
 
     ``draw`` returns a per-example owner array, or None for a degenerate draw (a class whose
-    renormalized proportions vanished). One first draw plus up to ``max_retries`` redraws.
+    renormalized proportions vanished). One first draw plus up to ``max_retries`` redraws;
+    ``key`` is the option the refusal names.
     """
     for _ in range(int(max_retries) + 1):
         owner = draw()
         if owner is not None and np.bincount(owner, minlength=num_clients).min() >= min_size:
             return _shards_from_owner(owner, num_clients)
     raise ConfigError(
-        "partition.alpha",
+        key,
         f"{what}: no draw in {int(max_retries) + 1} gave every one of {num_clients} clients "
         f">= {min_size} examples; {hint} or lower num_clients/min_size",
     )
@@ -253,8 +262,12 @@ def gamma_dirichlet_partition(
     caps = q * n
     rng = seeded_rng(seed, "partition/gamma_dirichlet")
     draw = lambda: _dirichlet_draw(class_indices, conc, rng, n, caps, class_order)  # noqa: E731
-    hint = f"increase alpha, lower gamma (smallest cap q_i*N_train is {q.min() * n:.1f})"
-    return _rejection_sample(draw, k, min_size, max_retries, f"gamma_dirichlet(alpha_data={alpha_data})", hint)
+    hint = f"increase alpha, lower gamma, raise partition.budgets.b_min (smallest cap q_i*N_train is {q.min() * n:.1f})"
+    # a client whose balancing cap is below min_size fills up before it reaches it: the budgets
+    # (the poorest client's share) bind, not the concentration
+    key = "partition.budgets.b_min" if q.min() * n < min_size else "partition.alpha"
+    return _rejection_sample(draw, k, min_size, max_retries, f"gamma_dirichlet(alpha_data={alpha_data})", hint,
+                             key=key)
 
 
 def alpha_data_for(alpha_eff: float, n_train: int, num_classes: int, num_clients: int) -> float:

@@ -152,14 +152,28 @@ class Synthetic(DatasetSource):
         return self.num_classes, shape, (self.num_train + self.num_test) * self.channels * self.image_size ** 2 * 4
 
 
-class CIFAR10(DatasetSource):
+class CifarDataset(DatasetSource):
+    """A CIFAR release read by torchvision from its python pickles."""
+
+    def __init__(self, skip_integrity_check: bool = False):
+        """
+        Args:
+            skip_integrity_check: read the files without comparing them with the md5 sums of the
+                real release (torchvision's check on every load), so that generated data written
+                in the real format loads (benchmarks/main_job_round.py). Off by default: real
+                files that were truncated or modified are then refused.
+        """
+        self.skip_integrity_check = skip_integrity_check
+
+
+class CIFAR10(CifarDataset):
     """CIFAR-10 via torchvision (``data.download`` fetches it)."""
 
     name, facts = "cifar10", Facts(10, (3, 32, 32), 60_000)
     loader, checker = f"{DATASETS_MODULE}:load_cifar10", f"{DATASETS_MODULE}:_check_cifar10"
 
 
-class CIFAR100(DatasetSource):
+class CIFAR100(CifarDataset):
     """CIFAR-100, fine labels, via torchvision (``data.download`` fetches it)."""
 
     name, facts = "cifar100", Facts(100, (3, 32, 32), 60_000)

@@ -16,8 +16,8 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from fl_lightning.data.budgets import seeded_rng
 from fl_lightning.errors import ConfigError
+from fl_lightning.seeds import seeded_rng
 
 
 def _largest_remainder(total: int, weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from fl_lightning.elastic.models.base import shapes_only
 from fl_lightning.elastic.models.ofa_resnet import EXPANSION_CHOICES, OFAResNet, OFASpec
 from fl_lightning.elastic.routing import Routed
 
@@ -63,7 +64,7 @@ def route_envelope(model: OFAResNet, specs: Iterable[OFASpec]) -> Routed:
 
 def routed_param_count(model: OFAResNet, specs: Iterable[OFASpec]) -> int:
     """``P_i``: parameters a client with affordable set ``specs`` receives (and returns)."""
-    with torch.device("meta"):
+    with shapes_only():
         return _num_params(model.build_local(_bounds(model, list(specs)), elastic=True))
 
 

@@ -31,6 +31,10 @@ class Region:
         """A new tensor in the local layout holding ``full`` at the covered positions."""
         raise NotImplementedError
 
+    def read_into(self, local: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy ``full`` at the covered positions into ``local`` (in the local layout), in place."""
+        local.copy_(self.gather(full))
+
     def scatter(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write ``local`` into ``full`` at the covered positions."""
         raise NotImplementedError
@@ -67,6 +71,9 @@ class LeadingSlice(Region):
     def gather(self, full):
         return full[self.index].clone()
 
+    def read_into(self, local, full):
+        local.copy_(full[self.index])  # from the view: one copy, not a clone and a copy
+
     def scatter(self, full, local):
         full[self.index].copy_(local)
 
@@ -85,6 +92,23 @@ class LeadingSlice(Region):
 
     def __repr__(self):
         return f"LeadingSlice({tuple(self.local_shape)} of {tuple(self.global_shape)})"
+
+
+def union_numel(shapes: Sequence[Sequence[int]]) -> int:
+    """Positions of one tensor covered by at least one of the leading slices ``shapes``
+    (``global[:s0, :s1, ...]`` each, of equal rank): rows ``[lo, hi)`` between two consecutive
+    distinct first sizes are covered by exactly the slices reaching ``hi``, so the count is a
+    sum over those bands of the band's height times the union of their remaining dimensions."""
+    shapes = [tuple(s) for s in shapes]
+    if not shapes:
+        return 0
+    if not shapes[0]:  # a scalar: covered once
+        return 1
+    cuts = sorted({s[0] for s in shapes}, reverse=True)
+    total = 0
+    for hi, lo in zip(cuts, cuts[1:] + [0]):
+        total += (hi - lo) * union_numel([s[1:] for s in shapes if s[0] >= hi])
+    return total
 
 
 class RollingSlice(Region):

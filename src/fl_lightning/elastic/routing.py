@@ -38,7 +38,7 @@ def load_routed_state(module: nn.Module, global_state: Mapping[str, torch.Tensor
     local_state = module.state_dict()
     with torch.no_grad():
         for key, (global_key, region) in regions.items():
-            local_state[key].copy_(region.gather(global_state[global_key]))
+            region.read_into(local_state[key], global_state[global_key])
 
 
 def write_back(global_state: Mapping[str, torch.Tensor], local_state: Mapping[str, torch.Tensor], regions: RegionMap) -> None:

@@ -21,16 +21,17 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import TensorBoardLogger
-from tqdm import tqdm
 
 from fl_lightning.errors import ConfigError, Interrupted, RunError
 from fl_lightning.federation import interrupts
 from fl_lightning.federation.builder import Prepared, RunSpec, build_context, make_fabric, prepare_run
+from fl_lightning.federation.log_tags import LAYOUT, RunTags
+from fl_lightning.federation.loggers import RunLoggers, build_loggers
+from fl_lightning.federation.progress import RoundProgress, end_line
 from fl_lightning.runtime.checkpoint import check_model_state, load_checkpoint, load_model_state, save_checkpoint
 from fl_lightning.federation.machine import hand_down, launched_by_command_line, placement_for, process_age
 from fl_lightning.federation.provenance import METHOD, check_method, load_algorithm_state, method_record
-from fl_lightning.federation.run_dir import RESUME, JsonLines, RunDir, tensorboard_writes
+from fl_lightning.federation.run_dir import RESUME, JsonLines, RunDir, flat_config
 from fl_lightning.federation.run_lock import LOCK
 from fl_lightning.runtime.collectives import all_gather_objects, lost_peer
 from fl_lightning.runtime.evaluation import EvaluationPhase
@@ -49,17 +50,18 @@ def run_fit(spec: RunSpec) -> dict:
     command_line = launched_by_command_line()
     origin = time.perf_counter() - (process_age() if command_line else 0.0)
     placement = placement_for(spec.fabric, spec.model, spec.data, spec.federation.clients_per_round,
-                              bool(spec.algorithm.sequential_clients))
+                              bool(spec.algorithm.sequential_clients), spec.train.batch_size, spec.algorithm)
     spec = replace(spec, fabric=placement.apply(spec.fabric))
+    if placement.ranks > 1 and placement.strategy is None and command_line:  # ranks re-run the command
+        hand_down(placement)
+    # what the data can refuse, refused before any rank starts: its one line is then all there is
+    prepared = prepare_run(spec)
     if placement.line and command_line:  # rank 0 (the ranks it starts inherit its placement)
         print(f"{placement.line}; starting...", file=sys.stderr, flush=True)
-    if placement.devices > 1 and placement.strategy is None and command_line:  # ranks re-run the command
-        hand_down(placement)
-    prepared = prepare_run(spec)  # what the data can refuse, refused before any rank starts
     quiet_launch_banner()
     run_dir = RunDir(spec.out_dir, spec.name)
-    logger = TensorBoardLogger(root_dir=str(run_dir.path), name="tensorboard", version="")
-    fabric = make_fabric(spec.fabric, loggers=[logger])
+    loggers = build_loggers(spec.loggers, run_dir.path, spec.name, prepared.start_round)
+    fabric = make_fabric(spec.fabric, loggers=loggers)
     forked = spec.fabric.strategy in ("ddp_fork", "ddp_notebook", "ddp_spawn")
     if spec.fabric.strategy == "ddp_spawn":  # spawned ranks would receive the data pickled: they build it
         prepared = None
@@ -143,6 +145,10 @@ class Federation:
         self.last_eval: tuple = (-1, {})  # (round, metrics) of the latest evaluate_round
         self.method = method_record(self.algorithm, spec.config_yaml)
         self.evaluation = EvaluationPhase(fabric, self.algorithm, self.fed, spec.eval.batch_size, spec.eval.client_test)
+        self.tags = RunTags(self.algorithm.served_names)
+        self.logs = RunLoggers(fabric.loggers, run_dir.path)
+        self.logged_last: Optional[set] = None  # tags this call logged at the last round
+        self.progress = RoundProgress(spec.name, spec.federation.rounds, shown=self.is_zero)
         if spec.resume_from:
             state = load_checkpoint(spec.resume_from, map_location=fabric.device, key="resume",
                                     required=("model", "algorithm", "round", "best"))
@@ -167,22 +173,19 @@ class Federation:
                   file=sys.stderr,
                   flush=True)
         end = rounds if spec.stop_after is None else min(rounds, spec.stop_after)
-        bar = tqdm(range(self.start_round, end), initial=self.start_round, total=rounds, desc=spec.name,
-                   unit="round", disable=not self.is_zero, dynamic_ncols=True)
+        self.progress.start(self.start_round)
         round_idx = self.start_round
         try:
-            for round_idx in bar:
+            for round_idx in range(self.start_round, end):
+                started = time.perf_counter()
                 row, clients = self.run_round(round_idx)
                 best = False
                 if (round_idx + 1) % spec.eval.every == 0 or round_idx + 1 == rounds:
                     metrics, best = self.evaluate_round(round_idx)
                     row.update(metrics)
-                    for key in ("test_acc", "val_acc"):
-                        if key in row:
-                            bar.set_postfix({key: f"{row[key]:.4f}"}, refresh=False)
-                            break
                 last = (round_idx + 1) % spec.checkpoint_every == 0 or round_idx + 1 == end
                 self.write_round(row, clients, best, last)
+                self.progress.round_done(row, time.perf_counter() - started)
         except (KeyboardInterrupt, Exception) as error:
             in_progress = max(round_idx, self.last_saved or 0)  # a save may have just completed the round
             if not isinstance(error, KeyboardInterrupt) and not interrupts.requested():
@@ -196,13 +199,15 @@ class Federation:
                                "--resume auto") from None
             raise Interrupted(f"interrupted in round {in_progress}, {self.checkpoint_held()}") from None
         finally:
-            bar.close()
+            self.progress.close()
         self.fabric.barrier()
         summary = {"rounds_done": end, "rounds": rounds}
         if end == rounds:
             summary.update(self.final_evaluation())
         self.on_zero(lambda: self._write_summary(summary))
-        if self.is_zero:
+        if self.is_zero:  # the summary stays in its file; the console ends with the method's table
+            if launched_by_command_line():
+                print(end_line(summary, self.run_dir.summary), file=sys.stderr, flush=True)
             report = self.algorithm.report(summary)
             if report:
                 print(report)
@@ -210,9 +215,26 @@ class Federation:
 
     def _write_summary(self, summary: dict) -> None:
         write_file(self.run_dir.summary, json.dumps(finite_or_null(summary), indent=2), then=RESUME)
-        with tensorboard_writes(self.run_dir):
-            for logger in self.fabric.loggers:
-                logger.finalize("success")
+        if "final" in summary and self.logged_last is not None:  # this call ran the last round
+            self._log_end(summary)
+        self.logs.finalize()
+
+    def _log_end(self, summary: dict) -> None:
+        """The end figures at their rounds: the last model's that the last round did not log
+        (the test set with eval.test=final), the best-validation checkpoint's test figures at
+        its round, and the flattened config with the headline figures as hyperparameters."""
+        last = self.spec.federation.rounds - 1
+        final = {tag: v for tag, v in self.tags.figures(summary["final"]).items() if tag not in self.logged_last}
+        if final:
+            self.logs.log(final, step=last)
+        best = summary.get("best")
+        if best:
+            self.logs.log(self.tags.best(best), step=best["round"])
+        headline = {"hparams/test_acc": summary["final"].get("test_acc"),
+                    "hparams/best_test_acc": (best or {}).get("test_acc"),
+                    "hparams/best_val_acc": (best or {}).get("val_acc")}
+        headline = {k: v for k, v in headline.items() if isinstance(v, float) and math.isfinite(v)}
+        self.logs.log_end(flat_config(self.spec.config_yaml), headline, step=last)
 
     def _check_ranks_agree(self) -> None:
         """Every rank continues from the same round. Nodes that read different run folders (no
@@ -343,9 +365,12 @@ class Federation:
         save_checkpoint(self.fed.state_dict(), self.run_dir.path / "partition.pt")
         self.metrics = JsonLines(self.run_dir.metrics, keep)
         self.client_log = JsonLines(self.run_dir.clients, keep)
+        self.tags.carry(self.metrics.kept)  # the cumulative costs run on from the resumed round
+        self.progress.carry(self.metrics.kept)
+        self.logs.open(LAYOUT, self.start_round)
 
     def write_round(self, row: dict, clients: List[dict], best: bool, last: bool) -> None:
-        """The round's rows (metrics, clients, TensorBoard), best.ckpt if this model is the best
+        """The round's rows (metrics, clients, loggers), best.ckpt if this model is the best
         so far, and last.ckpt when due. The logs are written first: a resume drops rows past
         the checkpoint it continues from."""
         rounds_done = row["round"] + 1
@@ -365,12 +390,10 @@ class Federation:
             self.last_saved = rounds_done
 
     def _log_round(self, row: dict, clients: List[dict]) -> None:
-        with tensorboard_writes(self.run_dir):
-            self.fabric.log_dict({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "round"},
-                                 step=row["round"])
-            for logger in self.fabric.loggers:  # on disk each round: a full disk shows at this round
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.flush()
+        figures = self.tags.round_figures(row)
+        self.logs.log(figures, step=row["round"])  # on disk each round: a full disk shows at this round
+        if row["round"] == self.spec.federation.rounds - 1:
+            self.logged_last = set(figures)
         self.metrics.write(finite_or_null(row))
         self._log_clients(clients)
 

@@ -18,10 +18,11 @@
 sequential-client methods on CPU, which take every physical core on their one rank, whatever
 ``devices`` is, so that their results do not depend on it either.
 
-The per-rank memory figure is an estimate from the model's parameter count (built on the meta
-device: no memory, no time) and the dataset's size, with the constants measured by
-``benchmarks/machine_defaults.py --memory``; an explicit ``devices`` that would not fit is
-refused in one line before anything is loaded.
+The per-rank memory figure is an estimate of what a rank holds at its peak, counted from the
+config on the meta device (no memory, about a second for the 55.7M-parameter supernet):
+the data, the global model, the float64 accumulator, the client's model, gradients and
+momentum, and the activations of its costliest pass (``federation/memory.py``); an explicit
+``devices`` that would not fit is refused in one line before anything is loaded.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Tuple
 
 from fl_lightning.config import DataConfig, FabricConfig
 from fl_lightning.errors import ConfigError
@@ -41,14 +42,6 @@ PLACEMENT_ENV = "FL_LIGHTNING_PLACEMENT"
 """Set by rank 0 for the ranks it starts, so that they take its placement instead of probing
 a machine on which rank 0 already holds memory."""
 
-# Measured by benchmarks/machine_defaults.py --memory (peak RSS of the largest CPU rank, one
-# round): a rank with a small model and dataset peaks at 0.93-1.06 GB (Python, torch and
-# Lightning's libraries, the loop), and the paper-scale FEAST supernet (55.7M parameters and
-# buffers, 76 MB of data) at 4.27 GB, i.e. about 57 bytes per parameter (the global model, the
-# reusable worker, gradients, momentum, routed envelopes, float64 value and count accumulators,
-# the all-reduce buffer). Rounded up, so that the estimate stays above what was measured.
-RANK_BASE_BYTES = 2**30
-BYTES_PER_PARAMETER = 64
 GB = 2**30
 
 @dataclass(frozen=True)
@@ -117,30 +110,69 @@ def dataset_facts(data: DataConfig) -> Tuple[int, tuple, int]:
 
 def parameter_count(model, classes: int, input_shape: tuple) -> int:
     """Parameters and buffers of the global model, built on the meta device (no memory)."""
-    import torch
+    from fl_lightning.federation.memory import shapes_model
 
-    from fl_lightning.elastic.models import build_model
-
-    with torch.device("meta"):
-        built = build_model(model, classes, input_shape)
-    return sum(t.numel() for t in built.state_dict().values())
+    return sum(t.numel() for t in shapes_model(model, classes, input_shape).state_dict().values())
 
 
 @dataclass(frozen=True)
 class Footprint:
-    """Estimated peak host memory of one rank."""
+    """Estimated peak host memory of one rank: what it holds then (``federation/memory.py``
+    derives each term)."""
 
     parameters: int
+    """Parameters and buffers of the global model (for the placement line)."""
     data_bytes: int
+    holdings: Optional[Any] = field(default=None, compare=False)
+    """``memory.Holdings``; None: a float32 model of ``parameters`` with its client state and
+    accumulator, no activations (a footprint given by hand)."""
+    model: Any = field(default=None, compare=False)
+    """The model section and its (classes, input shape), to name the option that makes it large."""
 
     @property
     def per_rank(self) -> int:
-        return RANK_BASE_BYTES + BYTES_PER_PARAMETER * self.parameters + self.data_bytes
+        return self._holdings().total
+
+    def _holdings(self):
+        from fl_lightning.federation.memory import Holdings
+
+        if self.holdings is not None:
+            return self.holdings
+        float32 = 4 * self.parameters
+        return Holdings(self.data_bytes, float32, 2 * float32, 3 * float32, 0)
+
+    @property
+    def model_share(self) -> int:
+        """Bytes of the terms that grow with the model (all but the data and the base)."""
+        h = self._holdings()
+        return h.total - h.data - self._base()
+
+    @staticmethod
+    def _base() -> int:
+        from fl_lightning.federation.memory import RANK_BASE_BYTES
+
+        return RANK_BASE_BYTES
+
+    def model_key(self) -> str:
+        """The config key to blame for the model's size (``model.<option>`` where one option
+        makes it large)."""
+        if self.model is None:
+            return "model"
+        from fl_lightning.federation.memory import inflating_option
+
+        return inflating_option(*self.model)
 
     @classmethod
-    def of(cls, model, data: DataConfig) -> "Footprint":
+    def of(cls, model, data: DataConfig, batch_size: Optional[int] = None, algorithm: Any = None) -> "Footprint":
+        """The footprint of a run of ``model`` on ``data``; with the training ``batch_size`` and
+        the ``algorithm``, its client state and activations as that method trains."""
+        from fl_lightning.federation.memory import Holdings, shapes_model
+
         classes, shape, data_bytes = dataset_facts(data)
-        return cls(parameter_count(model, classes, shape), data_bytes)
+        built = shapes_model(model, classes, shape)
+        parameters = sum(t.numel() for t in built.state_dict().values())
+        holdings = Holdings.of(built, data_bytes, shape, batch_size, algorithm)
+        return cls(parameters, data_bytes, holdings, (model, classes, shape))
 
 
 @dataclass(frozen=True)
@@ -151,6 +183,13 @@ class Placement:
     """One line for the start-up: what the run takes and why."""
     strategy: Optional[str] = None
     """A strategy replacing ``auto`` (ddp_fork for several CPU ranks), else None."""
+    per_device: int = 1
+    """Ranks on each device (``fabric.ranks_per_device``)."""
+
+    @property
+    def ranks(self) -> int:
+        """Ranks this node runs."""
+        return self.devices * self.per_device
 
     def apply(self, fabric: FabricConfig) -> FabricConfig:
         return replace(fabric, devices=self.devices, threads_per_rank=self.threads,
@@ -222,21 +261,23 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
            f"{footprint.data_bytes / GB:.2f} GB of data)"
     have = f"{budget / GB:.1f} GB available" if budget is not None else "available memory unknown"
     fits = budget // per_rank if budget is not None else None
+    per_device = fabric.ranks_per_device
     if fabric.devices != "auto":
         devices = int(fabric.devices)
-        host_ranks = 1 if gpu else devices  # a GPU rank's model lives on its GPU
+        host_ranks = 1 if gpu else devices * per_device  # a GPU rank's model lives on its GPU
         if fits is not None and host_ranks > fits:
             fewer = f"use --fabric.devices {fits} or fewer" if fits >= 1 else "a smaller model or dataset"
-            raise ConfigError("fabric.devices", f"{devices} rank(s) need {need}, {host_ranks * per_rank / GB:.1f} GB "
-                                                f"in all, but {have}; {fewer}")
+            raise ConfigError("fabric.devices", f"{host_ranks} rank(s) need {need}, {host_ranks * per_rank / GB:.1f} "
+                                                f"GB in all, but {have}; {fewer}")
         why = "as configured"
     else:
         if sequential:
             devices, why = 1, "auto: sequential-client method, its cohort trains on one rank"
         elif not launchable:
             devices, why = 1, "auto: started from Python, not the command line"
-        elif gpu:
-            devices, why = max(1, min(machine.gpus, cohort)), f"auto: {machine.gpus} GPU(s), cohort {cohort}"
+        elif gpu:  # devices enough for the cohort, per_device clients on each
+            devices = max(1, min(machine.gpus, -(-cohort // per_device)))
+            why = f"auto: {machine.gpus} GPU(s), cohort {cohort}"
         else:
             # ranks x threads fit the cores: more would only take turns on them
             per_rank = threads if threads is not None else 1
@@ -247,23 +288,26 @@ def place(fabric: FabricConfig, cohort: int, sequential: bool, footprint: Footpr
             if fits is not None and fits < devices:
                 devices = max(1, fits)
                 why += f", lowered to {devices} by memory"
+            devices = max(1, devices // per_device)  # ranks, not devices, fill the cores
         if not gpu and fits is not None and fits < 1:  # no rank count helps: the model or data is too big
-            key = "model" if BYTES_PER_PARAMETER * footprint.parameters >= footprint.data_bytes else "data.dataset"
+            key = footprint.model_key() if footprint.model_share >= footprint.data_bytes else "data.dataset"
             raise ConfigError(key, f"one rank needs {need}, but {have}")
     # Several CPU ranks on one node are forked from this process once it has imported and
     # checked everything: re-running the command per rank (Fabric's ddp launcher) would repeat
     # several seconds of imports before the first round. The ranks compute exactly as under ddp.
     strategy = None
-    if (fabric.strategy == "auto" and not gpu and devices > 1 and fabric.num_nodes == 1
+    if (fabric.strategy == "auto" and not gpu and devices * per_device > 1 and fabric.num_nodes == 1
             and fabric.accelerator in ("auto", "cpu") and can_fork()):
         strategy = "ddp_fork"
     where = "gpu" if gpu else "cpu"
     thread_words = "" if gpu else f" x {threads if threads is not None else 'cores/ranks'} thread(s)"
-    busy = devices * threads if not gpu and not sequential and threads is not None else 0
+    busy = devices * per_device * threads if not gpu and not sequential and threads is not None else 0
     if busy > machine.cores:  # explicit devices, or more threads per rank than cores: they take turns
         why += f"; oversubscribed: {busy} threads on {machine.cores} physical core(s)"
-    line = f"fit: {devices} rank(s){thread_words} on {where} ({why}; {need}, {have})"
-    return Placement(devices, threads, line, strategy)
+    if per_device > 1:
+        why += f"; {per_device} ranks on each of {devices} device(s)"
+    line = f"fit: {devices * per_device} rank(s){thread_words} on {where} ({why}; {need}, {have})"
+    return Placement(devices, threads, line, strategy, per_device)
 
 
 def _place_launched(fabric: FabricConfig, sequential: bool, footprint: Footprint, machine: Machine,
@@ -274,14 +318,19 @@ def _place_launched(fabric: FabricConfig, sequential: bool, footprint: Footprint
     if fabric.num_nodes != launcher.nodes:
         raise ConfigError("fabric.num_nodes", f"{fabric.num_nodes}, but {started}; set --fabric.num_nodes "
                                               f"{launcher.nodes}")
-    if fabric.devices != "auto" and int(fabric.devices) != launcher.ranks_per_node:
-        raise ConfigError("fabric.devices", f"{fabric.devices} rank(s) per node, but {started} ({launcher.source}); "
-                                            f"set --fabric.devices {launcher.ranks_per_node} or auto")
-    fixed = replace(fabric, devices=launcher.ranks_per_node, strategy=fabric.strategy)
+    per_device = fabric.ranks_per_device
+    if launcher.ranks_per_node % per_device:
+        raise ConfigError("fabric.ranks_per_device", f"{per_device}, but {started} ({launcher.source}), not a "
+                                                     f"multiple of it")
+    devices = launcher.ranks_per_node // per_device
+    if fabric.devices != "auto" and int(fabric.devices) != devices:
+        raise ConfigError("fabric.devices", f"{fabric.devices} device(s) x {per_device} rank(s) per node, but "
+                                            f"{started} ({launcher.source}); set --fabric.devices {devices} or auto")
+    fixed = replace(fabric, devices=devices, strategy=fabric.strategy)
     placed = place(fixed, launcher.ranks_per_node, sequential, footprint, machine, launchable=False)
     why = f"auto: {started} ({launcher.source})" if fabric.devices == "auto" else f"as configured; {started}"
     line = placed.line.replace("(as configured", f"({why}", 1)
-    return Placement(placed.devices, placed.threads, line, None)  # never forked: the launcher started them
+    return Placement(placed.devices, placed.threads, line, None, per_device)  # never forked: the launcher started them
 
 
 def can_fork() -> bool:
@@ -298,8 +347,10 @@ def launched_by_command_line() -> bool:
 
 
 def placement_for(fabric: FabricConfig, model, data: DataConfig, cohort: int,
-                  sequential: bool) -> Placement:
-    """``place`` on this machine; a rank started by rank 0 takes rank 0's placement."""
+                  sequential: bool, batch_size: Optional[int] = None, algorithm: Any = None) -> Placement:
+    """``place`` on this machine; a rank started by rank 0 takes rank 0's placement.
+    ``batch_size`` and ``algorithm`` let the memory estimate count the client's training state
+    and activations as that method trains (``Footprint.of``)."""
     inherited = os.environ.get(PLACEMENT_ENV)
     if inherited and os.environ.get("LOCAL_RANK", "0") != "0":
         devices, threads = json.loads(inherited)
@@ -312,8 +363,8 @@ def placement_for(fabric: FabricConfig, model, data: DataConfig, cohort: int,
                                               "MASTER_ADDR, MASTER_PORT and NODE_RANK on each (docs/runtime.md, "
                                               "Several nodes)")
     machine = Machine.probe()
-    return place(fabric, cohort, sequential, Footprint.of(model, data), machine, launched_by_command_line(),
-                 launcher)
+    return place(fabric, cohort, sequential, Footprint.of(model, data, batch_size, algorithm), machine,
+                 launched_by_command_line(), launcher)
 
 
 def hand_down(placement: Placement) -> None:
@@ -322,15 +373,12 @@ def hand_down(placement: Placement) -> None:
 
 
 def process_age() -> float:
-    """Seconds since this process started (from /proc; since first import where unavailable)."""
-    try:
-        with open("/proc/self/stat") as stat:
-            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as uptime:
-            up = float(uptime.read().split()[0])
-        return max(0.0, up - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.perf_counter() - _IMPORTED
+    """Seconds since this interpreter began running ``python -m fl_lightning`` (its ``__main__``
+    records the moment before any import of its own), else since this module was imported. Not
+    the process's age: ``bash -c "pip install ... && python -m ..."`` runs Python in the shell's
+    process, which started with the install."""
+    started = getattr(sys.modules.get("__main__"), "STARTED", None)
+    return time.perf_counter() - (started if isinstance(started, float) else _IMPORTED)
 
 
 _IMPORTED = time.perf_counter()

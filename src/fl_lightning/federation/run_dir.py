@@ -9,29 +9,28 @@ from __future__ import annotations
 import errno
 import json
 import os
-import threading
-from contextlib import contextmanager
 from pathlib import Path, PurePath
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, List, Optional
 
 import yaml
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.runtime.output_files import OutputError, append_line, problem, write_file
+from fl_lightning.runtime.output_files import append_line, write_file
 
 LAST, BEST = "last.ckpt", "best.ckpt"
 
 # Keys that may differ between a run's saved config.yaml and the command that resumes it: where
-# and how it runs, when it evaluates and checkpoints, and where the same data files lie.
+# and how it runs, when it evaluates and checkpoints, where the same data files lie, what it logs to.
 # Everything else (data, partition, model, algorithm, train, federation, seed) changes what
 # the remaining rounds compute, so a resume with another value is refused.
 RESUME_SAFE_KEYS = ("fabric.*", "eval.*", "checkpoint_every", "stop_after", "name", "out_dir", "resume",
-                    "data.root", "data.download")
+                    "data.root", "data.download", "data.dataset.init_args.skip_integrity_check", "loggers")
 
 
 class RunDir:
     """``<out_dir>/<name>/`` with ``config.yaml``, ``metrics.jsonl``, ``clients.jsonl``,
-    ``tensorboard/``, ``checkpoints/{last,best}.ckpt``, ``partition.pt`` and ``summary.json``."""
+    ``tensorboard/`` (and each other logger's folder, named in ``loggers.json``),
+    ``checkpoints/{last,best}.ckpt``, ``partition.pt`` and ``summary.json``."""
 
     def __init__(self, out_dir: str, name: str):
         self.out_dir = Path(out_dir)
@@ -42,6 +41,7 @@ class RunDir:
         self.metrics = self.path / "metrics.jsonl"
         self.clients = self.path / "clients.jsonl"
         self.summary = self.path / "summary.json"
+        self.loggers = self.path / "loggers.json"
 
     def resolve_resume(self, resume: Optional[str]) -> Optional[Path]:
         """The checkpoint to continue from, or None for a fresh run; refuses to overwrite."""
@@ -72,7 +72,8 @@ class RunDir:
         if self.path.is_dir():
             for folder in (self.checkpoints, self.path / "tensorboard"):
                 check_writable(folder, "name")
-            for file in (self.last, self.best, self.metrics, self.clients, self.summary, self.path / "config.yaml"):
+            for file in (self.last, self.best, self.metrics, self.clients, self.summary, self.loggers,
+                         self.path / "config.yaml"):
                 check_writable(file, "name", folder=False)
 
 
@@ -177,7 +178,7 @@ def check_resume_compatible(saved_config_yaml: str, new_config_yaml: str, key: s
     options are compared as ``algorithm.<option>``; a key that only one side holds counts as a
     difference unless its value there is null or empty (an option added by a newer version).
     """
-    saved, new = _flat_config(saved_config_yaml, "saved"), _flat_config(new_config_yaml, "new")
+    saved, new = flat_config(saved_config_yaml, "saved"), flat_config(new_config_yaml, "new")
     differing = []
     for name in sorted(set(saved) | set(new), key=_config_order(new, saved)):
         if _resume_safe(name):
@@ -196,7 +197,9 @@ def check_resume_compatible(saved_config_yaml: str, new_config_yaml: str, key: s
 _ABSENT = object()
 
 
-def _flat_config(text: str, which: str) -> dict:
+def flat_config(text: str, which: str = "saved") -> dict:
+    """A resolved config (YAML) as ``{dotted key: value}``, algorithm and model options as
+    ``algorithm.<option>`` (as on the command line); ConfigError (``resume``) if it is not one."""
     try:
         tree = yaml.safe_load(text) if text else {}
     except yaml.YAMLError as error:
@@ -246,14 +249,16 @@ def _show(value) -> str:
 
 class JsonLines:
     """Append-only JSON-lines file; on resume, rows at or after the resumed round are dropped
-    so the file reads as one uninterrupted run. Rows are appended whole or not at all, and the
-    file is rewritten atomically (``output_files``)."""
+    so the file reads as one uninterrupted run (``kept``: the rows left). Rows are appended
+    whole or not at all, and the file is rewritten atomically (``output_files``)."""
 
     def __init__(self, path: Path, keep_before_round: Optional[int] = None):
         self.path = path
+        self.kept: List[dict] = []
         if keep_before_round is not None and path.exists():
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self._rewrite(r for r in rows if r.get("round", -1) < keep_before_round)
+            self.kept = [r for r in rows if r.get("round", -1) < keep_before_round]
+            self._rewrite(self.kept)
         elif path.exists():
             path.unlink()
 
@@ -265,29 +270,3 @@ class JsonLines:
 
 
 RESUME = "run the same command with --resume auto"
-
-
-@contextmanager
-def tensorboard_writes(run_dir: RunDir) -> Iterator[None]:
-    """TensorBoard's event writer, whose failures surface as an OSError from a later call, as
-    an OutputError naming its folder. Its writer thread's own report of the failure (a
-    traceback from ``threading``) is left out: the failure reaches the caller anyway."""
-    _quiet_event_writer_thread()
-    try:
-        yield
-    except OSError as error:
-        folder = run_dir.path / "tensorboard"
-        raise OutputError(problem(error, folder / "events", None, "the earlier events are kept", RESUME)) from None
-
-
-def _quiet_event_writer_thread() -> None:
-    if getattr(threading.excepthook, "quiet_event_writer", False):
-        return
-    default = threading.excepthook
-
-    def hook(args) -> None:
-        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
-            default(args)
-
-    hook.quiet_event_writer = True
-    threading.excepthook = hook

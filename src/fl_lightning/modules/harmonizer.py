@@ -39,6 +39,13 @@ def standardized(z: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(pooled, pooled.shape[1:])
 
 
+def averaged_tensors(harmonizer: nn.Module) -> dict:
+    """A harmonizer's averaged tensors: parameters and normalization statistics (the
+    prototypes have a rule of their own)."""
+    return {k: v for k, v in harmonizer.state_dict().items()
+            if v.is_floating_point() and k not in ("prototypes", "has_prototype")}
+
+
 class InterfaceHarmonizer(nn.Module):
     """Depth-aware projector with per-round class prototypes.
 

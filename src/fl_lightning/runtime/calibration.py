@@ -43,11 +43,31 @@ class ServerCalibration:
 
     def recalibrate(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with its BN statistics reset and re-estimated on the calibration batches."""
-        from fl_lightning.elastic.bn import recalibrate_bn
-
-        recalibrate_bn(model, self.batches())
+        recalibrate_without_waiting(model, self.batches())
         return model
 
     def subnet(self, spec) -> torch.nn.Module:
         """The plain subnet of ``spec`` extracted from the global model, on the device, recalibrated."""
         return self.recalibrate(self.ctx.model.extract(spec).module.to(self.ctx.fabric.device))
+
+
+def recalibrate_without_waiting(model: torch.nn.Module, batches, forward=None) -> int:
+    """``elastic.bn.recalibrate_bn`` (the plain average of the per-batch statistics) with the
+    average's weight of batch ``k`` given as the momentum ``1 / k``: ``momentum=None`` makes
+    every batch-norm layer compute that weight from its ``num_batches_tracked`` buffer, a read
+    of a device value per layer and batch; ``1 / k`` is the same float, so the statistics are
+    bit for bit those of ``momentum=None``. ``forward(inputs)`` runs the model (several, for a
+    group of models sharing the batches); default ``model(inputs)``."""
+    from fl_lightning.elastic.bn import batch_norms, recalibrate_bn
+
+    norms = batch_norms(model)
+    run = forward if forward is not None else model
+    counted = [0]
+
+    def weighted(batch):
+        counted[0] += 1
+        for bn in norms:
+            bn.momentum = 1.0 / counted[0]
+        return run(batch[0] if isinstance(batch, (tuple, list)) else batch)
+
+    return recalibrate_bn(model, batches, forward=weighted)

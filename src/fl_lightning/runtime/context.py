@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from fl_lightning.runtime.client_data import ClientData
 
 
+@dataclass(frozen=True)
+class Population:
+    """What a method may check against before any rank starts: the clients' MAC budgets (None
+    without a budget partition), the global model (on the meta device: shapes and costs, no
+    values) and one example's shape."""
+
+    budgets: Optional[torch.Tensor]
+    model: nn.Module
+    input_shape: tuple
+
+
 @dataclass
 class RunContext:
     """Handed to ``Algorithm.setup`` by the run builder (for fit, evaluate and extract alike)."""

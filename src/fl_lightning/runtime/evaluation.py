@@ -11,16 +11,56 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.data.base import ArrayDataset
 from fl_lightning.runtime.client_data import eval_batches
 from fl_lightning.runtime.collectives import all_reduce_sum
 from fl_lightning.runtime.seeding import shard_for_rank
+
+KEEP_AT_MOST = 2 * 2**30
+"""Bytes of one transformed split kept on a device; a larger split is transformed on every pass."""
+
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""dataset -> {(device, indices): (inputs, targets)}: each split transformed once, for as long
+as its dataset lives."""
+
+
+def split_batches(dataset, indices: torch.Tensor, batch_size: int,
+                  device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed-order batches of a split that is scored again and again (validation, test, the
+    clients' test shards): transformed once, kept on ``device``, and then served as views, the
+    same tensors ``eval_batches`` yields. An in-memory split without a transform on the CPU is
+    indexed as before (nothing to keep); one over :data:`KEEP_AT_MOST` streams as before."""
+    indices = torch.as_tensor(indices, dtype=torch.long)
+    plain = isinstance(dataset, ArrayDataset) and dataset.transform is None
+    if (plain and device.type == "cpu") or _split_bytes(dataset, len(indices)) > KEEP_AT_MOST:
+        yield from eval_batches(dataset, indices, batch_size, device)
+        return
+    kept = _KEPT.setdefault(dataset, {})
+    key = (str(device), indices.numpy().tobytes())
+    if key not in kept:
+        batches = list(eval_batches(dataset, indices, batch_size, device))
+        kept[key] = (torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])) if batches else None
+    if kept[key] is None:
+        return
+    inputs, targets = kept[key]
+    for start in range(0, len(targets), batch_size):
+        yield inputs[start:start + batch_size], targets[start:start + batch_size]
+
+
+def _split_bytes(dataset, count: int) -> int:
+    """Bytes of ``count`` transformed examples of ``dataset`` (float32 of the stored shape where
+    the data is in memory; an image of 3 x 224 x 224 otherwise)."""
+    stored = getattr(dataset, "data", None)
+    per_example = stored[0].numel() if isinstance(stored, torch.Tensor) and len(stored) else 3 * 224 * 224
+    return 4 * per_example * count
 
 
 @torch.no_grad()
@@ -40,7 +80,7 @@ def evaluate(fabric, model: nn.Module, dataset, indices: Optional[torch.Tensor],
     model.eval()
     share = torch.as_tensor(shard_for_rank(indices.tolist(), fabric.global_rank, fabric.world_size), dtype=torch.long)
     with fabric.strategy.precision.forward_context():
-        for x, y in eval_batches(dataset, share, batch_size, fabric.device):
+        for x, y in split_batches(dataset, share, batch_size, fabric.device):
             logits = model(x).float()
             accuracy.update(logits, y)
             mean_loss.update(F.cross_entropy(logits, y, reduction="none"))
@@ -90,14 +130,17 @@ def _sums(fabric, model: nn.Module, dataset, indices: torch.Tensor, batch_size: 
     """``(correct, summed cross-entropy, examples)`` of ``model`` on ``indices``, on this rank alone."""
     was_training = model.training
     model.eval()
-    correct, loss, n = 0.0, 0.0, 0
+    # float64 sums on the device, read once: the float32 batch sums added as before, no wait per batch
+    sums = torch.zeros(2, dtype=torch.float64, device=fabric.device)
+    n = 0
     with fabric.strategy.precision.forward_context():
-        for x, y in eval_batches(dataset, indices, batch_size, fabric.device):
+        for x, y in split_batches(dataset, indices, batch_size, fabric.device):
             logits = model(x).float()
-            correct += float((logits.argmax(1) == y).sum())
-            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            sums += torch.stack([(logits.argmax(1) == y).sum().double(),
+                                 F.cross_entropy(logits, y, reduction="sum").double()])
             n += len(y)
     model.train(was_training)
+    correct, loss = sums.tolist()
     return correct, loss, n
 
 

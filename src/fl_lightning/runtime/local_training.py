@@ -11,6 +11,7 @@ import torch
 
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.runtime.client_data import ClientData
+from fl_lightning.runtime.gradient_clipping import clip_gradients
 
 if TYPE_CHECKING:
     import lightning as L
@@ -33,9 +34,9 @@ def train_locally(fabric, module: "L.LightningModule", data: ClientData, cfg: Lo
 
     Fabric's public API does the precision work: ``fabric.autocast`` around the step,
     ``fabric.backward`` (also behind the module's ``manual_backward``, since the module is
-    given ``fabric``), ``fabric.clip_gradients`` and the step of an optimizer set up by
-    Fabric. ``on_before_optimizer_step`` lets a module correct gradients (SCAFFOLD) after
-    clipping, where a Trainer calls it.
+    given ``fabric``), Fabric's gradient clipping (``runtime/gradient_clipping.py``) and the
+    step of an optimizer set up by Fabric. ``on_before_optimizer_step`` lets a module correct
+    gradients (SCAFFOLD) after clipping, where a Trainer calls it.
 
     A module with ``automatic_optimization = False`` backpropagates inside ``training_step``
     (several passes per batch, each through ``self.manual_backward``) and returns the loss to
@@ -57,7 +58,7 @@ def train_locally(fabric, module: "L.LightningModule", data: ClientData, cfg: Lo
         if not manual:
             fabric.backward(loss)
         if cfg.grad_clip is not None:
-            fabric.clip_gradients(module, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
+            clip_gradients(fabric, module, optimizer, cfg.grad_clip)
         module.on_before_optimizer_step(raw_optimizer)
         optimizer.step()
         total = loss.detach() if total is None else total + loss.detach()

@@ -17,17 +17,24 @@ all-reduce; ``finish_round`` reads it. It holds:
   heterogeneity estimates, from client updates the rank holds, :meth:`hold`), summed in a second,
   small reduction of just those tensors;
 - the number of committed clients.
+
+The reduction sends only what some rank's clients touched: of each global tensor the leading
+block that holds every region added this round on any rank (leading slices, as sub-model and
+supernet methods route them; any other region counts as the whole tensor), of a tensor no client
+touched nothing. Elsewhere every rank holds zeros, whose sum is zero, so the result is the full
+reduction's bit for bit. The blocks are agreed on in a small gather of their shapes first.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Mapping
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
 from fl_lightning.elastic.aggregation import SparseAccumulator
+from fl_lightning.elastic.regions import LeadingSlice
 from fl_lightning.runtime.client_store import ClientStateStore
-from fl_lightning.runtime.collectives import all_reduce_sum
+from fl_lightning.runtime.collectives import all_gather_objects, all_reduce_sum
 
 COMMITTED = "round/committed"
 
@@ -49,6 +56,11 @@ class RoundAccumulator:
         self._deferred: List[Callable[["RoundAccumulator"], None]] = []
         self._late: List[Callable[["RoundAccumulator"], Dict[str, torch.Tensor]]] = []
         self._result = None
+        self.touched: Dict[str, Tuple[int, ...]] = {}
+        """Global key -> the leading block holding every region added on this rank (then, after
+        :meth:`reduce`, on any rank)."""
+        self.reduced_bytes = 0
+        """Bytes this rank sent in the round's reductions (0 on one rank)."""
 
     # -- what the method declares when it makes the accumulator --------------------------------
     def declare(self, name: str, zeros: torch.Tensor) -> None:
@@ -64,6 +76,8 @@ class RoundAccumulator:
     def add(self, state: Mapping[str, torch.Tensor], weight: float, regions) -> None:
         """A client's tensors into the global tensors' weighted means."""
         self.model.add(state, weight, regions)
+        for key, region in regions.values():
+            self.touched[key] = union(self.touched.get(key), leading_block(region))
 
     def add_sum(self, name: str, value, at=None) -> None:
         """Add ``value`` to the declared sum ``name`` (summed over clients and ranks), or to its
@@ -102,15 +116,22 @@ class RoundAccumulator:
             contribute(self)
         cohort, owned = list(cohort), set(owned)
         device = fabric.device
-        tensors = {**self.model.tensors(), **{f"sum/{k}": v.to(device) for k, v in self.sums.items()},
+        model = self.model.tensors()
+        blocks = self._touched_blocks(fabric, model)
+        tensors = {**{k: model[k][blocks[k]] for k in blocks},
+                   **{f"sum/{k}": v.to(device) for k, v in self.sums.items()},
                    COMMITTED: torch.tensor(float(self.committed), dtype=torch.float64, device=device)}
         if fabric.world_size > 1:
             for name, store in self.stores.items():
                 for client in cohort:
                     entry = self._entry(name, store, client) if client in owned else store.initial()
                     tensors.update({f"store/{name}/{client}/{k}": v for k, v in entry.items()})
+            self.reduced_bytes += sum(t.numel() for t in tensors.values()) * 8  # float64 on the wire
         reduced = all_reduce_sum(fabric, tensors)
-        self.model.load_tensors(reduced)
+        if fabric.world_size > 1:  # on one rank the blocks are views of the accumulators themselves
+            for key, block in blocks.items():
+                model[key][block].copy_(reduced[key])
+        self.model.load_tensors(model)
         self.sums = {k: reduced[f"sum/{k}"] for k in self.sums}
         self.committed = int(reduced[COMMITTED])
         for name, store in self.stores.items():
@@ -123,7 +144,26 @@ class RoundAccumulator:
         for compute in self._late:
             late.update(compute(self))
         if late:
+            self.reduced_bytes += sum(t.numel() for t in late.values()) * 8 if fabric.world_size > 1 else 0
             self.sums.update({k: v.to(torch.float64) for k, v in all_reduce_sum(fabric, late).items()})
+
+    def _touched_blocks(self, fabric, model: Dict[str, torch.Tensor]) -> Dict[str, tuple]:
+        """Per accumulator tensor (``v/<key>``, ``c/<key>``), the index of the block any rank
+        touched (all of a scalar count); tensors no rank touched are left out."""
+        if fabric.world_size > 1:
+            merged: Dict[str, Tuple[int, ...]] = {}
+            for touched in all_gather_objects(fabric, {fabric.global_rank: self.touched}).values():
+                for key, block in touched.items():
+                    merged[key] = union(merged.get(key), block)
+            self.touched = merged
+        blocks = {}
+        for name, tensor in model.items():
+            block = self.touched.get(name.split("/", 1)[1])
+            if tensor.dim() == 0:
+                blocks[name] = ()
+            elif block is not None:
+                blocks[name] = tuple(slice(0, n) for n in block)
+        return blocks
 
     def _entry(self, name: str, store: ClientStateStore, client: int) -> Dict[str, torch.Tensor]:
         kept = self.kept[name].get(client)
@@ -142,3 +182,14 @@ class RoundAccumulator:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.sums[name]
+
+
+def leading_block(region) -> Tuple[int, ...]:
+    """The shape of the leading block of its global tensor that holds ``region`` (the whole
+    tensor for a region that is not a leading slice)."""
+    return tuple(region.local_shape) if isinstance(region, LeadingSlice) else tuple(region.global_shape)
+
+
+def union(held: Optional[Tuple[int, ...]], block: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The smallest leading block holding both (``held`` None: none yet)."""
+    return block if held is None else tuple(map(max, held, block))

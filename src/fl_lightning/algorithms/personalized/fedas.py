@@ -3,43 +3,28 @@ and Fisher-information-weighted aggregation (client synchronization)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.personalized.head_body import (batch_statistics, class_prototypes, find_classifier, forward_features,
                                                head_keys, without_single_rows)
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveInt
-from fl_lightning.runtime.channel import DOWN
 from fl_lightning.runtime.client_data import ClientData, eval_batches
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.evaluation import ClientModels
-from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.link import Downlink, Uplink
 from fl_lightning.runtime.seeding import derive_seed
 
 ALIGN_STREAM = 33  # seed stream of the alignment pass's batch order
 TRAINED = "fedas/trained"  # per-client flag in the store: 1 once the client holds a trained model
-
-
-@dataclass
-class FisherResult(ClientResult):
-    """A client's result with the trace of its empirical Fisher information (the aggregation
-    weight); a non-finite trace leaves the client out like a non-finite loss."""
-
-    fisher: float = 0.0
-
-    def non_finite(self) -> Optional[str]:
-        problem = super().non_finite()
-        if problem is None and not math.isfinite(self.fisher):
-            return f"non-finite Fisher information trace ({self.fisher})"
-        return problem
+FISHER = "fisher"  # what a client uploads beside its model: the trace of its Fisher information
 
 
 def fisher_trace(model: nn.Module, dataset, indices: torch.Tensor, batch_size: int, device=None) -> float:
@@ -127,47 +112,42 @@ def align_body(model: PersonalModel, alignment: Alignment, shard: ClientData, pr
 
 class FedASClient(LocalClient):
     """A FedAS client's round: parameter alignment of the received body towards the prototypes
-    of its previous local model, local training with its own head, then the trace of its
-    Fisher information (the aggregation weight); the whole trained model goes up.
+    of its previous local model (``held``: the common initial model until it has trained),
+    local training with its own head, then the trace of its Fisher information (the aggregation
+    weight); the whole trained model and the trace go up, and the client keeps its model.
 
-    Given: its previous local model (None before it first trains), the common initial model,
-    the global model, the rank's worker and the alignment settings."""
+    Given: whether it has trained before, the rank's worker (the downlink's module, split into
+    body and head) and the alignment settings."""
 
     align_loss = 0.0
     """Mean loss of the round's alignment passes (0 when the client does not align)."""
 
-    def __init__(self, method, task, plan, previous: Optional[Dict[str, torch.Tensor]],
-                 initial: Dict[str, torch.Tensor], global_state: Dict[str, torch.Tensor], model: PersonalModel,
-                 alignment: Alignment):
-        super().__init__(method, task, plan)
-        self.previous, self.initial, self.global_state = previous, initial, global_state
-        self.model, self.alignment = model, alignment
+    def __init__(self, round: ClientRound, seen: bool, model: PersonalModel, alignment: Alignment):
+        super().__init__(round)
+        self.seen, self.model, self.alignment = seen, model, alignment
 
-    def receive(self) -> Routed:
+    def objective(self, downlink: Downlink):
         """The received global body aligned to the client's prototypes, under its own head."""
-        r, model, alignment = self.round, self.model, self.alignment
-        previous = self.previous if self.previous is not None else self.initial
-        if alignment.epochs > 0 and (self.previous is not None or alignment.unseen):
-            model.load(previous, self.global_state.keys())
+        r, model, alignment, previous = self.round, self.model, self.alignment, downlink.held
+        if alignment.epochs > 0 and (self.seen or alignment.unseen):
+            received = {k: v.detach().clone() for k, v in model.worker.state_dict().items()}
+            model.load(previous, received.keys())
             prototypes, counts = class_prototypes(model.worker, model.classifier, r.shard.dataset, r.shard.indices,
                                                   r.num_classes, alignment.batch_size, r.device, batch_stats=True)
-            load_routed_state(model.worker, self.global_state, model.regions)
-            generator = torch.Generator().manual_seed(derive_seed(r.seed, ALIGN_STREAM, r.round_idx, r.task.client))
+            model.load(received, received.keys())
+            generator = torch.Generator().manual_seed(derive_seed(r.seed, ALIGN_STREAM, r.round_idx, r.client))
             self.align_loss = align_body(model, alignment, r.shard, prototypes, counts > 0, generator, r.device)
-        else:
-            load_routed_state(model.worker, self.global_state, model.regions)
         model.load(previous, model.head_keys)  # the personalized head
-        routed = Routed(model.worker, model.regions)
-        self.method.send_model(self.channel, routed, r.task)
-        return routed
+        return super().objective(downlink)
 
-    def after_training(self, routed, module, fit) -> FisherResult:
-        """The trained model goes up with the trace of its Fisher information."""
-        r = self.round
-        fisher = fisher_trace(routed.module, r.shard.dataset, r.shard.indices, r.train.batch_size, r.device)
-        self.method.return_model(self.channel, routed, r.task)
-        return self.result(routed, module, fit, FisherResult, {"fisher_trace": fisher, "align_loss": self.align_loss},
-                           fisher=fisher)
+    def uplink(self, downlink: Downlink, module, fit) -> Uplink:
+        """The trained model goes up with the trace of its Fisher information; the client keeps
+        its model."""
+        r, trained = self.round, downlink.model.module
+        fisher = fisher_trace(trained, r.shard.dataset, r.shard.indices, r.train.batch_size, r.device)
+        held = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+        return self.result(downlink, fit, model=downlink.model, tensors={FISHER: torch.tensor(fisher, dtype=torch.float64)},
+                           held=held, figures={"fisher_trace": fisher, "align_loss": self.align_loss})
 
 
 class FedAS(FedAvg):
@@ -212,6 +192,7 @@ class FedAS(FedAvg):
                 the common initial model (the original code does; false: it starts from the
                 global body unchanged).
         """
+        super().__init__()
         self.alignment = Alignment(align_lr, align_epochs, align_batch_size, align_unseen)
 
     def prepare(self, ctx):
@@ -228,21 +209,24 @@ class FedAS(FedAvg):
             TRAINED: torch.zeros((), device=ctx.fabric.device)}))
 
     # -- a round --------------------------------------------------------------------------------
-    def new_client(self, task, plan):
-        return FedASClient(self, task, plan, self.store.kept(task.client, TRAINED), self.init_state,
-                           self.global_state, self.model, self.alignment)
+    def downlink(self, task, plan):
+        """The global model in the rank's worker (its body crosses; the head is the client's
+        own) and the client's previous local model (the common initial one until it has
+        trained), which the client holds."""
+        load_routed_state(self.worker, self.global_state, self.worker_regions)
+        previous = self.store.kept(task.client, TRAINED)
+        return Downlink(Routed(self.worker, self.worker_regions), held=previous if previous is not None else self.init_state,
+                        held_keys=self.model.head_keys)
 
-    def send_model(self, channel, routed, task) -> None:
-        """The global body comes down (the head is the client's own)."""
-        state = routed.module.state_dict()
-        channel.send_state(DOWN, "model", state, [k for k in state if k not in self.model.head_keys])
+    def new_client(self, task, plan):
+        return FedASClient(self.client_round(task, plan), self.store.kept(task.client, TRAINED) is not None,
+                           self.model, self.alignment)
 
     def commit(self, acc, task, result, plan):
         """Fisher-weighted accumulation (the accumulator divides by the summed traces, so the
         weights are ``F_i / sum_j F_j``) and the client's local model into the store."""
-        state = self.worker.state_dict()
-        acc.add(state, float(result.fisher), result.update.regions)
-        kept = {k: v.detach().clone() for k, v in state.items()}
+        acc.add(result.model.module.state_dict(), float(result.tensors[FISHER]), result.model.regions)
+        kept = dict(result.held)
         kept[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
         acc.keep("models", task.client, kept)
 

@@ -4,14 +4,15 @@ random initialization, and is fine-tuned (with the body) on each client for pers
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal, Optional, Tuple
+from typing import List, Literal, Optional, Tuple
 
 import torch
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
 from fl_lightning.algorithms.personalized.head_body import head_keys
 from fl_lightning.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat
-from fl_lightning.runtime.channel import UP
+from fl_lightning.elastic.routing import Routed
 from fl_lightning.runtime.evaluation import ClientModels
 from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.runtime.seeding import derive_seed
@@ -19,6 +20,20 @@ from fl_lightning.runtime.seeding import derive_seed
 FINETUNE_STREAM = 32  # seed stream of the personalization fine-tuning (batch order, dropout)
 
 FinetunePart = Literal["full", "head"]
+
+
+class BodyClient(LocalClient):
+    """A FedBABU client: trains the received model (its head frozen in it) and sends back the
+    body only: the head is fixed and known to everyone."""
+
+    def __init__(self, round: ClientRound, body_keys: List[str]):
+        super().__init__(round)
+        self.body_keys = set(body_keys)
+
+    def uplink(self, downlink, module, fit):
+        routed = downlink.model
+        body = Routed(routed.module, {k: v for k, v in routed.regions.items() if k in self.body_keys})
+        return self.result(downlink, fit, model=body)
 
 
 class FedBABU(FedAvg):
@@ -83,9 +98,8 @@ class FedBABU(FedAvg):
             p.requires_grad_(False)  # no gradient: SGD (momentum, weight decay) leaves it bit-identical
 
     # -- a round --------------------------------------------------------------------------------
-    def return_model(self, channel, routed, task) -> None:
-        """The head is fixed and known to everyone: only the body goes back."""
-        channel.send_state(UP, "model", routed.module.state_dict(), self.body_keys)
+    def new_client(self, task, plan):
+        return BodyClient(self.client_round(task, plan), self.body_keys)
 
     def finish_round(self, acc, plan):
         new_state = acc.result()

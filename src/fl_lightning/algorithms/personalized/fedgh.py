@@ -3,59 +3,48 @@ clients' class-averaged representations; clients keep their own feature extracto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.algorithms.client import LocalClient
 from fl_lightning.algorithms.personalized.head_body import class_prototypes, find_classifier, head_keys
 from fl_lightning.elastic.aggregation import SparseAccumulator
 from fl_lightning.elastic.routing import Routed, load_routed_state
 from fl_lightning.option_types import PositiveFloat, PositiveInt
-from fl_lightning.runtime.channel import DOWN
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.evaluation import ClientModels
+from fl_lightning.runtime.link import Downlink, Uplink, held_state
 from fl_lightning.runtime.plan import ClientTask
-from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.round_state import RoundAccumulator
 
 TRAINED = "fedgh/trained"  # per-client flag in the store: 1 once the client holds a trained body
-
-
-@dataclass
-class Prototypes:
-    """What a FedGH client uploads: its per-class mean representations."""
-
-    means: torch.Tensor
-    """``[C, D]``; rows of classes the client does not hold are zero and are not sent."""
-    present: torch.Tensor
-    """``[C]`` float mask of the classes the client holds."""
+MEANS, CLASSES = "prototypes/means", "prototypes/classes"  # what a client uploads
 
 
 class FedGHClient(LocalClient):
-    """A FedGH client's round: its own body under the global header, trained locally; what goes
-    up is each present class's prototype and label, never the model. Given: the worker's
-    classifier (the header, whose input is the representation)."""
+    """A FedGH client's round: its own body under the received global header, trained locally;
+    what goes up is each present class's prototype and label, never the model, and the client
+    keeps its trained body. Given: the classifier of the module it trains (the header, whose
+    input is the representation) and the body's keys."""
 
-    def __init__(self, method, task, plan, classifier: torch.nn.Module):
-        super().__init__(method, task, plan)
-        self.classifier = classifier
+    def __init__(self, round: ClientRound, classifier: torch.nn.Module, body_keys: List[str]):
+        super().__init__(round)
+        self.classifier, self.body_keys = classifier, body_keys
 
-    def after_training(self, routed, module, fit) -> ClientResult:
-        """Prototypes of the trained body over the client's shard go up, as the result's payload."""
-        r = self.round
+    def uplink(self, downlink: Downlink, module, fit) -> Uplink:
+        """Prototypes of the trained body over the client's shard go up."""
+        r, trained = self.round, downlink.model.module
         # batch statistics: the representations the header sees in local training; with running
         # statistics from a few local steps, evaluation-mode ones were up to 100x larger and the
         # server's header steps diverged
-        protos, counts = class_prototypes(routed.module, self.classifier, r.shard.dataset, r.shard.indices,
+        protos, counts = class_prototypes(trained, self.classifier, r.shard.dataset, r.shard.indices,
                                           r.num_classes, r.train.batch_size, r.device, batch_stats=True)
         present = counts > 0
-        # no return_model: the model never goes up, only each present class's prototype and label
-        self.channel.up("prototypes", protos[present], torch.nonzero(present).flatten())
-        return self.result(routed, module, fit, payload=Prototypes(protos, present.float()))
+        return self.result(downlink, fit, tensors={MEANS: protos[present], CLASSES: torch.nonzero(present).flatten()},
+                           held=held_state(trained, self.body_keys))
 
 
 class FedGH(FedAvg):
@@ -87,6 +76,7 @@ class FedGH(FedAvg):
             server_batch_size: prototypes per server step (1: one step per prototype, the
                 original's loop).
         """
+        super().__init__()
         self.server_lr = server_lr
         self.server_epochs = server_epochs
         self.server_batch_size = server_batch_size
@@ -126,20 +116,27 @@ class FedGH(FedAvg):
                     local[key].copy_(body[key])
         return Routed(self.worker, self.worker_regions)
 
+    def downlink(self, task, plan):
+        """The global header comes down; the body in the client's model is its own."""
+        return Downlink(self.route(task, plan), held_keys=self.body_keys)
+
     def new_client(self, task, plan):
-        return FedGHClient(self, task, plan, self.worker_classifier)
+        return FedGHClient(self.client_round(task, plan), self.worker_classifier, self.body_keys)
 
-    def send_model(self, channel, routed, task) -> None:
-        """The global header comes down (the body is the client's own)."""
-        channel.send_state(DOWN, "model", self.global_state, self.head_keys)
-
-    def commit(self, acc: RoundAccumulator, task: ClientTask, result: ClientResult[Prototypes], plan):
-        local = result.update.module.state_dict()
-        state = {k: local[k].detach().clone() for k in self.body_keys}
+    def commit(self, acc: RoundAccumulator, task: ClientTask, result: Uplink, plan):
+        """The client's body into the store, its prototypes (at their classes' rows) and class
+        mask into the round's sums."""
+        state = dict(result.held)
         state[TRAINED] = torch.ones((), device=self.ctx.fabric.device)
         acc.keep("bodies", task.client, state)
-        acc.add_sum(f"proto/{task.client}", result.payload.means)
-        acc.add_sum(f"has/{task.client}", result.payload.present)
+        classes = result.tensors[CLASSES]
+        means = torch.zeros(self.ctx.num_classes, self.feature_dim, dtype=result.tensors[MEANS].dtype,
+                            device=classes.device)
+        means[classes] = result.tensors[MEANS]
+        present = torch.zeros(self.ctx.num_classes, device=classes.device)
+        present[classes] = 1.0
+        acc.add_sum(f"proto/{task.client}", means)
+        acc.add_sum(f"has/{task.client}", present)
 
     def finish_round(self, acc, plan):
         features, labels = [], []

@@ -18,23 +18,23 @@ from fl_lightning.modules.split import one_step
 class SplitClient(Client):
     """One client's split round, made per task by the method (``SplitFed.new_client``): what
     its front computes, what it trains besides the front, how its backward runs, and the
-    server's loss and step on its batches. Everything the round learns about the client stays
-    on this object, never on the method.
+    server's loss and step on its batches (the server half is in the loop). Everything the round
+    learns about the client stays on this object, never on the method.
 
     This one is plain split learning: the front as it is, cross-entropy at the server, one
     server step per batch. FedSGA's client adds its prompt and the alignment term.
 
-    Given: its round and the rank's split engine (``split/engine.py``), which builds its pair,
-    trains it and makes its result.
+    Given: its round and the rank's split engine (``split/engine.py``), which builds its pair on
+    the workers the method loaded for it, trains it and makes its uplink.
     """
 
-    def __init__(self, method, task, plan, engine):
-        super().__init__(method, task, plan)
+    def __init__(self, round, engine):
+        super().__init__(round)
         self.engine = engine
 
-    def fit(self):
-        """The split round on the engine: the pair built, trained over the client's shard, the result."""
-        return self.engine.run(self)
+    def fit(self, downlink):
+        """The split round on the engine: the pair built, trained over the client's shard, the uplink."""
+        return self.engine.run(self, downlink)
 
     def forward(self, front: nn.Module):
         """The client half's forward on a batch."""

@@ -2,13 +2,14 @@
 
 The split method makes one :class:`SplitEngine` per rank in ``prepare`` and hands it to each
 client it makes (``SplitFed.new_client``); the client's ``fit`` runs its round on it
-(``engine.run(client)``). The engine holds the halves of every cut the run uses, the client and
-server workers, the served-statistics part and SplitFed V2's server momentum; it loads a
-client's halves (``load_front``, ``load_back``), builds its pair (``build_pair``; ``pair_for``
-composes the three for SplitFed), trains it with the method's training step (its
-``train_pass``: MU-SplitFed's several server steps) and makes the client's result. MultiSFL
-loads a branch instead of the global model; MergeSFL builds one pair per cohort member sharing
-one server optimizer.
+(``engine.run(client, downlink)``). The engine holds the halves of every cut the run uses, the
+client and server workers, the served-statistics part and SplitFed V2's server momentum. Before
+a client's fit, the method loads its halves (``receive``: the front the client receives into the
+client worker, the server half into the server worker; ``load_front`` and ``load_back`` are its
+parts); in the fit the engine builds the pair (``build_pair``), trains it with the method's
+training step (its ``train_pass``: MU-SplitFed's several server steps) and makes the client's
+uplink. MultiSFL loads a branch instead of the global model; MergeSFL builds one pair per
+cohort member sharing one server optimizer.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from torch import nn
 from fl_lightning.algorithms.split.common import key_regions, split_metrics
 from fl_lightning.elastic.bn import statistics_keys
 from fl_lightning.elastic.routing import Routed, load_routed_state
-from fl_lightning.runtime.channel import DOWN, UP
-from fl_lightning.runtime.plan import ClientTask
-from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.link import Downlink, Uplink
+from fl_lightning.runtime.plan import ClientTask, RoundPlan
 
 
 class SplitHalves:
@@ -78,26 +78,37 @@ class SplitEngine:
         self.pair = nn.ModuleDict({"front": self.client_worker, "back": self.server_worker})
         self.unsent = statistics_keys(ctx.model) if statistics.protocol == "sbn" else set()
         self.server_momentum: Dict[str, torch.Tensor] = {}  # V2: carried across clients and rounds
+        self.loaded_momentum: Dict[str, torch.Tensor] = {}  # V2: the server half's, loaded for one client
         self.server_names: Dict[int, str] = {}
 
-    def run(self, client) -> ClientResult:
-        """Build the client's pair, train it over the client's shard, and return the result."""
-        pair = self.pair_for(client)
+    def receive(self, task: ClientTask, plan: RoundPlan, source: Optional[Dict[str, torch.Tensor]] = None,
+                deepest: Optional[str] = None) -> Routed:
+        """The server's side before a client's fit: the front of ``source`` (default: the global
+        model) up to ``deepest`` (default: the task's cut) into the client worker, and the server
+        half a copy of the back for this client (V1), or the one shared server half, loaded at the
+        round's first client and carrying its momentum across clients and rounds (V2). Returns
+        what the client receives: the front's exchanged tensors in the client worker."""
+        source = self.global_state if source is None else source
+        cut = deepest or task.cut
+        self.load_front(self.client_worker, source, cut)
+        if self.version == "v1" or task is plan.tasks[0]:
+            self.load_back(source, task.cut)
+        self.load_momentum()
+        return Routed(self.client_worker, key_regions(source, self.exchanged(self.halves.front(cut))))
+
+    def run(self, client, downlink: Downlink) -> Uplink:
+        """Build the client's pair on the loaded workers, train it over the client's shard, and
+        return its uplink."""
+        pair = self.build_pair(client, downlink.model.module)
         fit = self.train_pass(client, pair)
         if self.carries_momentum:
             self.stash_momentum(pair.server_optimizer)
         return self.result(client.task, fit)
 
-    def pair_for(self, client):
-        """The standard pair for ``client``: the global front in the rank's worker, and the server
-        half a copy of the global back for this client (V1), or the one shared server half,
-        loaded from the global model at the round's first client and carrying its momentum
-        across clients and rounds (V2)."""
-        cut = client.task.cut
-        self.load_front(self.client_worker, self.global_state, cut)
-        if self.version == "v1" or client.task is client.plan.tasks[0]:
-            self.load_back(self.global_state, cut)
-        return self.build_pair(client, self.client_worker)
+    def load_momentum(self) -> None:
+        """V2: the server half's momentum as it stands, for the next pair's server optimizer."""
+        if self.carries_momentum:
+            self.loaded_momentum = {name: buffer.detach().clone() for name, buffer in self.server_momentum.items()}
 
     def load_front(self, worker: nn.Module, source: Dict[str, torch.Tensor], cut: str) -> None:
         """The front of ``source`` (the global model, or MultiSFL's branch) into ``worker``."""
@@ -131,8 +142,8 @@ class SplitEngine:
         self.server_names = names
         momentum = None
         if self.carries_momentum:
-            momentum = {id(p): self.server_momentum[names[id(p)]] for p in server_params
-                        if names.get(id(p)) in self.server_momentum}
+            momentum = {id(p): self.loaded_momentum[names[id(p)]] for p in server_params
+                        if names.get(id(p)) in self.loaded_momentum}
         return make_pair(r.fabric, r.train, client_forward=client.forward(front),
                          server_loss=lambda zs, y: client.server_loss(back, zs, y), client_module=front,
                          server_module=back, client_params=list(front.parameters()) + client.trainables(),
@@ -148,28 +159,27 @@ class SplitEngine:
         return self.version == "v2" and bool(self.ctx.train.momentum) and not self.fresh_server_state
 
     def result(self, task: ClientTask, fit, module: Optional[nn.Module] = None,
-               state: Optional[Dict[str, torch.Tensor]] = None) -> ClientResult:
-        """The client's result with the figures of a split round: the trained front (and V1's
-        server copy) of ``state`` (default: the global model), or the front held by ``module``."""
+               state: Optional[Dict[str, torch.Tensor]] = None) -> Uplink:
+        """The client's uplink with the figures of a split round: the trained front it sends
+        back (the exchanged keys of ``state``, default the global model), held by the rank's
+        pair or by ``module``, and V1's server copy beside it (server side); what crossed the cut
+        is on the fit's channel."""
         cut = task.cut
         state = state if state is not None else self.global_state
         front_keys, back_keys = self.exchanged(self.halves.front(cut)), self.exchanged(self.halves.back(cut))
+        server_side = None
         if module is None:
-            module = self.pair
-            regions = key_regions(state, front_keys, "front.")
+            model = Routed(self.pair, key_regions(state, front_keys, "front."))
             if self.version == "v1":
-                regions.update(key_regions(state, back_keys, "back."))
+                server_side = Routed(self.pair, key_regions(state, back_keys, "back."))
         else:
-            regions = key_regions(state, front_keys)
+            model = Routed(module, key_regions(state, front_keys))
         metrics = split_metrics(self.halves, cut, steps=fit.steps, seconds=fit.seconds,
                                 client_seconds=fit.client_seconds, server_seconds=fit.server_seconds,
                                 examples=fit.examples)
         metrics.update(fit.extras)
-        # besides the cut's traffic, the front comes down at the start and goes back at the end
-        fit.channel.send_state(DOWN, "model", state, front_keys)
-        fit.channel.send_state(UP, "model", state, front_keys)
-        return ClientResult(task.client, fit.num_samples, fit.loss, update=Routed(module, regions),
-                            module=module, metrics=metrics, channel=fit.channel)
+        return Uplink(task.client, fit.num_samples, fit.loss, model=model, server_side=server_side, metrics=metrics,
+                      channel=fit.channel)
 
     def exchanged(self, keys: List[str]) -> List[str]:
         """The keys of a half that are sent and aggregated (under sbn, no BN statistics)."""

@@ -30,9 +30,11 @@ from fl_lightning.algorithms.split.fedsga_client import CutChoice, FedSGAClient,
 from fl_lightning.algorithms.split.common import default_candidates
 from fl_lightning.algorithms.split.splitfed import SplitFed
 from fl_lightning.errors import ConfigError
+from fl_lightning.modules.harmonizer import averaged_tensors
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, number_type
 from fl_lightning.runtime.client_store import ClientStateStore
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptModule
+from fl_lightning.runtime.link import Downlink
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -161,7 +163,8 @@ class FedSGA(SplitFed):
         self.ref_index = (len(self.cuts) - 1) // 2
         self.client_settings = FedSGASettings(self.adaptation_channel, self.use_harmonizer, self.harmonized,
                                               self.lambda_align, self.blocks_alignment_from_prompt,
-                                              self.tau_m, self.ref_index, self.num_prompts)
+                                              self.tau_m, self.ref_index, self.num_prompts,
+                                              self.version == "v1" and self.use_harmonizer)
         self.static_index = self.cuts.index(self.static_cut) if self.static_cut is not None else self.ref_index
         self.eval_index = self.cuts.index(self.eval_cut) if self.eval_cut is not None else self.ref_index
         input_shape = tuple(ctx.data.bundle.input_shape)
@@ -189,9 +192,8 @@ class FedSGA(SplitFed):
             self.estimator = SufficiencyEstimator(self.estimator_hidden)
             self.probed = sorted({0, self.ref_index})  # the depths the calibration and descriptor read
             self.probes = DepthProbes({d: widths[d] for d in self.probed}, ctx.num_classes).to(device)
-        self.harmonizer_worker = harmonizer()
-        self.client_parts = FedSGAParts(ctx.model, self.cuts, self.probed, self.prompts, self.harmonizer_worker,
-                                        self.probes, self.engine.client_worker)  # what every client's round works on
+        self.harmonizer_worker = harmonizer()  # the server half's, loaded for each client's round
+        self.client_parts = FedSGAParts(self.cuts, self.probed, self.prompts, self.harmonizer_worker)
         self.pairs = torch.zeros(0, 4, dtype=torch.float64)
         for prefix, part in (("harmonizer/", self.harmonizer), ("estimator/", self.estimator), ("probes/", self.probes)):
             self.keep(KeptModule(prefix, part))
@@ -223,13 +225,6 @@ class FedSGA(SplitFed):
                               f"or set respect_budgets: false")
         return [max(k for k, m in enumerate(macs) if m <= b) for b in ctx.budgets.tolist()]
 
-    @staticmethod
-    def _harmonizer_tensors(h) -> Dict[str, torch.Tensor]:
-        """The harmonizer's averaged tensors: parameters and normalization statistics (the
-        prototypes have a rule of their own)."""
-        return {k: v for k, v in h.state_dict().items()
-                if v.is_floating_point() and k not in ("prototypes", "has_prototype")}
-
     def new_accumulator(self, plan):
         """Besides the model: the harmonizer's averaged tensors and their weight (server
         copies: every client's, sample-weighted; the shared server: the one harmonizer, from the
@@ -238,7 +233,7 @@ class FedSGA(SplitFed):
         acc = super().new_accumulator(plan)
         h = self.harmonizer
         n = self.ctx.num_clients
-        for name, value in self._harmonizer_tensors(h).items():
+        for name, value in averaged_tensors(h).items():
             acc.declare(f"harmonizer/{name}", torch.zeros_like(value))
         acc.declare("harmonizer/weight", torch.zeros(()))
         acc.declare("prototypes/sums", torch.zeros_like(h.prototypes))
@@ -301,12 +296,28 @@ class FedSGA(SplitFed):
         if self.version == "v1" or task is plan.tasks[0]:
             self.harmonizer_worker.load_state_dict(self.harmonizer.state_dict())
 
-    def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
-        """The client's round (``algorithms/split/fedsga_client.py``) with its prompt from the
-        store and its probe batch, on the server half's harmonizer for this client."""
+    def downlink(self, task: ClientTask, plan: RoundPlan) -> Downlink:
+        """The front the client receives, up to the deeper of its cut and p_ref (the received
+        model's probe interfaces need it), its state from the store (its prompt, held), and on
+        the server side its half and harmonizer loaded."""
         self.load_server_harmonizer(task, plan)
-        return FedSGAClient(self, task, plan, self.engine, self.store.get(task.client), self.probe(task.client),
-                            self.client_settings, self.client_parts)
+        deepest = self.cuts[max(task.choice.index, self.ref_index)]
+        return Downlink(self.engine.receive(task, plan, deepest=deepest), held=self.store.get(task.client))
+
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> FedSGAClient:
+        """The client's round (``algorithms/split/fedsga_client.py``) with its probe batch, on
+        the server half's harmonizer for this client."""
+        return FedSGAClient(self.client_round(task, plan), self.engine, self.probe(task.client), self.client_settings,
+                            self.client_parts)
+
+    def client_figures(self, task: ClientTask, result, plan: RoundPlan) -> Dict[str, float]:
+        """The alignment descriptor, read by the server from the client's uploaded shallow
+        interface with the p1 probe: how well it separates the client's classes as every
+        client's shallow interfaces are read (in [0, 1])."""
+        from fl_lightning.modules.harmonizer import standardized
+
+        _, y = self.probe(task.client)
+        return {"alignment": self.probes.true_class_probability(standardized(result.payload.shallow), y, 0)}
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         if not self.use_harmonizer:
@@ -319,29 +330,39 @@ class FedSGA(SplitFed):
         return self.adaptation_channel and self.use_harmonizer and self.prompt_gradient == "task"
 
     def commit(self, acc, task: ClientTask[CutChoice], result, plan: RoundPlan) -> None:
+        """Besides the halves: the server copy's harmonizer (V1), the prototypes' class sums,
+        the probe interfaces, the calibration's descriptor (the one the plan used) and the
+        client's new store entry (its held state and the descriptor the server assembles from
+        its alignment and the client's stability and prompt variation)."""
         super().commit(acc, task, result, plan)
-        pending = result.payload
+        record = result.payload
         weight = float(result.num_samples)
-        if self.version == "v1" and self.use_harmonizer:  # server copies: the projector is averaged
-            for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
-                acc.add_sum(f"harmonizer/{name}", weight * value.detach().double())
+        if record.harmonizer is not None:  # server copies: the projector is averaged
+            for name, value in record.harmonizer.items():
+                acc.add_sum(f"harmonizer/{name}", weight * value)
             acc.add_sum("harmonizer/weight", weight)
-        acc.add_sum("prototypes/sums", pending.class_sums)
-        acc.add_sum("prototypes/counts", pending.class_counts)
-        for depth, rows in pending.probe_rows.items():
+        acc.add_sum("prototypes/sums", record.class_sums)
+        acc.add_sum("prototypes/counts", record.class_counts)
+        for depth, rows in record.probe_rows.items():
             acc.add_sum(f"probe/rows{depth}", rows, at=task.client)
         acc.add_sum("probe/mask", 1.0, at=task.client)
-        if task.choice.calibrate and pending.had_descriptor:
-            flagged = torch.cat([pending.old_descriptor.double(), pending.old_descriptor.new_ones(1).double()])
+        old = self.store.get(task.client)
+        if task.choice.calibrate and old["has_descriptor"].item():
+            flagged = torch.cat([old["descriptor"].double(), old["descriptor"].new_ones(1).double()])
             acc.add_sum("calibration/descriptors", flagged, at=task.client)
-        acc.keep("clients", task.client, pending.store)
+        figures = result.metrics
+        descriptor = torch.tensor([figures["alignment"], figures["stability"], figures["prompt_variation"]],
+                                  device=old["descriptor"].device)
+        acc.keep("clients", task.client, {"prompt": result.held["prompt"], "descriptor": descriptor,
+                                          "has_descriptor": torch.ones_like(old["has_descriptor"]),
+                                          "probe_features": result.held["probe_features"]})
 
     # -- the server's round end -----------------------------------------------------------------
     def add_shared_harmonizer(self, acc) -> None:
         """The shared server's harmonizer, from the rank that trained it (weight 1)."""
         if acc.committed == 0:
             return
-        for name, value in self._harmonizer_tensors(self.harmonizer_worker).items():
+        for name, value in averaged_tensors(self.harmonizer_worker).items():
             acc.add_sum(f"harmonizer/{name}", value.detach().double())
         acc.add_sum("harmonizer/weight", 1.0)
 
@@ -351,7 +372,7 @@ class FedSGA(SplitFed):
         with torch.no_grad():
             weight = acc["harmonizer/weight"]
             if weight > 0:
-                for name, value in self._harmonizer_tensors(h).items():
+                for name, value in averaged_tensors(h).items():
                     value.copy_((acc[f"harmonizer/{name}"] / weight).to(value.dtype))
         if self.use_harmonizer:
             h.update_prototypes(acc["prototypes/sums"].to(h.prototypes.device), acc["prototypes/counts"].to(h.prototypes.device))
@@ -412,6 +433,16 @@ class FedSGA(SplitFed):
         return figures
 
     # -- evaluation -----------------------------------------------------------------------------
+    @property
+    def served_names(self) -> Dict[str, str]:
+        """With an additive read-out, each candidate cut's served accuracy (``acc_cut<k>``) named
+        by its cut and client-side MACs."""
+        from fl_lightning.units import macs
+
+        if not self.harmonized:
+            return {}
+        return {f"acc_cut{k}": f"cut{k} {cut} {macs(self.halves.front_macs[cut])}" for k, cut in enumerate(self.cuts)}
+
     def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
         """The served model: with the harmonized prediction, the model cut at ``eval_cut``
         (default p_ref) with the harmonizer's head; every candidate's accuracy as ``acc_cut<k>``."""

@@ -1,12 +1,14 @@
 """A FedSGA client's round: the received model's probe interfaces (the server fits the depth
 probes and labels calibration rounds from them), its prompt, the server's loss with the alignment
-term, and the descriptors it reports after training (docs/fedsga.md).
+term, and what it reports after training for the descriptors (docs/fedsga.md).
 
-The method (``algorithms/split/fedsga.py``) makes one :class:`FedSGAClient` per task from the
-client's store entry; the object carries everything the round learns about that client (its
-prompt and the prompt's gradient statistics, the alignment term of the batch in flight, the
-labels it added to the prototypes) and hands the server its new store entry in a
-:class:`NextClientState`, which the method applies when the result is committed.
+The method (``algorithms/split/fedsga.py``) makes one :class:`FedSGAClient` per task; the client
+reads its own state (its prompt and last probe features) from its downlink's ``held`` and
+returns the new one in its uplink's. The object carries everything the round learns about that
+client (its prompt and the prompt's gradient statistics, the alignment term of the batch in
+flight, the labels the server half added to the prototypes); what the server half learned and
+what the client uploaded for the server's descriptors travel in a :class:`ServerRecord`, which
+the method applies when the uplink is committed.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.algorithms.split.common import SplitClient
-from fl_lightning.runtime.channel import Channel
-from fl_lightning.runtime.plan import ClientTask, RoundPlan
+from fl_lightning.runtime.link import Downlink, Uplink
 
 
 @dataclass(frozen=True)
@@ -49,34 +50,31 @@ class FedSGASettings:
     """Prompt contribution temperature."""
     ref_index: int
     num_prompts: int
+    copied_harmonizer: bool
+    """The server half trains a copy of the harmonizer for this client (V1): its tensors go to
+    the method's record, to be averaged."""
 
 
 @dataclass(frozen=True)
 class FedSGAParts:
-    """The rank's parts a FedSGA client's round works with: the received global model and the
-    candidate cuts, the prompt channel, the server half's harmonizer, the depth probes and the
-    worker the client's front trains in."""
+    """The rank's parts a FedSGA client's round works with: the candidate cuts, the prompt
+    channel and the server half's harmonizer (a worker loaded for the client's round)."""
 
-    model: nn.Module
     cuts: List[str]
     probed: List[int]
     """The depths the calibration and the alignment descriptor read."""
     prompts: Any
     harmonizer: nn.Module
-    probes: nn.Module
-    client_worker: nn.Module
 
 
 @dataclass
-class NextClientState:
-    """What a FedSGA client fit hands the server, applied when the result is committed (a
-    non-finite result leaves the store as it was)."""
+class ServerRecord:
+    """What the server side of a FedSGA client's round hands the method, applied when the
+    uplink is committed (a non-finite uplink leaves everything as it was)."""
 
-    store: Dict[str, torch.Tensor]
-    """The client's new store entry: prompt, descriptor, its flag and the probe features."""
-    old_descriptor: torch.Tensor
-    """The descriptor the round's plan used, paired with this round's calibration label."""
-    had_descriptor: bool
+    shallow: torch.Tensor
+    """The client's shallow interface on its probe batch after training (uploaded: the server
+    reads the alignment descriptor from it)."""
     class_sums: torch.Tensor
     """Per class, the sum of the projected features of this client's examples (the round's prototype statistics)."""
     class_counts: torch.Tensor
@@ -84,19 +82,20 @@ class NextClientState:
     probe_rows: Dict[int, torch.Tensor]
     """The received model's standardized pooled probe interfaces at each probed depth (what the
     server fits the probes on and labels the calibration from)."""
+    harmonizer: Optional[Dict[str, torch.Tensor]] = None
+    """V1: the harmonizer copy the server half trained for this client (float64), averaged."""
 
 
 class FedSGAClient(SplitClient):
-    """One FedSGA client's round on the rank's split engine and parts: given its store entry
-    ``state``, its probe batch, the method's settings and the parts (``FedSGAParts``)."""
+    """One FedSGA client's round on the rank's split engine and parts: given its probe batch
+    (a fixed draw of its own examples), the method's settings and the parts (``FedSGAParts``);
+    its state comes with its downlink."""
 
-    def __init__(self, method, task: ClientTask, plan: RoundPlan, engine, state: Dict[str, torch.Tensor],
-                 probe: Tuple[torch.Tensor, torch.Tensor], settings: FedSGASettings, parts: FedSGAParts):
-        super().__init__(method, task, plan, engine)
-        self.state, self.probe, self.settings, self.parts = state, probe, settings, parts
-        self.depth = task.choice.index
-        self.prompt_before = state["prompt"].detach().clone()
-        self.prompt = state["prompt"].detach().clone().requires_grad_(settings.adaptation_channel)
+    def __init__(self, round, engine, probe: Tuple[torch.Tensor, torch.Tensor], settings: FedSGASettings,
+                 parts: FedSGAParts):
+        super().__init__(round, engine)
+        self.probe, self.settings, self.parts = probe, settings, parts
+        self.depth = round.task.choice.index
         self.grad_norms = torch.zeros(settings.num_prompts, dtype=torch.float64)
         self.grad_steps = 0
         prototypes = parts.harmonizer.prototypes
@@ -105,22 +104,30 @@ class FedSGAClient(SplitClient):
         self.align_term: Optional[torch.Tensor] = None  # the batch in flight's alignment loss
         self.align_grad: Optional[torch.Tensor] = None  # its gradient at the cut (prompt_gradient: task)
 
-    def fit(self):
-        """The received model's probe interfaces, the split round, then the descriptors; the
-        client's next store entry waits in the result's payload."""
-        probe_link = Channel()
-        self.probe_rows = self.received_interfaces(probe_link)
-        result = self.engine.run(self)
-        result.channel.merge(probe_link)
-        figures, result.payload = self.report(result.channel)
-        result.metrics.update(figures)
-        return result
+    def fit(self, downlink: Downlink) -> Uplink:
+        """The received model's probe interfaces, the split round, then what the descriptors
+        read; the client's new own state goes in the uplink's ``held``, the server's record in its
+        payload."""
+        self.begin(downlink)
+        self.probe_rows = self.received_interfaces(downlink)
+        uplink = self.engine.run(self, downlink)
+        figures, uplink.held, uplink.payload = self.report(downlink)
+        uplink.metrics.update(figures)
+        return uplink
+
+    def begin(self, downlink: Downlink) -> None:
+        """The client's state as its round starts: its store entry and its prompt (trainable
+        with the adaptation channel)."""
+        self.state = downlink.held
+        self.prompt_before = self.state["prompt"].detach().clone()
+        self.prompt = self.state["prompt"].detach().clone().requires_grad_(self.settings.adaptation_channel)
 
     @torch.no_grad()
-    def received_interfaces(self, channel: Channel) -> Dict[int, torch.Tensor]:
+    def received_interfaces(self, downlink: Downlink) -> Dict[int, torch.Tensor]:
         """The received model's interfaces at the probed depths (p1 and p_ref) on the client's
         probe batch, standardized and pooled as the probes read them; what the client uploads for
-        them (the interfaces and the labels) crosses ``channel``.
+        them (the interfaces and the labels) crosses its channel. The client receives the front
+        up to the deepest probed depth for them (``FedSGA.downlink``).
 
         The network computes the same prediction wherever it is cut, so the probe is not the
         task loss: it is a linear classifier per depth (``DepthProbes``), i.e. how well the
@@ -131,13 +138,13 @@ class FedSGAClient(SplitClient):
         from fl_lightning.elastic.bn import batch_statistics
         from fl_lightning.modules.harmonizer import standardized
 
-        parts, prompt = self.parts, self.prompt.detach()
+        parts, prompt, model, channel = self.parts, self.prompt.detach(), downlink.model.module, downlink.channel
         x, y = self.probe
         out = {}
         channel.up("probe", y)
-        with batch_statistics(parts.model):
+        with batch_statistics(model):
             for depth in parts.probed:
-                front, _ = parts.model.split(parts.cuts[depth])
+                front, _ = model.split(parts.cuts[depth])
                 with self.round.fabric.autocast():
                     interface = self.prompted(front, prompt)(x)
                 channel.up("probe", interface)
@@ -209,25 +216,25 @@ class FedSGAClient(SplitClient):
 
     # -- after training -------------------------------------------------------------------------
     @torch.no_grad()
-    def report(self, channel: Channel) -> Tuple[Dict[str, float], NextClientState]:
-        """Descriptors on the probe batch with the trained front and prompt (batch norm on the
-        probe batch's statistics, as the interface is computed in training; the client uploads
-        its shallow interface): the round's figures and the client's next store
-        entry."""
+    def report(self, downlink: Downlink) -> Tuple[Dict[str, float], Dict[str, torch.Tensor], ServerRecord]:
+        """After training, on the probe batch with the trained front and prompt (batch norm on
+        the probe batch's statistics, as the interface is computed in training): the client's
+        own descriptors (temporal stability of its shallow interface, its prompt's variation),
+        its shallow interface uploaded for the server's alignment descriptor, its new own state
+        (prompt, pooled probe features) and the server's record."""
         from fl_lightning.elastic.bn import batch_statistics
-        from fl_lightning.modules.harmonizer import pool_interface, standardized
+        from fl_lightning.modules.harmonizer import pool_interface
         from fl_lightning.modules.sufficiency import prompt_variation, temporal_stability
 
         settings, parts, state = self.settings, self.parts, self.state
-        prompt = self.prompt.detach()
-        x, y = self.probe
-        with batch_statistics(parts.client_worker):
-            front, _ = parts.client_worker.split(parts.cuts[0])
+        prompt, worker = self.prompt.detach(), downlink.model.module
+        x, _ = self.probe
+        with batch_statistics(worker):
+            front, _ = worker.split(parts.cuts[0])
             with self.round.fabric.autocast():
                 shallow = self.prompted(front, prompt)(x)
-        channel.up("probe", shallow)  # the labels went up with the round's probe interfaces
+        downlink.channel.up("probe", shallow)  # the labels went up with the round's probe interfaces
         pooled = pool_interface(shallow).float()
-        alignment = parts.probes.true_class_probability(standardized(shallow), y, 0)
         previous = state["probe_features"] if state["has_descriptor"].item() else None
         stability = temporal_stability(pooled, previous)
         if settings.adaptation_channel and self.grad_steps:
@@ -235,15 +242,15 @@ class FedSGAClient(SplitClient):
                                          self.grad_norms / self.grad_steps, settings.tau_m)
         else:
             variation = 0.0
-        descriptor = torch.tensor([alignment, stability, variation], device=state["descriptor"].device)
-        payload = NextClientState(
-            store={"prompt": prompt.clone(), "descriptor": descriptor,
-                   "has_descriptor": torch.ones_like(state["has_descriptor"]),
-                   "probe_features": pooled.to(state["probe_features"])},
-            old_descriptor=state["descriptor"].clone(), had_descriptor=bool(state["has_descriptor"].item()),
-            class_sums=self.class_sums, class_counts=self.class_counts, probe_rows=self.probe_rows)
-        figures = {"cut": self.depth, "alignment": alignment, "stability": stability,
-                   "prompt_variation": variation, "prompt_norm": float(prompt.norm())}
+        held = {"prompt": prompt.clone(), "probe_features": pooled.to(state["probe_features"])}
+        record = ServerRecord(shallow=shallow.detach(), class_sums=self.class_sums, class_counts=self.class_counts,
+                              probe_rows=self.probe_rows)
+        if settings.copied_harmonizer:
+            from fl_lightning.modules.harmonizer import averaged_tensors
+
+            record.harmonizer = {k: v.detach().double() for k, v in averaged_tensors(parts.harmonizer).items()}
+        figures = {"cut": self.depth, "stability": stability, "prompt_variation": variation,
+                   "prompt_norm": float(prompt.norm())}
         if self.task.choice.r is not None:
             figures["r"] = self.task.choice.r
-        return figures, payload
+        return figures, held, record

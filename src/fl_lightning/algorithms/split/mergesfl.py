@@ -21,12 +21,14 @@ from typing import Dict, List, Literal, Optional, Sequence
 
 import torch
 
-from fl_lightning.algorithms.split.common import label_counts
+from fl_lightning.algorithms.split.common import key_regions, label_counts
 from fl_lightning.algorithms.split.splitfed import SplitFed
+from fl_lightning.elastic.routing import Routed
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import PositiveFloat, PositiveInt
+from fl_lightning.runtime.channel import Channel
+from fl_lightning.runtime.link import Downlink, Uplink
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.result import ClientResult
 from fl_lightning.runtime.seeding import client_generator, derive_seed
 
 SELECT_STREAM = 41  # seed stream of MergeSFL's candidate cohorts
@@ -190,14 +192,14 @@ class MergeSFL(SplitFed):
 
     # -- the lock-stepped cohort ----------------------------------------------------------------
     def fit_cohort(self, plan: RoundPlan, owned):
-        """The whole cohort in lock-step (it runs on one rank), then each client's result."""
+        """The whole cohort in lock-step (it runs on one rank), then each client's uplink."""
         if not owned:
             return
         results = self._fit_cohort(plan)
         for task in owned:
             yield task, results[task.client]
 
-    def _fit_cohort(self, plan: RoundPlan) -> Dict[int, ClientResult]:
+    def _fit_cohort(self, plan: RoundPlan) -> Dict[int, Uplink]:
         from fl_lightning.modules.split import SplitFit
         from fl_lightning.modules.split_variants import merged_step
         from fl_lightning.runtime.client_data import ClientData
@@ -205,7 +207,7 @@ class MergeSFL(SplitFed):
         ctx, tasks = self.ctx, plan.tasks
         while len(self.slots) < len(tasks):  # one client model per cohort member: they train at once
             self.slots.append(ctx.make_model().to(ctx.fabric.device))
-        pairs, streams, fits = [], [], []
+        pairs, streams, fits, channels = [], [], [], []
         steps = self.iterations(plan)
         for i, (slot, task) in enumerate(zip(self.slots, tasks)):
             shared = pairs[0].server_optimizer if pairs else None
@@ -213,6 +215,10 @@ class MergeSFL(SplitFed):
             self.engine.load_front(slot, self.global_state, task.cut)  # each client its own front, one server half
             if i == 0:
                 self.engine.load_back(self.global_state, task.cut)
+                self.engine.load_momentum()
+            channels.append(Channel())
+            channels[-1].deliver(Downlink(Routed(slot, key_regions(self.global_state,
+                                                                   self.engine.exchanged(self.halves.front(task.cut))))))
             pairs.append(self.engine.build_pair(client, slot, server_optimizer=shared))
             shard = ctx.shards[task.client]
             data = ClientData(shard.dataset, shard.indices, task.choice.batch_size, shard.device,
@@ -234,10 +240,10 @@ class MergeSFL(SplitFed):
         self.engine.stash_momentum(head.server_optimizer)
         loss = sum(losses) / len(losses) if losses else 0.0
         results = {}
-        for fit, slot, task in zip(fits, self.slots, tasks):
+        for fit, slot, task, channel in zip(fits, self.slots, tasks, channels):
             fit.steps, fit.loss = steps, loss
             fit.seconds = fit.client_seconds + fit.server_seconds
-            result = self.engine.result(task, fit, module=slot)
+            result = channel.collect(self.engine.result(task, fit, module=slot))
             result.metrics["batch_size"] = task.choice.batch_size
             results[task.client] = result
         return results

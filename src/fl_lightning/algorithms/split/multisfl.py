@@ -31,7 +31,7 @@ from fl_lightning.option_types import ClosedUnitInterval, PositiveFloat
 from fl_lightning.runtime.channel import DOWN, UP, Channel, state_bytes
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
-from fl_lightning.runtime.result import ClientResult
+from fl_lightning.runtime.link import Downlink, Uplink
 from fl_lightning.runtime.seeding import derive_seed
 
 # seed streams: branch assignment, assistant selection and sampling, replay chunk order
@@ -112,11 +112,11 @@ class BranchClient(SplitClient):
     """A MultiSFL client's round: split training of its assigned branch (not the master), the
     server portion also stepping on replayed activations of the assistant devices."""
 
-    def __init__(self, method, task, plan, engine, given: BranchRound):
-        super().__init__(method, task, plan, engine)
+    def __init__(self, round, engine, given: BranchRound):
+        super().__init__(round, engine)
         self.given = given
 
-    def fit(self) -> ClientResult:
+    def fit(self, downlink: Downlink) -> Uplink:
         from fl_lightning.modules.split import split_step, train_split
         from fl_lightning.modules.split_variants import Replay
         from fl_lightning.runtime.client_data import ClientData
@@ -125,10 +125,8 @@ class BranchClient(SplitClient):
         cut, shard = r.task.cut, r.shard
         front_keys = given.front_keys
         front_regions = key_regions(given.state, front_keys)
-        # its branch's front in the rank's worker and server portion in the server worker (SplitFed V1's pair)
-        self.engine.load_front(given.front_worker, given.state, cut)
-        self.engine.load_back(given.state, cut)
-        pair = self.engine.build_pair(self, given.front_worker)
+        # its branch's front (received) and server portion (loaded in the server worker): SplitFed V1's pair
+        pair = self.engine.build_pair(self, downlink.model.module)
         given.helper_worker.train()
         helper_front, _ = given.helper_worker.split(cut)
         helper_data, assistants = None, 0
@@ -190,8 +188,8 @@ class MultiSFL(SplitFed):
         self.adaptive_split = adaptive_split
         self.candidates = candidates
 
-    def check(self, train) -> None:
-        super().check(train)
+    def check(self, train, population=None) -> None:
+        super().check(train, population)
         if self.candidates is not None and not self.adaptive_split:
             raise ConfigError("algorithm.candidates", "is used only with adaptive_split: true")
         if self.cut is not None and self.adaptive_split:
@@ -279,11 +277,15 @@ class MultiSFL(SplitFed):
         return torch.cat(picked), len(chosen)
 
     # -- a client's round -----------------------------------------------------------------------
+    def downlink(self, task: ClientTask, plan: RoundPlan) -> Downlink:
+        """The front of the client's branch (its server portion loaded beside it)."""
+        return Downlink(self.engine.receive(task, plan, source=self.branches[task.choice.branch]))
+
     def new_client(self, task: ClientTask, plan: RoundPlan) -> BranchClient:
         replay = self.replay_set(task, plan.round_idx) if self.replay else None
         given = BranchRound(self.branches[task.choice.branch], self.halves.front(task.cut), self.cuts.index(task.cut),
                             self.engine.client_worker, replay, self.helper_worker)
-        return BranchClient(self, task, plan, self.engine, given)
+        return BranchClient(self.client_round(task, plan), self.engine, given)
 
     def new_accumulator(self, plan):
         """Besides the master: every branch's trained state (from the rank that trained it,
@@ -299,9 +301,11 @@ class MultiSFL(SplitFed):
         """Every branch weighs the same in the master (the authors' plain mean); the trained
         branch is summed for the round's end (a key the branch did not send, BN statistics
         under sbn, keeps its value)."""
-        acc.add(result.update.module.state_dict(), 1.0, result.update.regions)
-        local = result.update.module.state_dict()
-        trained = {global_key: local[local_key].detach() for local_key, (global_key, _) in result.update.regions.items()}
+        acc.add(result.model.module.state_dict(), 1.0, result.model.regions)
+        acc.add(result.server_side.module.state_dict(), 1.0, result.server_side.regions)
+        local = result.model.module.state_dict()
+        regions = {**result.model.regions, **result.server_side.regions}
+        trained = {global_key: local[local_key].detach() for local_key, (global_key, _) in regions.items()}
         branch = task.choice.branch
         for key, value in self.branches[branch].items():
             acc.add_sum(f"branch/{branch}/{key}", trained.get(key, value))

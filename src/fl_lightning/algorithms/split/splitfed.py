@@ -26,10 +26,11 @@ from fl_lightning.algorithms.fedavg import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
 from fl_lightning.algorithms.split.common import SplitClient, key_regions
 from fl_lightning.algorithms.split.engine import SplitEngine
+from fl_lightning.defaults import CALIB_BATCH_SIZE
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import PositiveFloat, PositiveInt
 from fl_lightning.runtime.kept_state import KeptTensors
+from fl_lightning.runtime.link import Downlink
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
 
@@ -40,8 +41,6 @@ ServerOptimizerLife = Literal["carried", "per_batch"]
 class SplitFed(FedAvg):
     """SplitFed V1 or V2 at one block boundary for every client."""
 
-    default_bn = "sbn"
-    dense = True  # every global key is trained by every client, on one side of the cut or the other
 
     def __init__(self, cut: Optional[str] = None, version: Literal["v1", "v2"] = "v1",
                  server_lr: Optional[PositiveFloat] = None, bn: Optional[Protocol] = None, sbn_data: SbnData = "train",
@@ -74,16 +73,15 @@ class SplitFed(FedAvg):
                 server's training function, so no momentum survives a step (SGD's first step
                 with momentum is a plain step).
         """
-        super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
+        super().__init__(bn=bn if bn is not None else "sbn", sbn_data=sbn_data, calib_batch_size=calib_batch_size,
                          calib_transform=calib_transform, weighting=weighting)
+        # every global key is trained by every client, on one side of the cut or the other (dense);
+        # V2's one server half trains the cohort in order
+        self.sequential_clients = version == "v2"
         self.cut = cut
         self.version = version
         self.server_lr = server_lr
         self.server_optimizer = server_optimizer
-
-    @property
-    def sequential_clients(self) -> bool:
-        return self.version == "v2"
 
     # -- set-up ---------------------------------------------------------------------------------
     def candidate_cuts(self, model: nn.Module) -> List[str]:
@@ -131,10 +129,15 @@ class SplitFed(FedAvg):
     def cut_for(self, client: int, round_idx: int) -> str:
         return self.cut
 
+    def downlink(self, task: ClientTask, plan: RoundPlan) -> Downlink:
+        """The front the client receives (in the rank's client worker), its server half loaded
+        beside it (``SplitEngine.receive``)."""
+        return Downlink(self.engine.receive(task, plan))
+
     def new_client(self, task: ClientTask, plan: RoundPlan) -> SplitClient:
         """The client's split round on the rank's engine (``split/common.py``'s SplitClient;
         FedSGA's carries a prompt)."""
-        return SplitClient(self, task, plan, self.engine)
+        return SplitClient(self.client_round(task, plan), self.engine)
 
     def server_trainables(self) -> Dict[str, torch.Tensor]:
         """Server-side tensors trained with the back, by name (FedSGA: the harmonizer)."""
@@ -163,6 +166,8 @@ class SplitFed(FedAvg):
 
     def commit(self, acc, task, result, plan) -> None:
         super().commit(acc, task, result, plan)
+        if result.server_side is not None:  # V1: the server copy trained for this client
+            acc.add(result.server_side.module.state_dict(), self.weight(result), result.server_side.regions)
         if self.version == "v2":  # the server half holds this client's share of its back
             keys = self.engine.exchanged(self.halves.back(task.cut))
             acc.hold("server_half", task.client, (keys, self.weight(result)))

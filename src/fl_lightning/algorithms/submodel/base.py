@@ -33,15 +33,16 @@ from typing import Dict, List, Literal, Optional, Sequence
 import numpy as np
 import torch
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg, Weighting
 from fl_lightning.algorithms.bn_protocol import Protocol, SbnData
-from fl_lightning.data.budgets import seeded_rng
+from fl_lightning.defaults import CALIB_BATCH_SIZE
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import NonNegativeFloat, PositiveInt, UnitFraction
 from fl_lightning.runtime.kept_state import KeptAttributes, KeptTensors
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
+from fl_lightning.seeds import seeded_rng
 
 TIERS = (0.25, 0.5, 0.75, 1.0)
 TIER_PROBS = (0.3, 0.3, 0.2, 0.2)
@@ -73,18 +74,36 @@ class Width:
     p: float
 
 
+class SubmodelClient(LocalClient):
+    """A sub-model client: local training of its width-``p`` slice (``task.choice``), with
+    HeteroFL's Scaler when asked (every conv output divided by ``p`` in training)."""
+
+    def __init__(self, round: ClientRound, scaler: bool = False):
+        super().__init__(round)
+        self.scaler = scaler
+
+    def objective(self, downlink):
+        self.attach_scaler(downlink.model.module)
+        return super().objective(downlink)
+
+    def attach_scaler(self, module) -> None:
+        p = self.task.choice.p
+        if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
+            from fl_lightning.elastic.layers.scaler import attach_scaler
+
+            attach_scaler(module, p)
+
+
 class SubmodelAlgorithm(FedAvg):
     """Shared machinery: caps, width specs per task, routing by leading-slice extraction,
     coordinate-wise aggregation, coverage and cost monitoring. Subclasses implement
     :meth:`widths_for` (the cohort's widths for a round)."""
 
-    default_bn = "sbn"
-    dense = False
-
     def __init__(self, tiers: List[UnitFraction] = list(TIERS), tier_probs: List[NonNegativeFloat] = list(TIER_PROBS),
                  caps: Optional[List[UnitFraction]] = None, log_layers: bool = True, bn: Optional[Protocol] = None,
                  sbn_data: SbnData = "train", calib_batch_size: PositiveInt = CALIB_BATCH_SIZE,
-                 calib_transform: Literal["train", "eval"] = "train", weighting: Optional[Weighting] = None):
+                 calib_transform: Literal["train", "eval"] = "train", weighting: Optional[Weighting] = None,
+                 eval_widths: Optional[List[UnitFraction]] = None):
         """
         Args:
             tiers: capacity tiers (width ratios in (0, 1]) a client's cap is drawn from.
@@ -105,15 +124,23 @@ class SubmodelAlgorithm(FedAvg):
             weighting: a client's weight in each position's mean: samples (its examples, the
                 study's rule; the default) or uniform (one per client, as HeteroFL's and
                 FedRolex's code combine).
+            eval_widths: besides the served model, score the leading sub-model of each of these
+                widths at every evaluation, each with statistics of its own from the served-
+                statistics protocol (under sbn: its own pass over ``sbn_data``), as FjORD's
+                authors report every width: ``acc_w<width>`` and ``loss_w<width>``.
         """
-        super().__init__(bn=bn, sbn_data=sbn_data, calib_batch_size=calib_batch_size,
+        super().__init__(bn=bn if bn is not None else "sbn", sbn_data=sbn_data, calib_batch_size=calib_batch_size,
                          calib_transform=calib_transform, weighting=weighting)
+        self.dense = False  # each position averaged over the clients whose slice holds it
         self.tiers = [float(t) for t in tiers]
         self.tier_probs = [float(p) for p in tier_probs]
         self.caps_given = None if caps is None else [float(c) for c in caps]
         self.log_layers = log_layers
+        self.eval_widths = None if eval_widths is None else [float(w) for w in eval_widths]
 
-    def check(self, train) -> None:
+    def check(self, train, population=None) -> None:
+        if self.eval_widths is not None and len(set(self.eval_widths)) != len(self.eval_widths):
+            raise ConfigError("algorithm.eval_widths", f"must be distinct widths, got {self.eval_widths}")
         if not self.tiers:
             raise ConfigError("algorithm.tiers", "must list at least one width")
         if any(a >= b for a, b in zip(self.tiers, self.tiers[1:])):
@@ -201,6 +228,40 @@ class SubmodelAlgorithm(FedAvg):
             self.last_widths[task.client] = task.choice.p
         figures.update(super().finish_round(acc, plan))
         return figures
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        """The served model (FedAvg's), and with ``eval_widths`` each width's own sub-model."""
+        out = super().evaluate(split, batch_size)
+        if self.eval_widths and out:
+            out.update(self.evaluate_widths(split, batch_size))
+        return out
+
+    @property
+    def served_names(self) -> Dict[str, str]:
+        """With ``eval_widths``, each width's accuracy (``acc_w<width>``) named by its width and MACs."""
+        from fl_lightning.elastic.specs import WidthSpec
+        from fl_lightning.units import macs
+
+        if not self.eval_widths:
+            return {}
+        return {f"acc_w{w:g}": f"width {w:g} {macs(self.cost(WidthSpec.uniform(w, self.stages))[1])}"
+                for w in self.eval_widths}
+
+    def evaluate_widths(self, split: str, batch_size: int) -> Dict[str, float]:
+        """``acc_w<width>`` / ``loss_w<width>`` of the leading sub-model of every ``eval_widths``
+        entry, each served with statistics of its own (one pass per the protocol)."""
+        from fl_lightning.elastic.specs import WidthSpec
+        from fl_lightning.runtime.evaluation import evaluate
+
+        data = self.ctx.data
+        dataset, indices = data.split(split)
+        models = self.statistics.models([WidthSpec.uniform(w, self.stages) for w in self.eval_widths])
+        out = {}
+        for width, model in zip(self.eval_widths, models):
+            metrics = evaluate(self.ctx.fabric, model, dataset, indices, data.bundle.num_classes, batch_size)
+            out.update({f"{key}_w{width:g}": value for key, value in metrics.items()})
+        return out
 
     def artifacts(self) -> Dict[str, str]:
         return {"caps.json": json.dumps([float(c) for c in self.caps])}

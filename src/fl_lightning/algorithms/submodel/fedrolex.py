@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from fl_lightning.algorithms.submodel import SubmodelAlgorithm
+from fl_lightning.algorithms.submodel.base import SubmodelAlgorithm, SubmodelClient
 from fl_lightning.errors import ConfigError
 
 
@@ -40,12 +40,12 @@ class FedRolex(SubmodelAlgorithm):
         super().__init__(**kwargs)
         self.scaler = scaler
 
-    def check(self, train) -> None:
+    def check(self, train, population=None) -> None:
         if self.scaler and self.bn in ("aggregated", "client"):
             # tracked statistics would see conv outputs divided by p, evaluation undivided ones
             raise ConfigError("algorithm.scaler", f"needs bn sbn or recalibrate (tracked statistics would be of "
                                                   f"scaled activations), got bn {self.bn}")
-        super().check(train)
+        super().check(train, population)
 
     def prepare(self, ctx) -> None:
         super().prepare(ctx)
@@ -77,12 +77,8 @@ class FedRolex(SubmodelAlgorithm):
         return self.statistics.route(self.ctx.model.extract(task.spec, kind="rolling", offset=offset))
 
     # -- one client -------------------------------------------------------------------------
-    def client_module(self, routed, task, plan):
-        if self.scaler and task.choice.p < 1:  # at rate 1 the Scaler is the identity
-            from fl_lightning.elastic.layers.scaler import attach_scaler
-
-            attach_scaler(routed.module, task.choice.p)
-        return super().client_module(routed, task, plan)
+    def new_client(self, task, plan):
+        return SubmodelClient(self.client_round(task, plan), self.scaler)
 
     def finish_round(self, acc, plan) -> Dict[str, float]:
         figures = super().finish_round(acc, plan)

@@ -2,13 +2,62 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Literal, Optional
 
 import numpy as np
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.submodel.base import ALLOCATION, SubmodelAlgorithm, allocation_rng
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat
 from fl_lightning.runtime.seeding import derive_seed
+
+
+@dataclass(frozen=True)
+class FjORDSettings:
+    """FjORD's options as a client reads them."""
+
+    sample: str
+    distill: bool
+    distill_weight: float
+    distill_alpha: float
+    smallest: float
+    """The smallest tier (the width ``sample: round`` distils into)."""
+    stages: int
+
+
+class FjORDClient(LocalClient):
+    """A FjORD client: its tier for the round, or ordered dropout over ``allowed`` widths per
+    step inside its cap's sub-model (its draws from the (seed, round, client) stream), with
+    self-distillation when asked; with per-step widths it reports their mean (``p_steps``)."""
+
+    def __init__(self, round: ClientRound, settings: FjORDSettings, allowed: List[float]):
+        super().__init__(round)
+        self.settings, self.allowed = settings, allowed
+
+    def objective(self, downlink):
+        from fl_lightning.elastic.specs import WidthSpec
+
+        r, s, task = self.round, self.settings, self.task
+        model, train = downlink.model.module, r.train
+        if s.sample == "step":
+            from fl_lightning.modules.submodel_distill import OrderedDropoutClient
+
+            rng = np.random.default_rng(derive_seed(r.seed, ALLOCATION, r.round_idx, r.client))
+            return OrderedDropoutClient(model, r.lr, train.momentum, train.weight_decay, task.spec, self.allowed,
+                                        s.stages, rng, s.distill_alpha if s.distill else None)
+        if not s.distill:
+            return super().objective(downlink)
+        from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
+
+        low = WidthSpec.uniform(min(s.smallest, task.choice.p), s.stages)
+        return OrderedDropoutDistillClient(model, r.lr, train.momentum, train.weight_decay, task.spec, low,
+                                           s.distill_weight)
+
+    def uplink(self, downlink, module, fit):
+        drawn = getattr(module, "drawn", None)
+        figures = {"p_steps": float(np.mean(drawn))} if self.settings.sample == "step" and drawn else {}
+        return self.result(downlink, fit, model=downlink.model, figures=figures)
 
 
 class FjORD(SubmodelAlgorithm):
@@ -29,8 +78,6 @@ class FjORD(SubmodelAlgorithm):
       self-distillation; ``distill_alpha = 1`` is the authors' Flower baseline).
     """
 
-    default_bn = "per_width"
-
     def __init__(self, distill: bool = False, distill_weight: NonNegativeFloat = 1.0,
                  sample: Literal["round", "step"] = "round", distill_alpha: ClosedUnitInterval = 1.0,
                  bn: Optional[Literal["per_width", "sbn", "recalibrate", "client", "aggregated"]] = None, **kwargs):
@@ -49,7 +96,7 @@ class FjORD(SubmodelAlgorithm):
             distill_alpha: with ``sample: step`` and ``distill``, the weight of the distillation
                 term in the sampled width's loss (the label term gets ``1 - distill_alpha``).
         """
-        super().__init__(bn=bn, **kwargs)
+        super().__init__(bn=bn if bn is not None else "per_width", **kwargs)
         self.distill = distill
         self.distill_weight = float(distill_weight)
         self.sample = sample
@@ -76,34 +123,15 @@ class FjORD(SubmodelAlgorithm):
     def commit(self, acc, task, result, plan):
         """Under ``per_width``, a client that did not train the served width keeps its BN
         statistics out of the aggregate (they describe another width)."""
-        if self.bn == "per_width" and task.choice.p < 1.0 - 1e-9 and result.update is not None:
+        if self.bn == "per_width" and task.choice.p < 1.0 - 1e-9 and result.model is not None:
             from fl_lightning.algorithms.bn_protocol import drop_statistics
 
-            result.update = drop_statistics(result.update)
+            model = drop_statistics(result.model)
+            acc.add(model.module.state_dict(), self.weight(result), model.regions)
+            return
         super().commit(acc, task, result, plan)
 
-    def client_module(self, routed, task, plan):
-        from fl_lightning.elastic.specs import WidthSpec
-
-        t = self.ctx.train
-        if self.sample == "step":
-            from fl_lightning.modules.submodel_distill import OrderedDropoutClient
-
-            rng = np.random.default_rng(derive_seed(self.ctx.seed, ALLOCATION, plan.round_idx, task.client))
-            return OrderedDropoutClient(routed.module, plan.lr, t.momentum, t.weight_decay, task.spec,
-                                        self.allowed(task.client), self.stages, rng,
-                                        self.distill_alpha if self.distill else None)
-        if not self.distill:
-            return super().client_module(routed, task, plan)
-        from fl_lightning.modules.submodel_distill import OrderedDropoutDistillClient
-
-        smallest = min(self.tiers)
-        low = WidthSpec.uniform(min(smallest, task.choice.p), self.stages)
-        return OrderedDropoutDistillClient(routed.module, plan.lr, t.momentum, t.weight_decay,
-                                           task.spec, low, self.distill_weight)
-
-    def client_figures(self, task, result, plan):
-        figures = super().client_figures(task, result, plan)
-        if self.sample == "step" and result.module is not None and result.module.drawn:
-            figures["p_steps"] = float(np.mean(result.module.drawn))
-        return figures
+    def new_client(self, task, plan):
+        settings = FjORDSettings(self.sample, self.distill, self.distill_weight, self.distill_alpha, min(self.tiers),
+                                 self.stages)
+        return FjORDClient(self.client_round(task, plan), settings, self.allowed(task.client))

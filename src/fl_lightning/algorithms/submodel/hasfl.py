@@ -93,9 +93,9 @@ class HASFL(SubmodelAlgorithm):
 
     def commit(self, acc, task, result, plan):
         super().commit(acc, task, result, plan)
-        local = result.update.module.state_dict()
+        local = result.model.module.state_dict()
         delta = {}
-        for local_key, (global_key, region) in result.update.regions.items():
+        for local_key, (global_key, region) in result.model.regions.items():
             if global_key in self.ever:
                 old = region.gather(self.global_state[global_key]).to(torch.float64)
                 delta[global_key] = (local[local_key].detach().to(torch.float64) - old, region)

@@ -5,12 +5,34 @@ from __future__ import annotations
 
 from typing import Dict, List, Literal, Optional
 
-
-from fl_lightning.algorithms.submodel.base import MIXING_STREAM, TIER_PROBS, TIERS, SubmodelAlgorithm
+from fl_lightning.algorithms.client import ClientRound
+from fl_lightning.algorithms.mixing import Mixing
+from fl_lightning.algorithms.submodel.base import MIXING_STREAM, TIER_PROBS, TIERS, SubmodelAlgorithm, SubmodelClient
 from fl_lightning.errors import ConfigError
 from fl_lightning.option_types import NonNegativeFloat, UnitFraction
 from fl_lightning.runtime.kept_state import KeptModule
 from fl_lightning.runtime.seeding import derive_seed
+
+
+class HeteroFLClient(SubmodelClient):
+    """A HeteroFL client: its slice, the Scaler when asked, and Mixup / CutMix on its batches
+    when a mixing schedule is set (its draws from the (seed, round, client) stream); ``macs``: its
+    sub-model's forward MACs, for its figures."""
+
+    def __init__(self, round: ClientRound, scaler: bool, mixing: Mixing, macs: float):
+        super().__init__(round, scaler)
+        self.mixing, self.macs = mixing, macs
+
+    def objective(self, downlink):
+        if self.mixing.schedule == "none":
+            return super().objective(downlink)
+        from fl_lightning.modules.single_architecture import SingleArchitectureClient
+
+        r = self.round
+        self.attach_scaler(downlink.model.module)
+        mixer = self.mixing.mixer(r.num_classes, derive_seed(r.seed, MIXING_STREAM, r.round_idx, r.client))
+        return SingleArchitectureClient(downlink.model.module, r.lr, r.train.momentum, r.train.weight_decay,
+                                        macs=self.macs, mixer=mixer)
 
 
 class HeteroFL(SubmodelAlgorithm):
@@ -59,7 +81,7 @@ class HeteroFL(SubmodelAlgorithm):
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
         self.assignment = None
 
-    def check(self, train) -> None:
+    def check(self, train, population=None) -> None:
         from fl_lightning.modules.mixing import mixing_checks
 
         budget = self.assign == "budget"
@@ -79,7 +101,7 @@ class HeteroFL(SubmodelAlgorithm):
         for key, ok, problem in checks:
             if not ok:
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {given.get(key, getattr(self, key, None))!r}")
-        super().check(train)
+        super().check(train, population)
 
     def prepare(self, ctx) -> None:
         from fl_lightning.algorithms.submodel.heterofl_tiers import TierAssignment
@@ -106,22 +128,13 @@ class HeteroFL(SubmodelAlgorithm):
         return {c: float(self.caps[c]) for c in cohort}
 
     # -- one client -----------------------------------------------------------------------------
-    def client_module(self, routed, task, plan):
-        p = task.choice.p
-        if self.scaler and p < 1:  # at rate 1 the Scaler is the identity: attach nothing
-            from fl_lightning.elastic.layers.scaler import attach_scaler
+    def new_client(self, task, plan):
+        return HeteroFLClient(self.client_round(task, plan), self.scaler,
+                              Mixing(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha), self.cost(task.spec)[1])
 
-            attach_scaler(routed.module, p)
-        if self.mix_schedule == "none":
-            return super().client_module(routed, task, plan)
-        from fl_lightning.modules.mixing import client_mixer
-        from fl_lightning.modules.single_architecture import SingleArchitectureClient
-
-        t = self.ctx.train
-        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
-                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
-        return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
-                                        macs=self.cost(task.spec)[1], mixer=mixer)
+    @property
+    def served_names(self) -> Dict[str, str]:
+        return self.assignment.served_names() if self.assignment is not None else super().served_names
 
     def client_figures(self, task, result, plan):
         figures = super().client_figures(task, result, plan)

@@ -37,8 +37,8 @@ class RandomBudget(SubmodelAlgorithm):
         self.p_lo = float(p_lo)
         self.trace: Optional[List[float]] = None
 
-    def check(self, train):
-        super().check(train)
+    def check(self, train, population=None):
+        super().check(train, population)
         if self.budget_from is not None:
             self.trace = load_budget_trace(self.budget_from)
 

@@ -21,6 +21,7 @@ import numpy as np
 from fl_lightning.elastic.envelope import routed_param_count
 
 from fl_lightning.feast_protocol import KAPPA_FB
+from fl_lightning.units import count, fixed, macs as macs_text
 
 PAPER_ANCHORS = (25e6, 50e6, 229e6, 408e6, 596e6)  # Tables 9 and 10
 
@@ -277,25 +278,21 @@ def scaled_anchors(lo: float, hi: float, anchors: Sequence[float] = PAPER_ANCHOR
     return [lo * (hi / lo) ** (math.log(a / first) / math.log(last / first)) for a in anchors]
 
 
+human = fixed
+"""1.23M, 4.56G, 7.89P: MACs and parameter counts in tables (two decimals)."""
+
+
 def default_anchors(cache_macs: Sequence[float]) -> List[float]:
     """The anchors every table and footprint uses unless given: the paper's, scaled to the
     span of ``cache_macs`` when it does not reach them (``scaled_anchors``)."""
     return scaled_anchors(float(min(cache_macs)), float(max(cache_macs)))
 
 
-def human(value: float) -> str:
-    """1.23M, 4.56G, 7.89P: MACs and parameter counts at a readable scale."""
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:.0f}"
-
-
 def format_accounting(summary: Dict[str, object], comm: Dict[str, float], compute: Dict[str, float],
                       footprints: Sequence[Dict[str, float]]) -> str:
     lines = ["Population:"]
     for row in summary["budget_histogram"]:
-        lines.append(f"  budget {row['from'] / 1e6:8.1f}M - {row['to'] / 1e6:8.1f}M : {row['clients']:4d} clients")
+        lines.append(f"  budget {count(row['from']):>6} - {count(row['to']):>6} : {row['clients']:4d} clients")
     lines.append(f"  affordable variants: 1 -> {summary['afford_1']} clients, 2 -> {summary['afford_2']}, "
                  f">=3 -> {summary['afford_3_or_more']}")
     rp = summary["routed_params"]
@@ -308,12 +305,12 @@ def format_accounting(summary: Dict[str, object], comm: Dict[str, float], comput
                  f"{comm['traffic_reduction']:.1f}x, client reduction mean {comm['client_reduction_mean']:.1f}x / "
                  f"median {comm['client_reduction_median']:.1f}x / max {comm['client_reduction_max']:.1f}x")
     lines.append(f"Training computation (Eq. 26, kappa={compute.get('kappa', KAPPA_FB):g}, expected over the run): FEAST "
-                 f"{human(compute['feast_train_macs'])}MAC vs single-variant "
-                 f"{human(compute['single_variant_train_macs'])}MAC (x{compute['ratio']:.2f})")
+                 f"{fixed(compute['feast_train_macs'])}MAC vs single-variant "
+                 f"{fixed(compute['single_variant_train_macs'])}MAC (x{compute['ratio']:.2f})")
     if footprints:
         lines.append("Parameter footprints (routed envelope vs deployed variant):")
         for row in footprints:
-            lines.append(f"  budget {row['budget'] / 1e6:7.1f}M: deployed {row['deployed_params'] / 1e6:7.2f}M params "
-                         f"({row['deployed_macs'] / 1e6:.1f}M MACs), routed {row['routed_params'] / 1e6:7.2f}M "
+            lines.append(f"  budget {count(row['budget']):>6}: deployed {row['deployed_params'] / 1e6:7.2f}M params "
+                         f"({macs_text(row['deployed_macs'])}), routed {row['routed_params'] / 1e6:7.2f}M "
                          f"(x{row['routed_over_deployed']:.2f})")
     return "\n".join(lines)

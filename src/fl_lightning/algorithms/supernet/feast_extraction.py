@@ -43,7 +43,7 @@ def extract_subnet(feast, budget: float, rho: Optional[float], population: int, 
     except InfeasibleError as error:
         hint = "; --space full searches beyond the cached variants' range" if space == "trained" else ""
         raise ConfigError("budget", f"{error}{hint}") from None
-    subnet = feast.calibrated_subnet(found.spec)
+    subnet = feast.variants.calibrated_subnet(found.spec)
     result = {"budget": budget, "rho_limit": settings.rho_limit, "seed": settings.seed, "space": space,
               "reuse_cache": reuse_cache,
               "spec": str(found.spec), **spec_to_dict(found.spec), "macs": int(found.macs),

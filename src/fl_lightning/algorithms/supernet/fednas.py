@@ -34,18 +34,22 @@ from typing import Dict, Literal, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.algorithms.supernet.cached_variants import (CachedVariants, CacheSearch, ServesCachedVariants,
-                                                     check_cache_options)
+from fl_lightning.algorithms.mixing import Mixing
+from fl_lightning.algorithms.supernet.cached_variants import (CachedVariants, CacheSearch, check_cache_options,
+                                                             check_population_reaches)
 from fl_lightning.elastic.maxnet import MAXNET_FINAL, MAXNET_INIT, maxnet_coefficient, maxnet_weights
 from fl_lightning.elastic.routing import Routed
+from fl_lightning.defaults import CALIB_BATCH_SIZE
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import (CALIB_BATCH_SIZE, KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION,
-                                         SEARCH_POPULATION, extraction_rho)
+from fl_lightning.feast_protocol import (KAPPA_FB, SEARCH_GENERATIONS, SEARCH_MUTATION, SEARCH_POPULATION,
+                                         extraction_rho)
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, UnitFraction, number_type
 from fl_lightning.runtime.kept_state import KeptAttributes
 from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
+from fl_lightning.units import count, macs as macs_text
 
 # seed streams of the architecture draws and of Mixup/CutMix, keyed by (seed, stream, round, client)
 ARCH_STREAM, MIX_STREAM = 51, 52
@@ -179,12 +183,37 @@ def _generator(stream: int, seed: int, round_idx: int, client: int) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(seed, stream, round_idx, client))
 
 
-class _FedNASTransfer(ServesCachedVariants, FedAvg):
+class ArchitectureClient(LocalClient):
+    """A transfer's client: local training of its subnet (``task.spec``, its forward MACs
+    ``task.choice.macs``), Mixup / CutMix when asked, batch norm frozen when asked; it reports
+    its training MACs (forward passes times ``kappa``)."""
+
+    def __init__(self, round: ClientRound, mixing: Mixing, frozen_bn: bool, kappa: float):
+        super().__init__(round)
+        self.mixing, self.frozen_bn, self.kappa = mixing, frozen_bn, kappa
+
+    def objective(self, downlink):
+        from fl_lightning.modules.mixing import AlternatingMixer
+        from fl_lightning.modules.single_architecture import SingleArchitectureClient
+
+        r, m = self.round, self.mixing
+        mixer = None
+        if m.schedule != "none":
+            mixer = AlternatingMixer(r.num_classes, m.mixup_alpha, m.cutmix_alpha, schedule=m.schedule,
+                                     generator=_generator(MIX_STREAM, r.seed, r.round_idx, r.client))
+        return SingleArchitectureClient(downlink.model.module, r.lr, r.train.momentum, r.train.weight_decay,
+                                        macs=self.task.choice.macs, mixer=mixer, frozen_bn=self.frozen_bn)
+
+    def uplink(self, downlink, module, fit):
+        return self.result(downlink, fit, model=downlink.model,
+                           figures={"train_macs": float(module.forward_macs()) * self.kappa})
+
+
+class _FedNASTransfer(FedAvg):
     """The shared round of the SuperFedNAS / DeepFedNAS transfers; subclasses choose the
     architectures (:meth:`architecture`, :meth:`global_extremes`)."""
 
     method = ""
-    dense = False
 
     def __init__(self, constrained: bool = False, cache: Optional[str] = None, retarget: bool = False,
                  search: CacheSearch = CacheSearch(), maxnet_init: UnitFraction = MAXNET_INIT,
@@ -225,6 +254,8 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
                 ``SubnetTrainer`` does unless ``--use_bn`` is given (no published command gives
                 it); false trains batch norm, FEAST's client (docs/fednas_transfers.md).
         """
+        super().__init__()
+        self.dense = False  # position-wise means over the clients that hold each position
         self.frozen_bn = frozen_bn
         self.cache_path, self.retarget, self.search = cache, retarget, search
         self.mixup_alpha, self.cutmix_alpha, self.mix_schedule = mixup_alpha, cutmix_alpha, mix_schedule
@@ -233,13 +264,14 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
         self.maxnet_init, self.maxnet_final, self.maxnet_steps = maxnet_init, maxnet_final, maxnet_steps
 
     # -- set-up ---------------------------------------------------------------------------------
-    def check(self, train) -> None:
+    def check(self, train, population=None) -> None:
         from fl_lightning.modules.mixing import mixing_checks
 
         for key, ok, problem in mixing_checks(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha):
             if not ok:
                 raise ConfigError(f"algorithm.{key}", f"{problem}, got {getattr(self, key)!r}")
         check_cache_options(self.cache_path, self.search)
+        check_population_reaches(self.cache_path, self.retarget, self.search, population)
 
     def prepare(self, ctx) -> None:
         from fl_lightning.elastic.models.ofa_resnet import OFAResNet
@@ -261,17 +293,19 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
         self.smallest = torch.zeros(ctx.num_clients, dtype=torch.int64)
         # how often each client trained the largest / smallest architecture: the next rounds' roles
         self.keep(KeptAttributes(self, {"tracking/largest": "largest", "tracking/smallest": "smallest"}, torch.int64))
-        description = self.describe_population()
+        self.variants.accounting, description = self.population_accounting()
         if ctx.fabric.is_global_zero and ctx.mode == "fit":
             print(description)
 
     def check_population(self) -> None:
         """Refuse a population the sampler cannot serve (subclasses)."""
 
-    def describe_population(self) -> str:
+    def population_accounting(self) -> Tuple[dict, str]:
+        """The population's figures (affordable sets, budgets, shards) and the sampler's, and
+        their text for the console."""
         counts = [len(s) for s in self.sets]
         sizes = self.ctx.client_sizes
-        self.accounting = {
+        accounting = {
             "method": self.method,
             "constrained": self.constrained,
             "population": {"clients": len(self.sets), "afford_1": sum(c == 1 for c in counts),
@@ -282,12 +316,27 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
             "maxnet": {"init": self.maxnet_init, "final": self.maxnet_final, "steps": self.steps},
             "sampler": self.sampler_description(),
         }
-        a = self.accounting["population"]
-        return (f"{self.method} ({'budget-constrained' if self.constrained else 'unconstrained'}): "
-                f"{self.sampler_description()}; MaxNet coefficient {self.maxnet_init:g} -> {self.maxnet_final:g} "
-                f"(cosine over {self.steps} rounds)\nevaluation: {len(self.cache.specs)} cached variants, "
-                f"{self.cache.macs[0] / 1e6:.1f}M-{self.cache.macs[-1] / 1e6:.1f}M MACs; clients affording 1 / 2 / 3+ "
-                f"cached variants: {a['afford_1']} / {a['afford_2']} / {a['afford_3_or_more']}")
+        a = accounting["population"]
+        return accounting, (
+            f"{self.method} ({'budget-constrained' if self.constrained else 'unconstrained'}): "
+            f"{self.sampler_description()}; MaxNet coefficient {self.maxnet_init:g} -> {self.maxnet_final:g} "
+            f"(cosine over {self.steps} rounds)\nevaluation: {len(self.cache.specs)} cached variants, "
+            f"{count(self.cache.macs[0])}-{macs_text(self.cache.macs[-1])}; clients affording 1 / 2 / 3+ "
+            f"cached variants: {a['afford_1']} / {a['afford_2']} / {a['afford_3_or_more']}")
+
+    # -- what it serves: the cached variants, as FEAST (the part, ``cached_variants.py``) ---------
+    def evaluate(self, split: str, batch_size: int) -> Dict[str, float]:
+        return self.variants.evaluate(split, batch_size)
+
+    def report(self, summary: dict) -> str:
+        return self.variants.report(summary)
+
+    def artifacts(self) -> Dict[str, str]:
+        return self.variants.artifacts()
+
+    @property
+    def served_names(self) -> Dict[str, str]:
+        return self.variants.served_names()
 
     def sampler_description(self) -> str:
         raise NotImplementedError
@@ -330,18 +379,10 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
         copies of its leading slices, and the map back."""
         return self.ctx.model.extract(task.spec)
 
-    def client_module(self, routed: Routed, task: ClientTask, plan: RoundPlan):
-        from fl_lightning.modules.mixing import AlternatingMixer
-        from fl_lightning.modules.single_architecture import SingleArchitectureClient
-
-        t = self.ctx.train
-        mixer = None
-        if self.mix_schedule != "none":
-            mixer = AlternatingMixer(self.ctx.num_classes, self.mixup_alpha, self.cutmix_alpha,
-                                     schedule=self.mix_schedule,
-                                     generator=_generator(MIX_STREAM, self.ctx.seed, plan.round_idx, task.client))
-        return SingleArchitectureClient(routed.module, plan.lr, t.momentum, t.weight_decay,
-                                        macs=task.choice.macs, mixer=mixer, frozen_bn=self.frozen_bn)
+    def new_client(self, task: ClientTask, plan: RoundPlan) -> ArchitectureClient:
+        return ArchitectureClient(self.client_round(task, plan),
+                                  Mixing(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha), self.frozen_bn,
+                                  self.kappa)
 
     def work(self, task: ClientTask) -> float:
         return super().work(task) * task.choice.macs
@@ -349,14 +390,13 @@ class _FedNASTransfer(ServesCachedVariants, FedAvg):
     def client_figures(self, task: ClientTask, result, plan: RoundPlan) -> Dict[str, float]:
         o = task.choice
         return {"role": o.role, "arch": str(task.spec), "arch_macs": o.macs,
-                "maxnet_weight": o.maxnet_weight, "arch_fallback": int(o.fell_back),
-                "train_macs": float(result.module.forward_macs()) * self.kappa}
+                "maxnet_weight": o.maxnet_weight, "arch_fallback": int(o.fell_back)}
 
     def commit(self, acc, task: ClientTask, result, plan: RoundPlan) -> None:
         """MaxNet weighting: the client's slices enter the position-wise mean with its MaxNet
         weight (not its sample count)."""
-        if result.update is not None:
-            acc.add(result.update.module.state_dict(), float(task.choice.maxnet_weight), result.update.regions)
+        if result.model is not None:
+            acc.add(result.model.module.state_dict(), float(task.choice.maxnet_weight), result.model.regions)
 
     def finish_round(self, acc, plan: RoundPlan) -> Dict[str, float]:
         super().finish_round(acc, plan)
@@ -396,8 +436,8 @@ class SuperFedNAS(_FedNASTransfer):
         if self.constrained and min(self.budgets) < smallest:
             poorest = int(np.argmin(self.budgets))
             raise ConfigError("partition.budgets.b_min",
-                              f"client {poorest}'s budget {self.budgets[poorest] / 1e6:.2f}M MACs is below the "
-                              f"supernet's smallest architecture ({smallest / 1e6:.2f}M), the min role's")
+                              f"client {poorest}'s budget {macs_text(self.budgets[poorest])} is below the "
+                              f"supernet's smallest architecture ({macs_text(smallest)}), the min role's")
 
     def global_extremes(self):
         model = self.ctx.model
@@ -494,7 +534,7 @@ class DeepFedNAS(_FedNASTransfer):
             return ("uniform draws from each client's affordable cached variants (the Pareto path), "
                     "tracking sandwich (max / min roles)")
         return (f"uniform draws from a Pareto path over the complete supernet ({len(self.path.specs)} architectures, "
-                f"{self.path.macs[0] / 1e6:.1f}M-{self.path.macs[-1] / 1e6:.1f}M MACs), tracking sandwich "
+                f"{count(self.path.macs[0])}-{macs_text(self.path.macs[-1])}), tracking sandwich "
                 f"(max / min roles)")
 
     def global_extremes(self):

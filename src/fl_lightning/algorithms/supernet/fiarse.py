@@ -26,14 +26,15 @@ from typing import Dict, List, Literal, Mapping, Optional
 
 import torch
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms.mixing import Mixing
 from fl_lightning.elastic.regions import Mask
 from fl_lightning.elastic.routing import RegionMap, Routed, load_routed_state
+from fl_lightning.defaults import CALIB_BATCH_SIZE
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import NonNegativeFloat, PositiveFloat, PositiveInt, UnitFraction
 from fl_lightning.runtime.calibration import ServerCalibration
-from fl_lightning.runtime.channel import DOWN, UP
 from fl_lightning.runtime.seeding import derive_seed
 
 # Seed streams: FIARSE's Mixup/CutMix draws; BN calibration shares FEAST's stream (13), so the
@@ -49,6 +50,40 @@ class MaskedRouted(Routed):
     fraction: float = 1.0
     """Kept fraction requested for the client."""
     kept: Dict[str, int] = field(default_factory=dict)
+
+    def payload_bytes(self) -> int:
+        """The dense tensors cross: masking does not shrink the arrays the original sends."""
+        return sum(t.numel() * t.element_size() for t in self.module.state_dict().values())
+
+    def kept_bytes(self) -> int:
+        """What the kept positions alone would take to send."""
+        return super().payload_bytes()
+
+
+@dataclass(frozen=True)
+class MaskedSettings:
+    """FIARSE's options as a client reads them."""
+
+    gradient: str
+    weight_decay: float
+    mixing: Mixing
+
+
+class MaskedLocalClient(LocalClient):
+    """A FIARSE client: local training of the dense model through its thresholded mask (the
+    thresholds come with the model), with Mixup / CutMix when asked."""
+
+    def __init__(self, round: ClientRound, settings: MaskedSettings):
+        super().__init__(round)
+        self.settings = settings
+
+    def objective(self, downlink):
+        from fl_lightning.modules.masked_client import ThresholdMaskedClient
+
+        r, s, routed = self.round, self.settings, downlink.model
+        mixer = s.mixing.mixer(r.num_classes, derive_seed(r.seed, MIXING_STREAM, r.round_idx, r.client))
+        return ThresholdMaskedClient(routed.module, r.lr, r.train.momentum, s.weight_decay, routed.thresholds,
+                                     s.gradient, mixer)
 
 
 def geometric_grid(low: float, points: int) -> List[float]:
@@ -91,7 +126,6 @@ class FIARSE(FedAvg):
     """FIARSE: magnitude-masked submodels, threshold-controlled biased gradient, position-wise
     sparse-delta aggregation, evaluation on a grid of its mask family."""
 
-    dense = False
 
     def __init__(self, threshold: Literal["global", "stage", "tensor"] = "stage",
                  gradient: Literal["masked", "surrogate"] = "masked",
@@ -158,6 +192,8 @@ class FIARSE(FedAvg):
             mixup_alpha: Mixup's Beta parameter.
             cutmix_alpha: CutMix's Beta parameter.
         """
+        super().__init__()
+        self.dense = False  # position-wise means over the clients that hold each position
         self.threshold, self.gradient = threshold, gradient
         self.min_fraction = float(min_fraction)
         self.fractions_given = None if fractions is None else [float(f) for f in fractions]
@@ -170,7 +206,7 @@ class FIARSE(FedAvg):
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, float(mixup_alpha), float(cutmix_alpha)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def check(self, train) -> None:
+    def check(self, train, population=None) -> None:
         from fl_lightning.modules.mixing import mixing_checks
 
         checks = [
@@ -264,38 +300,26 @@ class FIARSE(FedAvg):
         load_routed_state(self.worker, self.global_state, self.worker_regions)
         return MaskedRouted(self.worker, regions, thresholds=thresholds, fraction=fraction, kept=kept)
 
-    def client_module(self, routed: MaskedRouted, task, plan):
-        from fl_lightning.modules.masked_client import ThresholdMaskedClient
-
+    def new_client(self, task, plan):
         t = self.ctx.train
-        from fl_lightning.modules.mixing import client_mixer
-
-        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
-                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
         weight_decay = t.weight_decay if self.weight_decay is None else self.weight_decay
-        return ThresholdMaskedClient(routed.module, plan.lr, t.momentum, weight_decay, routed.thresholds,
-                                     self.gradient, mixer)
-
-    def send_model(self, channel, routed, task) -> None:
-        """The dense tensors go both ways: masking does not shrink the arrays the original sends."""
-        channel.send_state(DOWN, "model", routed.module.state_dict())
-
-    def return_model(self, channel, routed, task) -> None:
-        channel.send_state(UP, "model", routed.module.state_dict())
+        settings = MaskedSettings(self.gradient, weight_decay,
+                                  Mixing(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha))
+        return MaskedLocalClient(self.client_round(task, plan), settings)
 
     def client_figures(self, task, result, plan):
         """FIARSE's costs; ``bytes_kept`` is what the kept positions alone would take to send."""
-        routed: MaskedRouted = result.update
+        routed: MaskedRouted = result.model
         kept = sum(routed.kept.values())
-        return {"bytes_kept": routed.payload_bytes(),
+        return {"bytes_kept": routed.kept_bytes(),
                 "fraction": routed.fraction, "kept_fraction": kept / self.maskable_numel,
                 "logical_macs": float(self.macs.logical(routed.kept, self.macs_convention)),
                 "executed_macs": float(self.dense_macs)}
 
     def commit(self, acc, task, result, plan) -> None:
         """Add the client's model on its support, weighted by examples (or 1)."""
-        local = result.update.module.state_dict()
-        regions = result.update.regions
+        local = result.model.module.state_dict()
+        regions = result.model.regions
         if self.support == "changed":
             regions = changed_region_map(regions, local, self.global_state)
         acc.add(local, self.weight(result), regions)

@@ -28,11 +28,13 @@ from typing import Dict, List, Literal, Tuple
 
 import torch
 
+from fl_lightning.algorithms.client import ClientRound, LocalClient
 from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms.mixing import Mixing
 from fl_lightning.algorithms.levels import LevelAssignment
 from fl_lightning.algorithms.level_report import scalefl_report
+from fl_lightning.defaults import CALIB_BATCH_SIZE
 from fl_lightning.errors import ConfigError
-from fl_lightning.feast_protocol import CALIB_BATCH_SIZE
 from fl_lightning.option_types import ClosedUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt, UnitFraction
 from fl_lightning.runtime.calibration import ServerCalibration
 from fl_lightning.runtime.evaluation import evaluate, evaluate_levels
@@ -41,6 +43,38 @@ from fl_lightning.runtime.plan import ClientTask, RoundPlan
 from fl_lightning.runtime.seeding import derive_seed
 
 MIXING_STREAM = 33  # seed stream of ScaleFL's optional Mixup / CutMix draws
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """ScaleFL's self-distillation over its exits, as a client reads it (``kd_active``: this
+    round's)."""
+
+    gamma: float
+    temperature: float
+    kd_active: bool
+    weights: str
+    """How the exits' losses weigh (``modules/scalefl_client.py``: depth or sum)."""
+    reduction: str
+    detach_teacher: bool
+
+
+class ExitsClient(LocalClient):
+    """A ScaleFL client: its level's early-exit model trained on every exit's loss with
+    self-distillation, and Mixup / CutMix when asked."""
+
+    def __init__(self, round: ClientRound, distillation: Distillation, mixing: Mixing):
+        super().__init__(round)
+        self.distillation, self.mixing = distillation, mixing
+
+    def objective(self, downlink):
+        from fl_lightning.modules.scalefl_client import ScaleFLClient
+
+        r, d = self.round, self.distillation
+        mixer = self.mixing.mixer(r.num_classes, derive_seed(r.seed, MIXING_STREAM, r.round_idx, r.client))
+        return ScaleFLClient(downlink.model.module, r.lr, r.train.momentum, r.train.weight_decay, gamma=d.gamma,
+                             temperature=d.temperature, kd_active=d.kd_active, weights=d.weights,
+                             reduction=d.reduction, detach_teacher=d.detach_teacher, mixer=mixer)
 
 LEVELS = ((3, 0.40), (4, 0.50), (5, 0.60), (8, 1.00))
 """ScaleFL's four (blocks, width) levels on ResNet-18 (FEAST Supp. E.1)."""
@@ -62,7 +96,6 @@ class ScaleFL(FedAvg):
     """ScaleFL: largest-affordable depth-width levels, multi-exit training with early-exit
     self-distillation, position-wise sample-weighted aggregation."""
 
-    dense = False
 
     def __init__(self, levels: List[Tuple[PositiveInt, UnitFraction]] = [list(level) for level in LEVELS],
                  kd_gamma: NonNegativeFloat = 0.05, kd_temperature: PositiveFloat = 3.0,
@@ -100,6 +133,8 @@ class ScaleFL(FedAvg):
             mixup_alpha: Mixup's Beta parameter.
             cutmix_alpha: CutMix's Beta parameter.
         """
+        super().__init__()
+        self.dense = False  # position-wise means over the clients that hold each position
         self.levels = [list(level) for level in levels]
         self.kd_gamma, self.kd_temperature, self.kd_start = kd_gamma, kd_temperature, kd_start
         self.exit_weights, self.kl_reduction, self.detach_teacher = exit_weights, kl_reduction, detach_teacher
@@ -107,7 +142,7 @@ class ScaleFL(FedAvg):
         self.mix_schedule, self.mixup_alpha, self.cutmix_alpha = mix_schedule, mixup_alpha, cutmix_alpha
 
     # -- options --------------------------------------------------------------------------------
-    def check(self, train) -> None:
+    def check(self, train, population=None) -> None:
         from fl_lightning.modules.mixing import mixing_checks
 
         if not self.levels:
@@ -185,17 +220,15 @@ class ScaleFL(FedAvg):
         """The client's level as a plain model holding only that level's slices (blocks and exits)."""
         return self.ctx.model.extract(task.spec)
 
-    def client_module(self, routed, task, plan):
-        from fl_lightning.modules.mixing import client_mixer
-        from fl_lightning.modules.scalefl_client import ScaleFLClient
+    def new_client(self, task, plan):
+        distillation = Distillation(self.kd_gamma, self.kd_temperature, self.kd_active(plan.round_idx),
+                                    self.exit_weights, self.kl_reduction, self.detach_teacher)
+        return ExitsClient(self.client_round(task, plan), distillation,
+                           Mixing(self.mix_schedule, self.mixup_alpha, self.cutmix_alpha))
 
-        t = self.ctx.train
-        mixer = client_mixer(self.ctx.num_classes, self.mix_schedule, self.mixup_alpha, self.cutmix_alpha,
-                             derive_seed(self.ctx.seed, MIXING_STREAM, plan.round_idx, task.client))
-        return ScaleFLClient(routed.module, plan.lr, t.momentum, t.weight_decay, gamma=self.kd_gamma,
-                             temperature=self.kd_temperature, kd_active=self.kd_active(plan.round_idx),
-                             weights=self.exit_weights, reduction=self.kl_reduction,
-                             detach_teacher=self.detach_teacher, mixer=mixer)
+    @property
+    def served_names(self) -> Dict[str, str]:
+        return self.assignment.served_names()
 
     def client_figures(self, task, result, plan):
         k = task.choice.level - 1

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.elastic.layers.leading import leading
 from fl_lightning.elastic.regions import LeadingSlice
 
 
@@ -46,10 +47,10 @@ class ElasticConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_, out = self._widths(x.shape[1], self.active_out)
         if self.depthwise:
-            weight, groups = self.weight[:in_], in_
+            weight, groups = leading(self.weight, in_), in_
         else:
-            weight, groups = self.weight[:out, :in_], 1
-        bias = self.bias[:out] if self.bias is not None else None
+            weight, groups = leading(self.weight, out, in_), 1
+        bias = leading(self.bias, out) if self.bias is not None else None
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, groups)
 
     def extract(self, in_channels: int, out_channels: int) -> nn.Conv2d:
@@ -60,7 +61,7 @@ class ElasticConv2d(nn.Conv2d):
                           bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
         with torch.no_grad():
             for name, region in self.regions(in_channels, out_channels).items():
-                getattr(layer, name).copy_(region.gather(getattr(self, name)))
+                region.read_into(getattr(layer, name), getattr(self, name))
         return layer
 
     def regions(self, in_channels: int, out_channels: int) -> dict:

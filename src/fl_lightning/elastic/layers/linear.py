@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.elastic.layers.leading import leading
 from fl_lightning.elastic.regions import LeadingSlice
 
 
@@ -26,8 +27,8 @@ class ElasticLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.active_out or self.out_features
         in_ = x.shape[-1]
-        bias = self.bias[:out] if self.bias is not None else None
-        return F.linear(x, self.weight[:out, :in_], bias)
+        bias = leading(self.bias, out) if self.bias is not None else None
+        return F.linear(x, leading(self.weight, out, in_), bias)
 
     def extract(self, in_features: int, out_features: int) -> nn.Linear:
         """A plain ``nn.Linear`` holding a copy of the slice."""

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.elastic.layers.leading import leading
 from fl_lightning.elastic.regions import Full, LeadingSlice
 
 _CHANNEL_TENSORS = ("weight", "bias", "running_mean", "running_var")
@@ -19,12 +20,18 @@ class ElasticBatchNorm2d(nn.BatchNorm2d):
     slice of a 1-D buffer is a contiguous view, so the kernel writes into the full buffer).
     Channels outside the active slice keep their statistics. Statistics are shared by all widths;
     evaluate a width after :func:`fl_lightning.elastic.bn.recalibrate_bn` when that matters.
+
+    At full width nothing is sliced. The statistics' views are made once per width and kept
+    (buffers take no gradient, so one view serves every forward until a buffer is replaced),
+    which spares two operations per layer and forward on the host.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._statistics_views: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
-        if n == self.num_features:
-            return super().forward(x)
         self._check_input_dim(x)
         # Same momentum bookkeeping as nn.BatchNorm (momentum=None -> cumulative average).
         factor = 0.0 if self.momentum is None else self.momentum
@@ -32,15 +39,19 @@ class ElasticBatchNorm2d(nn.BatchNorm2d):
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        track = not self.training or self.track_running_stats
-        return F.batch_norm(
-            x,
-            self.running_mean[:n] if track and self.running_mean is not None else None,
-            self.running_var[:n] if track and self.running_var is not None else None,
-            self.weight[:n] if self.weight is not None else None,
-            self.bias[:n] if self.bias is not None else None,
-            use_batch_stats, factor, self.eps,
-        )
+        mean, var = self._statistics(n) if not self.training or self.track_running_stats else (None, None)
+        weight = leading(self.weight, n) if self.weight is not None else None
+        bias = leading(self.bias, n) if self.bias is not None else None
+        return F.batch_norm(x, mean, var, weight, bias, use_batch_stats, factor, self.eps)
+
+    def _statistics(self, n: int) -> tuple:
+        """The leading ``n`` channels of the running mean and variance (None without them)."""
+        if self.running_mean is None or self.running_var is None or n == self.num_features:
+            return self.running_mean, self.running_var
+        views = self._statistics_views.get(n)
+        if views is None or views[0]._base is not self.running_mean or views[1]._base is not self.running_var:
+            views = self._statistics_views[n] = (self.running_mean[:n], self.running_var[:n])
+        return views
 
     def extract(self, num_features: int) -> nn.BatchNorm2d:
         """A plain ``nn.BatchNorm2d`` holding copies of the parameter and statistic slices."""
@@ -50,7 +61,7 @@ class ElasticBatchNorm2d(nn.BatchNorm2d):
         state = layer.state_dict()
         with torch.no_grad():
             for name, region in self.regions(num_features).items():
-                state[name].copy_(region.gather(getattr(self, name)))
+                region.read_into(state[name], getattr(self, name))
         return layer.train(self.training)
 
     def regions(self, num_features: int) -> dict:

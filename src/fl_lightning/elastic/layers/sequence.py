@@ -21,6 +21,7 @@ from torch import _VF, nn
 from timm.layers import Mlp
 from timm.models.vision_transformer import Attention
 
+from fl_lightning.elastic.layers.leading import leading
 from fl_lightning.elastic.layers.linear import ElasticLinear
 from fl_lightning.elastic.regions import LeadingSlice, Region
 
@@ -107,7 +108,10 @@ def gate_block_slice(weight: torch.Tensor, num_blocks: int, rows_per_block: int,
 
     Differentiable: gradients of the result flow into ``weight`` at the sliced positions.
     """
-    blocks = weight.unflatten(0, (num_blocks, weight.shape[0] // num_blocks))[:, :rows_per_block]
+    per_block = weight.shape[0] // num_blocks
+    if rows_per_block == per_block and (cols is None or cols == weight.shape[1]):
+        return weight  # the whole tensor: no view, see layers/leading.py
+    blocks = weight.unflatten(0, (num_blocks, per_block))[:, :rows_per_block]
     if cols is not None:
         blocks = blocks[..., :cols]
     return blocks.reshape(num_blocks * rows_per_block, *blocks.shape[2:])
@@ -126,7 +130,7 @@ class ElasticEmbedding(nn.Embedding):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = self.active_dim or self.embedding_dim
-        return F.embedding(x, self.weight[:, :dim], self.padding_idx, self.max_norm,
+        return F.embedding(x, leading(self.weight, self.num_embeddings, dim), self.padding_idx, self.max_norm,
                            self.norm_type, self.scale_grad_by_freq, self.sparse)
 
     def extract(self, embedding_dim: int) -> nn.Embedding:
@@ -234,8 +238,8 @@ class ElasticLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dim = x.shape[-1]
-        weight = self.weight[:dim] if self.weight is not None else None
-        bias = self.bias[:dim] if self.bias is not None else None
+        weight = leading(self.weight, dim) if self.weight is not None else None
+        bias = leading(self.bias, dim) if self.bias is not None else None
         return F.layer_norm(x, (dim,), weight, bias, self.eps)
 
     def extract(self, dim: int) -> nn.LayerNorm:
@@ -300,8 +304,8 @@ class ElasticAttention(nn.Module):
         q, k, v = qkv.unbind(0)
         attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         attn = attn.transpose(1, 2).reshape(batch, tokens, rows)
-        proj_bias = self.proj.bias[:out] if self.proj.bias is not None else None
-        return self.proj_drop(F.linear(attn, self.proj.weight[:out, :rows], proj_bias))
+        proj_bias = leading(self.proj.bias, out) if self.proj.bias is not None else None
+        return self.proj_drop(F.linear(attn, leading(self.proj.weight, out, rows), proj_bias))
 
     def extract(self, dim: int, num_heads: int, dim_out: Optional[int] = None) -> Attention:
         """timm's ``Attention`` with ``num_heads`` heads of the full ``head_dim``, holding copies."""
@@ -369,8 +373,8 @@ class ElasticMlp(nn.Module):
     def forward(self, x: torch.Tensor, out_features: Optional[int] = None) -> torch.Tensor:
         hidden = self.drop1(self.act(self.fc1(x)))
         out = out_features or self.fc2.active_out or self.out_features
-        bias = self.fc2.bias[:out] if self.fc2.bias is not None else None
-        return self.drop2(F.linear(hidden, self.fc2.weight[:out, :hidden.shape[-1]], bias))
+        bias = leading(self.fc2.bias, out) if self.fc2.bias is not None else None
+        return self.drop2(F.linear(hidden, leading(self.fc2.weight, out, hidden.shape[-1]), bias))
 
     def extract(self, in_features: int, hidden_features: int, out_features: Optional[int] = None) -> Mlp:
         """timm's ``Mlp`` of the given widths holding copies of the slices."""

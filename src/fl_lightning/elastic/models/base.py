@@ -40,10 +40,11 @@ learning are written against:
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -195,7 +196,7 @@ class ElasticModel(nn.Module, abc.ABC):
         """The local model of ``spec`` holding copies of its regions, and the map back."""
         spec = self.routed_spec(spec, elastic)
         regions = self.regions(spec, kind, offset)
-        with torch.device("meta"), uninitialized():
+        with shapes_only():
             module = self.build_local(spec, elastic)
         _check_covered(module, regions)  # every tensor gets overwritten below
         reference = next((t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point()),
@@ -313,6 +314,15 @@ class uninitialized(TorchFunctionMode):
         if func in _INITIALISERS:
             return args[0] if args else kwargs["tensor"]
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Build modules on the meta device without their initialisers: shapes and dtypes only, no
+    memory and next to no time (with its initialisers the 55.7M-parameter FEAST supernet takes
+    seconds to build even on the meta device)."""
+    with torch.device("meta"), uninitialized():
+        yield
 
 
 class WidthElasticModel(ElasticModel):

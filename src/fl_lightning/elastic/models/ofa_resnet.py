@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit, kaiming_init
+from fl_lightning.elastic.models.base import LAYER_KITS, ElasticModel, LayerKit, kaiming_init, shapes_only
 from fl_lightning.elastic.regions import Full, LeadingSlice
 from fl_lightning.elastic.routing import RegionMap
 from fl_lightning.errors import ConfigError
@@ -482,7 +482,7 @@ class OFAResNet(_ResNetBody, ElasticModel):
 
     def regions(self, spec: OFASpec, kind: str = "leading", offset: int = 0) -> RegionMap:
         _leading_only(kind)
-        with torch.device("meta"):
+        with shapes_only():
             local = self.build_local(spec, elastic=False)
         return leading_regions(self.state_dict(), local.state_dict())
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fl_lightning.cli.parser import load_fit_config
 from fl_lightning.config import FabricConfig
 from fl_lightning.errors import ConfigError
-from fl_lightning.federation.builder import RunSpec, build_context, make_fabric
-from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state
+from fl_lightning.federation.builder import build_context, make_fabric
 from fl_lightning.federation.provenance import check_method, load_algorithm_state, method_record
 from fl_lightning.federation.run_dir import RunDir
+from fl_lightning.federation.run_spec import RunSpec
+from fl_lightning.runtime.checkpoint import load_checkpoint, load_model_state
 from fl_lightning.runtime.context import RunContext
 
 
@@ -25,16 +27,13 @@ class SavedRun:
 
 
 def load_run_spec(run: Path) -> RunSpec:
-    """The run's saved config, parsed and instantiated exactly as ``fit`` parsed it."""
-    from fl_lightning.cli import load_fit_config
-
-    if not (run / "config.yaml").is_file():
+    """The run's saved config, parsed and instantiated exactly as ``fit`` parsed it, named after
+    its folder."""
+    config = run / "config.yaml"
+    if not config.is_file():
         raise ConfigError("run", f"{run} holds no config.yaml (not a run directory)")
-    args = load_fit_config(run / "config.yaml", key="run")
-    return RunSpec(name=run.name, out_dir=str(run.parent), seed=args.seed, data=args.data,
-                   partition=args.partition, model=args.model, train=args.train, federation=args.federation,
-                   eval=args.eval, fabric=args.fabric, algorithm=args.algorithm,
-                   config_yaml=(run / "config.yaml").read_text())
+    return replace(load_fit_config(config, key="run"), name=run.name, out_dir=str(run.parent),
+                   config_yaml=config.read_text())
 
 
 def checkpoint_path(run: Path, checkpoint: str) -> Path:

@@ -1,8 +1,8 @@
-"""Where a refused command line goes wrong, found from the command's signature.
+"""Where a refused command line goes wrong, found from the command's options (``schema.py``).
 
 jsonargparse refuses a bad value with a nested text tree and no structured fields, so its text
 is not read here. Instead the command line is assembled again as a plain tree (``--config``
-files and texts in order, then each option) and walked against the command's signature:
+files and texts in order, then each option) and walked against the command's dataclass:
 sections by their dataclass fields, ``class_path`` sections by the class's ``__init__``, and
 each given value checked alone against its annotation by a one-option parser. The first key the
 walk refuses is the key of the error, and its problem is said from the annotation (``describe``):
@@ -22,7 +22,12 @@ import typing
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union, get_args, get_origin
 
 import yaml
+from jsonargparse import ArgumentParser
 
+from fl_lightning import data
+from fl_lightning.cli.config_files import read_config_file
+from fl_lightning.cli.schema import COMMANDS, default, options
+from fl_lightning.elastic import models
 from fl_lightning.option_types import OutOfRange
 
 Refusal = Tuple[str, str]
@@ -45,8 +50,6 @@ class Typed:
 
 def locate(argv: List[str], error: BaseException) -> Refusal:
     """``(key, problem)`` for a command line the parser refused with ``error``."""
-    from fl_lightning.cli import COMMANDS
-
     words = [a for a in argv if not a.startswith("-")]
     command = next((a for a in argv if a in COMMANDS), None)
     if command is None:
@@ -96,8 +99,6 @@ def given_tree(args: List[str]) -> Dict[str, Any]:
 
 
 def _config_text(value: str) -> dict:
-    from fl_lightning.cli import read_config_file
-
     if os.path.exists(value):
         return read_config_file(value)
     loaded = Typed(value).loaded()
@@ -149,40 +150,31 @@ def _as_mapping(node: Any) -> Optional[dict]:
 
 @functools.lru_cache(maxsize=None)
 def command_options(command: str) -> Dict[str, Any]:
-    """``{option: annotation}`` of a subcommand (``partition`` reads a fit config as well)."""
-    from fl_lightning.cli import COMMANDS, fit
-
-    functions = ([fit] if command == "partition" else []) + [COMMANDS[command]]
-    out: Dict[str, Any] = {}
-    for function in functions:
-        out.update(typing.get_type_hints(function, localns=_class_bases()))
-    return out
+    """``{option: annotation}`` of a subcommand."""
+    hints = typing.get_type_hints(COMMANDS[command], localns=_class_bases())
+    return {f.name: hints[f.name] for f in options(command)}
 
 
 def class_defaults(command: str) -> Dict[str, dict]:
     """``{option: {class_path: ...}}`` of a subcommand's class sections that have a default class."""
-    from fl_lightning.cli import COMMANDS
-
-    return {p.name: p.default for p in inspect.signature(COMMANDS[command]).parameters.values()
-            if isinstance(p.default, dict) and "class_path" in p.default}
+    found = {f.name: default(f) for f in options(command)}
+    return {name: value for name, value in found.items() if isinstance(value, dict) and "class_path" in value}
 
 
 def required_options(command: str) -> List[str]:
     """Options of a subcommand without a default (``evaluate``'s run)."""
-    from fl_lightning.cli import COMMANDS
-
-    return [p.name for p in inspect.signature(COMMANDS[command]).parameters.values()
-            if p.default is inspect.Parameter.empty]
+    return [f.name for f in options(command)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
 @functools.lru_cache(maxsize=1)
 def _class_bases() -> Dict[str, type]:
-    """The bases of the sections chosen by ``class_path``, by name."""
+    """The bases of the sections chosen by ``class_path``, by name. Imported when a refusal is
+    located, not with the command line: the algorithms and models import torch."""
     from fl_lightning.algorithms import Algorithm
-    from fl_lightning.data import DatasetSource
     from fl_lightning.elastic.models.base import ElasticModel
 
-    return {"Algorithm": Algorithm, "ElasticModel": ElasticModel, "DatasetSource": DatasetSource}
+    return {"Algorithm": Algorithm, "ElasticModel": ElasticModel, "DatasetSource": data.DatasetSource}
 
 
 def _walk_fields(prefix: str, given: dict, hints: Dict[str, Any]) -> Optional[Refusal]:
@@ -277,8 +269,6 @@ def check_value(key: str, value: Any, hint: Any) -> Optional[Refusal]:
 
 @functools.lru_cache(maxsize=None)
 def _one_option_parser(hint: Any):
-    from jsonargparse import ArgumentParser
-
     parser = ArgumentParser(exit_on_error=False)
     try:
         parser.add_argument("--value", type=hint)
@@ -322,9 +312,7 @@ def _class_base(hint: Any) -> Optional[type]:
 def _not_options(base: type) -> frozenset:
     """Constructor arguments a section does not take (a model's class count and input shape)."""
     if base is _class_bases()["ElasticModel"]:
-        from fl_lightning.elastic.models import NOT_OPTIONS
-
-        return NOT_OPTIONS
+        return models.NOT_OPTIONS
     return frozenset()
 
 
@@ -429,23 +417,17 @@ OLD_DATA = ("datasets are chosen by class_path and init_args under data.dataset,
 
 def dataset_paths() -> List[str]:
     """Class paths of every dataset in the package."""
-    from fl_lightning import data
-
     return [f"{data.__name__}.{name}" for name in data.__all__ if name != "DatasetSource"]
 
 
 def model_paths() -> List[str]:
     """Class paths of every model in the package."""
-    from fl_lightning.elastic import models
-
     return [f"{models.__name__}.{name}" for name in models.__all__ if name[0].isupper()]
 
 
 def algorithm_names() -> List[str]:
     """Class names of every algorithm in the package."""
-    from fl_lightning.algorithms import Algorithm
-
-    names, todo = [], list(Algorithm.__subclasses__())
+    names, todo = [], list(_class_bases()["Algorithm"].__subclasses__())
     while todo:
         cls = todo.pop(0)
         public = cls.__module__.startswith("fl_lightning.") and not cls.__name__.startswith("_")

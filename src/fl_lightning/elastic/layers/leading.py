@@ -1,0 +1,15 @@
+"""The active part of a full parameter: its leading slice, or the parameter itself."""
+
+from __future__ import annotations
+
+import torch
+
+
+def leading(tensor: torch.Tensor, *sizes: int) -> torch.Tensor:
+    """``tensor[:s0, :s1, ...]`` (dimensions not listed whole), or ``tensor`` itself when the
+    slice would be the whole tensor: then no view is made, autograd records nothing for it, and
+    the backward pass hands the gradient straight to the parameter instead of through a view's
+    node (a partial slice's backward builds a zero-padded full-size gradient)."""
+    if all(size == full for size, full in zip(sizes, tensor.shape)):
+        return tensor
+    return tensor[tuple(slice(0, size) for size in sizes)]
