@@ -333,3 +333,23 @@ def float32_bound(steps: int, terms: int, scale: float) -> float:
     round differently (factor 2). The new float64 cases use ``float64_bound``; this one is for
     the float32 cases made before them."""
     return 2 * steps * math.ceil(math.log2(max(terms, 2))) * EPS32 * max(1.0, scale)
+
+
+def keep_training_modules(alg) -> dict:
+    """Wrap ``alg.new_client`` so that each client's training module is kept, keyed by
+    ``(round, client)``, to read what it drew (widths, variants) after the run."""
+    modules, new_client = {}, alg.new_client
+
+    def keeping_modules(task, plan):
+        client = new_client(task, plan)
+        objective = client.objective
+
+        def kept(downlink):
+            modules[(plan.round_idx, task.client)] = objective(downlink)
+            return modules[(plan.round_idx, task.client)]
+
+        client.objective = kept
+        return client
+
+    alg.new_client = keeping_modules
+    return modules

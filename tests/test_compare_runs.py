@@ -108,3 +108,23 @@ def test_checkpoints_are_compared_entry_by_entry_and_a_moved_method_is_the_same(
         assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / other)]) == 1
         assert named in capsys.readouterr().out
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "c"), "--figures-only"]) == 0
+
+
+def test_an_ignored_option_added_to_the_checkpoint_hides_only_itself(tmp_path, capsys):
+    """An option a change added (``eval_widths`` in the method's arguments) is left out of the
+    checkpoints by ``--ignore``; a model tensor that differs behind it is still named."""
+    import torch
+
+    weight = torch.tensor([0.25, -1.5])
+    for name, value, options in (("a", weight, {}), ("b", weight.clone(), {"eval_widths": [0.5, 1.0]}),
+                                 ("c", torch.tensor([0.25, -1.25]), {"eval_widths": [0.5, 1.0]})):
+        write_run(tmp_path / name / "x", [{"round": 0, "test_acc": 0.5}], [{"client": 3, "loss": 0.25}])
+        (tmp_path / name / "x" / "checkpoints").mkdir()
+        torch.save({"model": {"w": value}, "round": 1, "method": {"class_path": "FedAvg", "init_args": options}},
+                   tmp_path / name / "x" / "checkpoints" / "last.ckpt")
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "method/init_args/eval_widths only in the second" in capsys.readouterr().out
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--ignore", "eval_widths"]) == 0
+    capsys.readouterr()
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "c"), "--ignore", "eval_widths"]) == 1
+    assert "last.ckpt: model/w" in capsys.readouterr().out

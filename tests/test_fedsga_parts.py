@@ -160,7 +160,7 @@ def test_depth_probes_read_uniform_until_fitted_then_their_own_linear_classifier
     fit = probes.fit({0: x0, 2: x2}, y, steps=200, lr=0.05)
     for depth, x in ((0, x0), (2, x2)):
         head = probes.heads[str(depth)]
-        expected = F.cross_entropy(x @ head.weight.t() + head.bias, y)
+        expected = F.cross_entropy(x @ head.weight.t() + head.bias, y).detach()
         assert probes.loss(x, y, depth) == pytest.approx(float(expected), rel=1e-5)
         assert fit[f"probe{depth}_loss"] == pytest.approx(float(expected), rel=1e-5)
     assert probes.loss(x0, y, 0) < 0.5 * probes.loss(x2, y, 2)

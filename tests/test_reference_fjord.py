@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from reference_case import (TRAIN, assert_close, batch_digest, float64_bound, load, make_spec, max_abs_diff,
-                            run_rounds)
+from reference_case import (TRAIN, assert_close, batch_digest, float64_bound, keep_training_modules, load, make_spec,
+                            max_abs_diff, run_rounds)
 
 from fl_lightning.elastic.models import CNN
 
@@ -85,20 +85,7 @@ def test_fjord_rounds_match_the_flower_baseline(tmp_path, form):
     case = golden["case"]
     alg = FjORD(caps=case["caps"], tiers=case["tiers"], **case["options"])
     assert alg.bn == "per_width"
-    modules, new_client = {}, alg.new_client
-
-    def keeping_modules(task, plan):  # each client's training module, to read the widths it drew
-        client = new_client(task, plan)
-        objective = client.objective
-
-        def kept(downlink):
-            modules[(plan.round_idx, task.client)] = objective(downlink)
-            return modules[(plan.round_idx, task.client)]
-
-        client.objective = kept
-        return client
-
-    alg.new_client = keeping_modules
+    modules = keep_training_modules(alg)  # each client's training module, to read the widths it drew
     train = replace(TRAIN, lr=case["lr"], momentum=case["momentum"], weight_decay=case["weight_decay"])
     spec = make_spec(tmp_path, alg, clients_per_round=3, rounds=case["rounds"], train=train,
                      model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": case["channels"]}})

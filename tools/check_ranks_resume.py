@@ -1,7 +1,7 @@
 """Check, for every method kind, that two ranks give the one-rank model and that a stopped and
 resumed run is the uninterrupted one, bit for bit:
 
-    python tools/check_ranks_resume.py runs/ranks_resume                     # all 24 methods
+    python tools/check_ranks_resume.py runs/ranks_resume                     # all 25 methods
     python tools/check_ranks_resume.py runs/ranks_resume --methods FedAvg Scaffold
     python tools/check_ranks_resume.py runs/ranks_resume \
         --configs configs/split/offline/mnist_subset/vit_tiny/splitfed_v2.yaml

@@ -10,8 +10,8 @@ from ``tools/record_runs.py``, once with the old checkout and once with the new)
     python tools/compare_runs.py runs/before runs/after --ignore test_global_acc
     python tools/compare_runs.py runs/before runs/after --renamed model_bytes=model_bytes_down,model_bytes_up
 
-``--ignore`` leaves out keys (per client, and their ``sum/`` round totals) whose meaning a
-change altered on purpose or that it added; ``--renamed OLD=NEW[,NEW...]`` says a figure kept
+``--ignore`` leaves out keys (per client, their ``sum/`` round totals, and checkpoint entries
+of that name) whose meaning a change altered on purpose or that it added; ``--renamed OLD=NEW[,NEW...]`` says a figure kept
 its value under new names: the old runs' ``OLD`` is compared with each ``NEW`` of the new runs.
 Name both in the change's notes.
 
@@ -75,20 +75,21 @@ def first_difference(a: Path, b: Path, ignored=(), renamed=None):
     return None
 
 
-def first_entry_difference(a, b, where: str = ""):
+def first_entry_difference(a, b, where: str = "", ignored=()):
     """The first key path at which two checkpoint entries differ (tensors by dtype, shape and
-    every bit; plain values by ``==``), or None."""
+    every bit; plain values by ``==``), or None; mapping keys named in ``ignored`` (an option a
+    change added, say) are left out at any depth."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
+        for key in sorted((set(a) | set(b)) - set(ignored), key=str):
             if key not in a or key not in b:
                 return f"{where}{key} only in {'the first' if key in a else 'the second'}"
-            found = first_entry_difference(a[key], b[key], f"{where}{key}/")
+            found = first_entry_difference(a[key], b[key], f"{where}{key}/", ignored)
             if found:
                 return found
         return None
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b)):
-            found = first_entry_difference(x, y, f"{where}{i}/")
+            found = first_entry_difference(x, y, f"{where}{i}/", ignored)
             if found:
                 return found
         return None
@@ -109,15 +110,16 @@ def by_class_name(state: dict) -> dict:
     return state
 
 
-def checkpoint_difference(a: Path, b: Path):
+def checkpoint_difference(a: Path, b: Path, ignored=()):
     """The first differing entry of the two runs' ``last.ckpt`` and ``best.ckpt`` (tensors by
-    dtype, shape and every bit), or None."""
+    dtype, shape and every bit; keys in ``ignored`` left out), or None."""
     for name in ("last.ckpt", "best.ckpt"):
         pa, pb = a / "checkpoints" / name, b / "checkpoints" / name
         if pa.exists() != pb.exists():
             return f"{name} only in {a.name if pa.exists() else b.name}"
         if pa.exists():
-            found = first_entry_difference(by_class_name(load_checkpoint(pa)), by_class_name(load_checkpoint(pb)))
+            found = first_entry_difference(by_class_name(load_checkpoint(pa)), by_class_name(load_checkpoint(pb)),
+                                           ignored=ignored)
             if found:
                 return f"{name}: {found}"
     return None
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
             continue
         problem = first_difference(path, after[name], args.ignore, renamed)
         if problem is None and not args.figures_only:
-            problem = checkpoint_difference(path, after[name])
+            problem = checkpoint_difference(path, after[name], args.ignore)
         print(f"{name}: {'identical' if problem is None else problem}")
         failed += problem is not None
     return 1 if failed else 0

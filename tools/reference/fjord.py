@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 import common
-from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, make_spec, run_rounds
+from reference_case import TRAIN, batch_digest, default_dtype, grey_levels, keep_training_modules, make_spec, run_rounds
 
 
 from fl_lightning.algorithms.submodel import FjORD
@@ -101,20 +101,7 @@ def record(form: str):
     alg = algorithm(form)
     spec = make_spec(tempfile.mkdtemp(), alg, clients_per_round=3, rounds=ROUNDS, train=train_config(),
                      model={"class_path": "fl_lightning.elastic.models.CNN", "init_args": {"channels": list(CHANNELS)}})
-    modules, new_client = {}, alg.new_client
-
-    def keeping_modules(task, plan):  # each client's training module, to read the widths it drew
-        client = new_client(task, plan)
-        objective = client.objective
-
-        def kept(downlink):
-            modules[(plan.round_idx, task.client)] = objective(downlink)
-            return modules[(plan.round_idx, task.client)]
-
-        client.objective = kept
-        return client
-
-    alg.new_client = keeping_modules
+    modules = keep_training_modules(alg)  # each client's training module, to read the widths it drew
     run = run_rounds(spec, ROUNDS, dtype=torch.float64)
     widths = [{t.client: t.choice.p for t in alg.plan(r).tasks} for r in range(ROUNDS)]  # plans depend on (seed, round)
     ctx = run.fed.ctx
