@@ -1,6 +1,6 @@
 """A run of any config at its real size, measured phase by phase: the main job's instrument.
 
-    python benchmarks/main_job_round.py --config CONFIG [--rounds N] [--profile-steps K]
+    python benchmarks/main_job_round.py --config CONFIG [--rounds N] [--profile-steps K] [--profile-from S]
         [--before-src DIR] [--data-dir DIR] [--out DIR] [fit overrides...]
 
 Runs ``fit`` in this process on one rank for N rounds (default 1; ``--stop_after N``: the
@@ -24,7 +24,8 @@ synchronisations; a phase's nested phases are charged to themselves only. Then:
   by the autograd engine, not nested inside another operator) that ``torch.profiler`` records
   inside the steps (not while the next batch is made), averaged over K steps (default 3) of the
   first client that trains two or more, from its second step on (the first also creates the
-  optimizer's state). Counted in a child process (this script with ``--dispatch-only``), so
+  optimizer's state); ``--profile-from S`` starts at step S of the first client that reaches
+  it (a later step: FEAST's client has then met more of its widths). Counted in a child process (this script with ``--dispatch-only``), so
   the profiler's time and memory (1-1.4 GB for the main job) stay out of this run's figures;
   ``--profile-steps 0`` counts nothing.
 - host synchronisations per client: reads of a tensor's values on the host
@@ -271,9 +272,11 @@ class Steps:
     """Follows the batches of each client fit: examples, the step window (between handing out a
     batch and asking for the next), and the profiled steps."""
 
-    def __init__(self, phases: Phases, syncs: SyncCounter, profile_steps: int, stop_after_profile: bool):
+    def __init__(self, phases: Phases, syncs: SyncCounter, profile_steps: int, stop_after_profile: bool,
+                 profile_from: int = 2):
         self.phases, self.syncs = phases, syncs
         self.profile_steps, self.stop_after_profile = profile_steps, stop_after_profile
+        self.profile_from = profile_from
         self.steps = self.examples = self.clients = 0
         self.profiler = None
         self.profiled: Optional[Counter] = None  # operator name -> count over the profiled steps
@@ -308,7 +311,7 @@ class Steps:
     def _begin_step(self) -> None:
         self._fit_step += 1
         self._open = True
-        if self.profiled is None and self.profiler is None and self._fit_step == 2 and self.profile_steps > 0:
+        if self.profiled is None and self.profiler is None and self._fit_step == self.profile_from and self.profile_steps > 0:
             from torch.profiler import ProfilerActivity, profile
 
             self.phases.push("profiled steps")
@@ -472,6 +475,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="rounds to run (--stop_after)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="training steps whose operators are counted (0: no count, no child process)")
+    parser.add_argument("--profile-from", type=int, default=2,
+                        help="the client's step the count starts at (default 2, the first after the optimizer's state is made)")
     parser.add_argument("--before-src", help="src folder of a checkout of the pinned commit: recompute 'before'")
     parser.add_argument("--data-dir", help="where generated data is written (default: a temporary folder)")
     parser.add_argument("--out", help="keep the run folder here (default: a temporary folder)")
@@ -537,7 +542,8 @@ def measure(options, overrides: List[str], scratch: Path) -> int:
 
     phases = Phases()
     syncs = SyncCounter(phases)
-    steps = Steps(phases, syncs, options.profile_steps if options.dispatch_only else 0, options.dispatch_only)
+    steps = Steps(phases, syncs, options.profile_steps if options.dispatch_only else 0, options.dispatch_only,
+                  options.profile_from)
     watched = instrument(phases, steps, args.algorithm)
     try:
         from fl_lightning.cli.commands import fit_command
@@ -571,8 +577,9 @@ def print_dispatches(steps: "Steps") -> None:
     per_step = sum(steps.profiled.values()) / steps.profiled_steps
     top = ", ".join(f"{k} {v / steps.profiled_steps:.0f}" for k, v in steps.profiled.most_common(8))
     print(f"dispatches/step {per_step:.1f}")
-    print(f"dispatches: {per_step:.0f} top-level operators per step (steps 2-{steps.profiled_steps + 1} of the first "
-          f"{steps.profiled_client} with two or more steps); most: {top}")
+    first = steps.profile_from
+    print(f"dispatches: {per_step:.0f} top-level operators per step (steps {first}-{first + steps.profiled_steps - 1} "
+          f"of the first {steps.profiled_client} with {first} or more steps); most: {top}")
 
 
 @dataclass
@@ -586,7 +593,8 @@ def dispatch_count(options, overrides: List[str], src: Optional[str] = None) -> 
     profiler's memory and time stay out of this run's figures), on this checkout's code or on
     the ``src`` folder's."""
     command = [sys.executable, __file__, "--dispatch-only", "--config", options.config,
-               "--profile-steps", str(options.profile_steps), *(["--gpu-defaults"] if options.gpu_defaults else []),
+               "--profile-steps", str(options.profile_steps), "--profile-from", str(options.profile_from),
+               *(["--gpu-defaults"] if options.gpu_defaults else []),
                *overrides]
     if options.data_dir:
         command[2:2] = ["--data-dir", options.data_dir]
@@ -607,6 +615,8 @@ def before_figure(options, overrides: List[str]) -> Optional[float]:
     """The dispatch count under the pinned commit's code: recomputed, recorded, or None."""
     if options.before_src:
         return dispatch_count(options, overrides, options.before_src).per_step
+    if (options.profile_steps, options.profile_from) != (3, 2):  # figures recorded with the defaults
+        return None
     return RECORDED_BEFORE.get((options.config, tuple(overrides), options.gpu_defaults))
 
 

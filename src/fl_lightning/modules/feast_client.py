@@ -8,11 +8,13 @@ the accumulated gradient and takes one optimizer step. See ``docs/feast_client.m
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from fl_lightning.elastic.layers.persistent_slices import PersistentSlices
 from fl_lightning.modules.inplace_distillation import (SUPERVISED, OperatingPoint, Pass, SandwichPlan,
                                                        SandwichSampler, StepResult, check_passes,
                                                        sandwich_step)
@@ -100,6 +102,7 @@ class FeastClient(SupervisedClient):
         self.schedule: list[Tuple[int, tuple]] = []  # (batch size, trained specs) per step
         self.last_step: Optional[StepResult] = None
         self._forward_macs = 0
+        self._slices: Optional[PersistentSlices] = None
 
     @staticmethod
     def _point(variant: Any, check: Callable) -> OperatingPoint:
@@ -139,13 +142,28 @@ class FeastClient(SupervisedClient):
         else:
             loss.backward()
 
+    # Local training keeps the passes' weight slices as leaves across steps
+    # (elastic/layers/persistent_slices.py): the gradients are zeroed in place, not dropped.
+    def on_train_start(self) -> None:
+        self._slices = PersistentSlices(self.model)
+
+    def on_train_end(self) -> None:
+        if self._slices is not None:
+            self._slices.close()
+            self._slices = None
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=self._slices is None)
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         x, targets = self.mixer(x, y, batch_idx)  # one mixed batch for every pass (Supp. D)
         passes = self.plan_passes()
+        step = self._slices.step() if self._slices is not None else contextlib.nullcontext()
         try:
-            result = sandwich_step(passes, x, targets, activate=self.model.set_active, forward=self.model,
-                                   backward=self._backward, rho=self.rho_kd, temperature=self.temperature)
+            with step:
+                result = sandwich_step(passes, x, targets, activate=self.model.set_active, forward=self.model,
+                                       backward=self._backward, rho=self.rho_kd, temperature=self.temperature)
         finally:
             self.model.set_active(self.largest)
         self.last_step = result

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from fl_lightning.modules.mixing import soft_cross_entropy
+from fl_lightning.modules.mixing import at_least_float32, soft_cross_entropy
 
 TEACHER, SUPERVISED, STUDENT = "teacher", "supervised", "student"
 ROLES = (TEACHER, SUPERVISED, STUDENT)
@@ -32,9 +32,8 @@ ROLES = (TEACHER, SUPERVISED, STUDENT)
 def soft_targets(teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``softmax(sg(z) / T)``: the teacher's distribution, cut from the graph (FEAST Eq. 22),
     in at least float32 (half-precision logits are promoted; float64 ones stay float64)."""
-    logits = teacher_logits.detach()
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.softmax(logits / temperature, dim=-1)
+    logits = at_least_float32(teacher_logits.detach())
+    return torch.softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -43,7 +42,7 @@ def kd_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperatu
     For ``T != 1`` the loss is multiplied by ``T^2`` (Hinton et al.) so its gradient keeps
     the same scale as the supervised term's.
     """
-    loss = soft_cross_entropy(student_logits / temperature, teacher_probs)
+    loss = soft_cross_entropy(student_logits / temperature if temperature != 1.0 else student_logits, teacher_probs)
     return loss * (temperature * temperature) if temperature != 1.0 else loss
 
 
@@ -219,7 +218,7 @@ def sandwich_step(passes: Sequence[Pass], x: torch.Tensor, targets: torch.Tensor
             teacher_probs = soft_targets(logits, temperature)
         backward(loss)
         loss = loss.detach()
-        total = total + loss.float()
+        total = total + (loss if loss.dtype == total.dtype else loss.to(total.dtype))
         results.append(PassResult(p.point, p.role, loss))
     n = int(x.shape[0])
     return StepResult(total, results, n, n * sum(p.point.cost for p in passes))

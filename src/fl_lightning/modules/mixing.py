@@ -33,10 +33,19 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     this is plain cross-entropy). Computed in at least float32 so half-precision logits lose
     nothing (float64 stays float64).
     """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = at_least_float32(logits)
     if not targets.is_floating_point():
         return F.cross_entropy(logits, targets)
-    return -(targets.to(logits.dtype) * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
+    if targets.dtype != logits.dtype:
+        targets = targets.to(logits.dtype)
+    return -(targets * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` promoted to float32 if it is of lower precision; itself otherwise (no
+    operation dispatched for a tensor that is float32 already)."""
+    dtype = torch.promote_types(tensor.dtype, torch.float32)
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 class NoMix:

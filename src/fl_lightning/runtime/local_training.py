@@ -36,7 +36,9 @@ def train_locally(fabric, module: "L.LightningModule", data: ClientData, cfg: Lo
     ``fabric.backward`` (also behind the module's ``manual_backward``, since the module is
     given ``fabric``), Fabric's gradient clipping (``runtime/gradient_clipping.py``) and the
     step of an optimizer set up by Fabric. ``on_before_optimizer_step`` lets a module correct
-    gradients (SCAFFOLD) after clipping, where a Trainer calls it.
+    gradients (SCAFFOLD) after clipping, where a Trainer calls it; ``optimizer_zero_grad``
+    (gradients set to None unless the module overrides it), ``on_train_start`` and
+    ``on_train_end`` are called where a Trainer calls them too.
 
     A module with ``automatic_optimization = False`` backpropagates inside ``training_step``
     (several passes per batch, each through ``self.manual_backward``) and returns the loss to
@@ -51,17 +53,21 @@ def train_locally(fabric, module: "L.LightningModule", data: ClientData, cfg: Lo
     batches = data.steps(cfg.steps, generator) if cfg.steps else (
         b for _ in range(cfg.epochs) for b in data.epoch(generator))
     total, steps = None, 0
-    for steps, batch in enumerate(batches, start=1):
-        optimizer.zero_grad(set_to_none=True)
-        with fabric.autocast():
-            loss = module.training_step(batch, steps - 1)
-        if not manual:
-            fabric.backward(loss)
-        if cfg.grad_clip is not None:
-            clip_gradients(fabric, module, optimizer, cfg.grad_clip)
-        module.on_before_optimizer_step(raw_optimizer)
-        optimizer.step()
-        total = loss.detach() if total is None else total + loss.detach()
+    module.on_train_start()
+    try:
+        for steps, batch in enumerate(batches, start=1):
+            module.optimizer_zero_grad(0, steps - 1, optimizer)
+            with fabric.autocast():
+                loss = module.training_step(batch, steps - 1)
+            if not manual:
+                fabric.backward(loss)
+            if cfg.grad_clip is not None:
+                clip_gradients(fabric, module, optimizer, cfg.grad_clip)
+            module.on_before_optimizer_step(raw_optimizer)
+            optimizer.step()
+            total = loss.detach() if total is None else total + loss.detach()
+    finally:
+        module.on_train_end()
     mean_loss = float(total) / steps if steps else 0.0
     module.fabric = None
     return LocalFit(len(data), steps, mean_loss, time.perf_counter() - start)

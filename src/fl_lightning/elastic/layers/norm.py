@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.elastic.layers.leading import leading
+from fl_lightning.elastic.layers.persistent_slices import active_slices
 from fl_lightning.elastic.regions import Full, LeadingSlice
 
 _CHANNEL_TENSORS = ("weight", "bias", "running_mean", "running_var")
@@ -36,7 +37,11 @@ class ElasticBatchNorm2d(nn.BatchNorm2d):
         # Same momentum bookkeeping as nn.BatchNorm (momentum=None -> cumulative average).
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+            slices = active_slices()
+            if slices is not None and self.momentum is not None:
+                slices.count_batch(self.num_batches_tracked)  # not read in this step: added at its end
+            else:
+                self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         mean, var = self._statistics(n) if not self.training or self.track_running_stats else (None, None)
