@@ -18,7 +18,7 @@ from fl_lightning.runtime.local_training import train_locally
 from fl_lightning.modules.feast_client import RULES, FeastClient
 from fl_lightning.modules.inplace_distillation import (OperatingPoint, Pass, SandwichSampler, kd_loss,
                                                        sandwich_step, soft_targets, student_loss)
-from fl_lightning.modules.mixing import AlternatingMixer, NoMix, soft_cross_entropy
+from fl_lightning.modules.mixing import AlternatingMixer, NoMix, at_least_float32, soft_cross_entropy
 from fl_lightning.elastic.models import OFAResNet
 from hand_counts import hooked_macs
 
@@ -107,6 +107,24 @@ def test_kd_and_student_losses():
     torch.testing.assert_close(kd_loss(z_s, p), want)
     sup, kd = torch.tensor(2.0), torch.tensor(4.0)
     assert student_loss(sup, kd, 0.5) == 3.0 and student_loss(sup, kd, 0.25) == 2.5  # Eq. 23
+
+
+def test_losses_are_computed_in_at_least_float32():
+    """Half-precision logits are promoted before the softmax (the loss is the float32 one of the
+    promoted logits, not the half-precision one), float64 stays float64, float32 is used as it
+    is; the KD temperature still divides at T = 2."""
+    g = torch.Generator().manual_seed(0)
+    z, t = torch.randn(5, CLASSES, generator=g), torch.softmax(torch.randn(5, CLASSES, generator=g), -1)
+    for dtype in (torch.bfloat16, torch.float16):
+        half = z.to(dtype)
+        want = -(t * F.log_softmax(half.float(), -1)).sum(-1).mean()
+        got = soft_cross_entropy(half, t)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert soft_targets(half).dtype == torch.float32
+        assert torch.equal(soft_targets(half, 2.0), torch.softmax(half.float() / 2.0, -1))
+    assert soft_cross_entropy(z.double(), t).dtype == torch.float64
+    assert at_least_float32(z) is z
+    torch.testing.assert_close(kd_loss(z, t, 2.0), 4.0 * -(t * F.log_softmax(z / 2.0, -1)).sum(-1).mean())
 
 
 def test_kd_gradient_does_not_reach_the_teacher(supernet):

@@ -44,8 +44,9 @@ def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` promoted to float32 if it is of lower precision; itself otherwise (no
     operation dispatched for a tensor that is float32 already)."""
-    dtype = torch.promote_types(tensor.dtype, torch.float32)
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+    if tensor.dtype in (torch.float32, torch.float64):  # checked on the host: promote_types is an operator
+        return tensor
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 class NoMix:
