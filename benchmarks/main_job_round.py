@@ -479,7 +479,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="rounds to run (--stop_after)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="training steps whose operators are counted (0: no count, no child process)")
-    parser.add_argument("--profile-from", type=int, default=2,
+    parser.add_argument("--profile-from", type=step_number, default=2,
                         help="the client's step the count starts at (default 2, the first after the optimizer's state is made)")
     parser.add_argument("--before-src", help="src folder of a checkout of the pinned commit: recompute 'before'")
     parser.add_argument("--data-dir", help="where generated data is written (default: a temporary folder)")
@@ -501,6 +501,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ConfigError as error:
             print(f"main_job_round: {error}", file=sys.stderr)
             return 2
+
+
+def step_number(text: str) -> int:
+    """A client's step number for ``--profile-from``: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a step number of at least 1, got {value}")
+    return value
 
 
 def use_gpu_defaults() -> None:

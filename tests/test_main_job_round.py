@@ -44,3 +44,18 @@ def test_the_last_line_reads_as_the_interface_says(tmp_path):
     assert "scaled: --federation.clients_per_round 2 --train.steps 2" in done.stdout
     assert "work: 2 client(s), 4 training step(s)" in done.stdout
     assert "0 inside training steps" in done.stdout
+
+
+def test_the_count_starts_at_a_step_number_of_at_least_one():
+    """``--profile-from`` takes a client's step number: 0, a negative number or a word stops
+    the parser (exit 2) naming the option, before any run."""
+    import argparse
+
+    import pytest
+    assert main_job_round.step_number("6") == 6 and main_job_round.step_number("1") == 1
+    for bad in ("0", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+            main_job_round.step_number(bad)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "main_job_round.py"), "--config",
+                           "configs/quickstart.yaml", "--profile-from", "0"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "--profile-from" in done.stderr.splitlines()[-1]

@@ -29,11 +29,16 @@ ROLES = (TEACHER, SUPERVISED, STUDENT)
 # Losses
 # ------------------------------------------------------------------------------------------
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / T``; the logits themselves at ``T = 1`` (no division dispatched)."""
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def soft_targets(teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``softmax(sg(z) / T)``: the teacher's distribution, cut from the graph (FEAST Eq. 22),
     in at least float32 (half-precision logits are promoted; float64 ones stay float64)."""
     logits = at_least_float32(teacher_logits.detach())
-    return torch.softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    return torch.softmax(_tempered(logits, temperature), dim=-1)
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -42,7 +47,7 @@ def kd_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, temperatu
     For ``T != 1`` the loss is multiplied by ``T^2`` (Hinton et al.) so its gradient keeps
     the same scale as the supervised term's.
     """
-    loss = soft_cross_entropy(student_logits / temperature if temperature != 1.0 else student_logits, teacher_probs)
+    loss = soft_cross_entropy(_tempered(student_logits, temperature), teacher_probs)
     return loss * (temperature * temperature) if temperature != 1.0 else loss
 
 
