@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import Precision
 
 from fl_lightning.config import LocalTrainConfig
 from fl_lightning.data.base import ArrayDataset
 from fl_lightning.elastic.envelope import route_envelope
+from fl_lightning.elastic.layers.persistent_slices import PersistentSlices
 from fl_lightning.elastic.models import build_model
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
 from fl_lightning.runtime.client_data import ClientData
@@ -384,23 +386,27 @@ def clean_losses(client, data):
     return out
 
 
-def test_train_client_with_fabric_manual_backward(supernet, macs):
-    """Local training hands the module ``fabric``; every pass then backpropagates through
-    ``fabric.backward``, and a few rounds of local steps (FEAST's rule and mixing) reduce the loss."""
+def test_train_client_with_fabric_backpropagates_every_pass(supernet, macs):
+    """Local training hands the module ``fabric``; every pass is then backpropagated through the
+    kept slices (Fabric's backward is autograd on the loss here), and a few rounds of local
+    steps (FEAST's rule and mixing) reduce the loss."""
     fabric = Fabric(accelerator="cpu", devices=1)
     data = separable_shard()
     cfg = LocalTrainConfig(steps=6, batch_size=16, lr=0.05, momentum=0.9, grad_clip=10.0)
     client = make_client(supernet, macs, mixer=AlternatingMixer(CLASSES, generator=torch.Generator().manual_seed(0)))
-    calls = []
-    backward = fabric.backward
-    fabric.backward = lambda loss, *a, **k: (calls.append(loss.detach()), backward(loss, *a, **k))
+    calls, through_fabric = [], []
+    backward = PersistentSlices.backward
+    fabric.backward = lambda loss, *a, **k: through_fabric.append(loss)
+    client_backward = lambda slices, loss: (calls.append(loss.detach()), backward(slices, loss))
     before = clean_losses(client, data)
     losses = []
-    for r in range(3):
-        result = train_locally(fabric, client, data, cfg, torch.Generator().manual_seed(r))
-        losses.append(result.loss)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PersistentSlices, "backward", client_backward)
+        for r in range(3):
+            result = train_locally(fabric, client, data, cfg, torch.Generator().manual_seed(r))
+            losses.append(result.loss)
     assert client.fabric is None  # released after local training
-    assert len(calls) == 3 * 6 * 3  # three passes per step
+    assert len(calls) == 3 * 6 * 3 and not through_fabric  # three passes per step
     assert max(losses[1:]) < losses[0]  # mean mixed-label training loss per round (noisy: mixing)
     after = clean_losses(client, data)
     assert after[0] < 0.5 * before[0] and after[1] < before[1]
@@ -409,6 +415,23 @@ def test_train_client_with_fabric_manual_backward(supernet, macs):
         client.model.set_active(MAX)
         assert (client.model(x).argmax(1) == y).float().mean() >= 0.9  # chance: 0.25
     assert client.forward_macs() == sum(n * sum(macs[s] for s in specs) for n, specs in client.schedule)
+
+
+def test_a_precision_plugin_with_its_own_backward_keeps_fabric_backward(supernet, macs):
+    """Where Fabric's backward is more than autograd on the loss (here a precision plugin that
+    overrides it), the client slices afresh and every pass goes through ``fabric.backward``."""
+    class OwnBackward(Precision):
+        def backward(self, tensor, model, *args, **kwargs):
+            tensor.backward(*args, **kwargs)
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[OwnBackward()])
+    calls = []
+    backward = fabric.backward
+    fabric.backward = lambda loss, *a, **k: (calls.append(loss.detach()), backward(loss, *a, **k))
+    client = make_client(supernet, macs)
+    cfg = LocalTrainConfig(steps=2, batch_size=16, lr=0.05, momentum=0.9)
+    train_locally(fabric, client, separable_shard(), cfg, torch.Generator().manual_seed(0))
+    assert len(calls) == 3 * 2
 
 
 def test_multi_tensor_sgd_takes_the_per_tensor_steps_bit_for_bit(supernet, macs):

@@ -12,6 +12,8 @@ import contextlib
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.strategies import Strategy
 from torch import nn
 
 from fl_lightning.elastic.layers.persistent_slices import PersistentSlices
@@ -48,6 +50,16 @@ RULES: dict[str, Callable[[SandwichPlan], list[Pass]]] = {
     "min_max_kd": _endpoints(distill=True),  # local maximum teaches the global minimum
     "full": _full,                       # ... plus one random intermediate (FEAST)
 }
+
+
+def _backward_is_autograd(fabric) -> bool:
+    """Whether ``fabric.backward(loss)`` is autograd on the loss, scaled by a gradient scaler
+    at most: the strategy's and the precision plugin's backward are Fabric's own."""
+    if fabric is None:
+        return True
+    precision = fabric.strategy.precision
+    return (type(fabric.strategy).backward is Strategy.backward
+            and type(precision).backward in (Precision.backward, MixedPrecision.backward))
 
 
 class FeastClient(SupervisedClient):
@@ -135,17 +147,29 @@ class FeastClient(SupervisedClient):
 
     # -- training ----------------------------------------------------------------------------
     def _backward(self, loss: torch.Tensor) -> None:
+        if self._slices is not None:
+            self._slices.backward(self._scaled(loss))
         # Through Fabric's precision plugin when driven by the federation loop (or a Trainer);
         # plain autograd when the module is used on its own.
-        if self._fabric is not None or self._trainer is not None:
+        elif self._fabric is not None or self._trainer is not None:
             self.manual_backward(loss)
         else:
             loss.backward()
 
-    # Local training keeps the passes' weight slices as leaves across steps
-    # (elastic/layers/persistent_slices.py): the gradients are zeroed in place, not dropped.
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as Fabric's precision plugin backpropagates it: scaled where float16
+        training keeps a gradient scaler (Fabric's optimizer step unscales)."""
+        precision = self._fabric.strategy.precision if self._fabric is not None else None
+        scaler = getattr(precision, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    # Local training keeps the passes' weight slices as leaves across steps and backpropagates
+    # each pass through them (elastic/layers/persistent_slices.py): the gradients are zeroed in
+    # place, not dropped. Where the backward is more than autograd on the (scaled) loss (a
+    # Trainer's hooks, a strategy or precision plugin of its own), it slices afresh.
     def on_train_start(self) -> None:
-        self._slices = PersistentSlices(self.model)
+        if self._trainer is None and _backward_is_autograd(self._fabric):
+            self._slices = PersistentSlices(self.model)
 
     def on_train_end(self) -> None:
         if self._slices is not None:

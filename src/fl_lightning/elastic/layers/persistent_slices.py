@@ -6,16 +6,21 @@ slice, its backward (a zero-padded gradient of the full size) and that gradient'
 layers of all but the widest pass. While :meth:`PersistentSlices.step` runs,
 :func:`~fl_lightning.elastic.layers.leading.leading` hands out instead, per parameter and sizes,
 one leaf tensor that shares the parameter's storage (the optimizer's in-place update shows
-through it) and whose ``.grad`` is the same slice of the parameter's gradient: autograd adds the
-pass's gradient into that slice in place, one operation. The arithmetic is the slices': inside
+through it) and whose ``.grad`` is the same slice of the parameter's gradient: the pass's
+gradient is added into that slice in place. The arithmetic is the slices': inside
 the slice the same additions in the same order, outside none instead of additions of zeros.
+
+Each pass is backpropagated by :meth:`PersistentSlices.backward`, which asks autograd for the
+pass's gradients (``torch.autograd.grad``) instead of letting it add them into each parameter
+and leaf one by one, and adds them into the kept gradients with one multi-tensor operation
+(two where some kept slices are not dense: a GPU's multi-tensor kernel takes dense tensors
+only). The additions are the same, in the same order of passes.
 
 The gradients must then outlive a step, so the client zeroes them in place
 (``zero_grad(set_to_none=False)``), and the step drops the gradient of every parameter that no
-pass reached (post-accumulate hooks record those that were), so that the optimizer and clipping
-still skip what a step did not train, as they do with gradients allocated afresh. A dropped
-gradient is all zeros; it is kept and handed back at the next step's start, so that its slices
-stay valid.
+pass reached, so that the optimizer and clipping still skip what a step did not train, as they
+do with gradients allocated afresh. A dropped gradient is all zeros; it is kept and handed back
+at the next step's start, so that its slices stay valid.
 
 Batch-norm batch counters are deferred the same way: a layer with a momentum does not read its
 counter, so the step adds each layer's count of forwards once at its end (one operation for
@@ -62,12 +67,13 @@ def _leading_view(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 class PersistentSlices:
     """The leaf slices and step bookkeeping of one model's local training.
 
-    Make one per client fit (:meth:`close` after it), zero gradients in place between steps, and
-    run each step's passes inside :meth:`step`.
+    Make one per client fit (:meth:`close` after it), zero gradients in place between steps,
+    run each step's passes inside :meth:`step` and backpropagate each pass by :meth:`backward`.
     """
 
     def __init__(self, model: nn.Module):
         self._leaves: dict[tuple[int, tuple[int, ...]], _Leaf] = {}
+        self._pass_leaves: dict[tuple[int, tuple[int, ...]], _Leaf] = {}  # handed out since the last backward
         self._reached: set[int] = set()
         self._counters: dict[int, list] = {}  # id(counter) -> [counter, forwards this step]
         self._aliases: dict[int, torch.Tensor] = {}  # id(parameter) -> parameter.detach()
@@ -75,6 +81,8 @@ class PersistentSlices:
         self._parameters = [p for p in model.parameters() if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._marker(p)) for p in self._parameters]
 
+    # A backward outside :meth:`backward` (plain ``loss.backward()``) accumulates through autograd
+    # into the same kept gradients; these hooks then record what it reached.
     def _marker(self, parameter: torch.Tensor):
         key = id(parameter)
 
@@ -87,6 +95,7 @@ class PersistentSlices:
         """One training step's passes: slices from the cache, counters deferred; on leaving,
         counters added and the gradients of parameters no pass reached dropped."""
         self._reached.clear()
+        self._pass_leaves.clear()
         for parameter, zeros in self._dropped.values():
             if parameter.grad is None:
                 parameter.grad = zeros
@@ -100,6 +109,39 @@ class PersistentSlices:
             _ACTIVE.reset(token)
             self._add_counts()
             self._drop_unreached()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one pass's ``loss`` and add its gradients into the kept gradients of the
+        parameters and of the partial slices this pass used."""
+        leaves = list(self._pass_leaves.values())
+        self._pass_leaves.clear()
+        inputs = [*self._parameters, *(entry.leaf for entry in leaves)]
+        owners = [*self._parameters, *(entry.parameter for entry in leaves)]
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        dense: tuple[list, list] = ([], [])
+        strided: tuple[list, list] = ([], [])
+        again: tuple[list, list] = ([], [])  # a parameter reached whole and sliced in one pass
+        seen: set[int] = set()
+        for tensor, owner, grad in zip(inputs, owners, grads):
+            if grad is None:
+                continue
+            if tensor is owner and owner.grad is None:
+                owner.grad = torch.zeros_like(owner)
+            sink = owner.grad if tensor is owner else tensor.grad
+            if id(owner) in seen:
+                group = again
+            elif sink.is_contiguous() and grad.is_contiguous():
+                group = dense
+            else:
+                group = strided
+            seen.add(id(owner))
+            group[0].append(sink)
+            group[1].append(grad)
+        self._reached.update(seen)
+        with torch.no_grad():
+            for sinks, made in (dense, strided, again):
+                if sinks:
+                    torch._foreach_add_(sinks, made)
 
     def _drop_unreached(self) -> None:
         """Set aside the (zero) gradient of every parameter no pass of this step reached."""
@@ -126,6 +168,7 @@ class PersistentSlices:
             leaf.grad = _leading_view(grad, shape)
             leaf.register_post_accumulate_grad_hook(self._marker(parameter))
             entry = self._leaves[key] = _Leaf(parameter, parameter.data_ptr(), grad, leaf)
+        self._pass_leaves[key] = entry
         return entry.leaf
 
     def _detached(self, parameter: torch.Tensor) -> torch.Tensor:
@@ -159,6 +202,7 @@ class PersistentSlices:
             hook.remove()
         self._hooks.clear()
         self._leaves.clear()
+        self._pass_leaves.clear()
         self._aliases.clear()
         self._dropped.clear()
         self._parameters.clear()
