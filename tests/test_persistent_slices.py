@@ -5,10 +5,12 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 
 from fl_lightning.config import LocalTrainConfig
+from fl_lightning.elastic.layers.leading import leading
 from fl_lightning.elastic.layers.persistent_slices import PersistentSlices
 from fl_lightning.elastic.models.ofa_resnet import OFASpec
 from fl_lightning.modules.feast_client import FeastClient
@@ -105,9 +107,9 @@ def test_a_step_after_the_first_makes_no_slice(supernet, macs):
         counts[kept] = ops.names
     assert not SLICING & set(counts[True])
     assert counts[False].count("slice_backward") > 0 and len(counts[True]) < len(counts[False])
-    # Gradients: per pass at most two multi-tensor additions (dense kept gradients, strided
-    # slices of them), never one per tensor as autograd's accumulation makes them; counters:
-    # at most one addition per pass count.
+    # Gradients: per pass one multi-tensor addition for the dense kept gradients and one for
+    # the strided slices (3 passes x 2), never one per tensor as autograd's accumulation makes
+    # them; counters: at most one addition per pass count (3).
     assert counts[True].count("add_") == 0 and counts[False].count("add_") > 0
     assert 3 <= counts[True].count("_foreach_add_") <= 3 * 2 + 3
 
@@ -116,9 +118,11 @@ def test_kept_slices_backpropagate_the_scaled_loss_under_float16(supernet, all_m
     """Under float16 mixed precision Fabric's gradient scaler multiplies the loss before
     backward and its optimizer step divides the gradients again: the kept slices' own backward
     scales as Fabric's does, so the run equals the fresh-slice run bit for bit. Without the
-    scale (the neighbouring mistake) the scaler finds no scaled loss to unscale and stops."""
+    scale (the neighbouring mistake) the gradients are divided without having been multiplied
+    and the run ends elsewhere."""
     def fabric():
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler.scale(torch.ones(()))  # the scale exists before any loss is scaled
         return Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
 
     kept = client_on_the_supernet(supernet, all_macs)
@@ -127,5 +131,55 @@ def test_kept_slices_backpropagate_the_scaled_loss_under_float16(supernet, all_m
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
     unscaled = client_on_the_supernet(supernet, all_macs)
     unscaled._scaled = lambda loss: loss
-    with pytest.raises(AssertionError, match="scaler.scale"):
-        train(unscaled, rounds=1, fabric=fabric())
+    wrong = train(unscaled, rounds=1, fabric=fabric())
+    assert not torch.equal(wrong["stages.0.0.conv1.weight"], want["stages.0.0.conv1.weight"])
+
+
+def test_kept_slices_train_bit_for_bit_as_fresh_ones_under_bfloat16(supernet, all_macs):
+    """Under bfloat16 autocast the kept slices' gradients are the float32 parameters' own, as
+    autograd's accumulation makes them: one round equals the fresh-slice run bit for bit."""
+    def fabric():
+        return Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+
+    kept = client_on_the_supernet(supernet, all_macs, mixer=mixer())
+    fresh = client_on_the_supernet(supernet, all_macs, kept=False, mixer=mixer())
+    got, want = train(kept, rounds=1, fabric=fabric()), train(fresh, rounds=1, fabric=fabric())
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+
+
+class _Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+
+
+def _three_reaches(weight, x):
+    """A loss that reaches ``weight`` whole, at 2 rows and at 1 row, with other gradients each."""
+    whole, two, one = leading(weight, 4, 3), leading(weight, 2, 3), leading(weight, 1, 3)
+    return (x @ whole.T).sum() + (x @ two.T).pow(2).sum() + (x @ one.T).pow(3).sum()
+
+
+def test_a_parameter_reached_several_times_in_one_pass(monkeypatch):
+    """A pass that reaches one parameter whole and at two partial widths: its gradient is the
+    sum of the three (autograd's, in float64 up to rounding), added by three multi-tensor calls
+    none of which adds into overlapping memory (a GPU's multi-tensor kernel would race)."""
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reference = _Shared()
+    _three_reaches(reference.weight, x).backward()
+
+    model = _Shared()
+    slices = PersistentSlices(model)
+    calls = []
+    foreach_add_ = torch._foreach_add_
+
+    def spy(sinks, addends, *args, **kwargs):
+        if isinstance(addends, (list, tuple)):
+            calls.append([sink.untyped_storage().data_ptr() for sink in sinks])
+        return foreach_add_(sinks, addends, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_add_", spy)
+    with slices.step():
+        slices.backward(_three_reaches(model.weight, x))
+    slices.close()
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=1e-12, atol=1e-12)
+    assert len(calls) == 3 and all(len(set(storages)) == len(storages) for storages in calls)

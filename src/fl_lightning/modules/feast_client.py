@@ -54,12 +54,24 @@ RULES: dict[str, Callable[[SandwichPlan], list[Pass]]] = {
 
 def _backward_is_autograd(fabric) -> bool:
     """Whether ``fabric.backward(loss)`` is autograd on the loss, scaled by a gradient scaler
-    at most: the strategy's and the precision plugin's backward are Fabric's own."""
+    at most: the strategy's backward and the precision plugin's ``pre_backward``, ``backward``
+    and ``post_backward`` are Fabric's own."""
     if fabric is None:
         return True
-    precision = fabric.strategy.precision
+    precision = type(fabric.strategy.precision)
     return (type(fabric.strategy).backward is Strategy.backward
-            and type(precision).backward in (Precision.backward, MixedPrecision.backward))
+            and precision.pre_backward is Precision.pre_backward
+            and precision.post_backward is Precision.post_backward
+            and precision.backward in (Precision.backward, MixedPrecision.backward))
+
+
+def _gradient_scaler(fabric):
+    """The gradient scaler Fabric's backward multiplies the loss by (float16 mixed precision),
+    or None."""
+    precision = fabric.strategy.precision if fabric is not None else None
+    if precision is not None and type(precision).backward is MixedPrecision.backward:
+        return precision.scaler
+    return None
 
 
 class FeastClient(SupervisedClient):
@@ -115,6 +127,7 @@ class FeastClient(SupervisedClient):
         self.last_step: Optional[StepResult] = None
         self._forward_macs = 0
         self._slices: Optional[PersistentSlices] = None
+        self._scaler = None  # Fabric's gradient scaler while slices are kept (float16)
 
     @staticmethod
     def _point(variant: Any, check: Callable) -> OperatingPoint:
@@ -147,21 +160,17 @@ class FeastClient(SupervisedClient):
 
     # -- training ----------------------------------------------------------------------------
     def _backward(self, loss: torch.Tensor) -> None:
-        if self._slices is not None:
+        if self._slices is not None:  # kept slices: the loss as Fabric's backward would take it
             self._slices.backward(self._scaled(loss))
-        # Through Fabric's precision plugin when driven by the federation loop (or a Trainer);
-        # plain autograd when the module is used on its own.
-        elif self._fabric is not None or self._trainer is not None:
+        elif self._fabric is not None or self._trainer is not None:  # Fabric's or a Trainer's backward
             self.manual_backward(loss)
-        else:
+        else:  # the module on its own
             loss.backward()
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss as Fabric's precision plugin backpropagates it: scaled where float16
-        training keeps a gradient scaler (Fabric's optimizer step unscales)."""
-        precision = self._fabric.strategy.precision if self._fabric is not None else None
-        scaler = getattr(precision, "scaler", None)
-        return scaler.scale(loss) if scaler is not None else loss
+        """The loss times Fabric's gradient scaler where float16 training keeps one (Fabric's
+        optimizer step unscales)."""
+        return self._scaler.scale(loss) if self._scaler is not None else loss
 
     # Local training keeps the passes' weight slices as leaves across steps and backpropagates
     # each pass through them (elastic/layers/persistent_slices.py): the gradients are zeroed in
@@ -170,11 +179,13 @@ class FeastClient(SupervisedClient):
     def on_train_start(self) -> None:
         if self._trainer is None and _backward_is_autograd(self._fabric):
             self._slices = PersistentSlices(self.model)
+            self._scaler = _gradient_scaler(self._fabric)
 
     def on_train_end(self) -> None:
         if self._slices is not None:
             self._slices.close()
             self._slices = None
+            self._scaler = None
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
         optimizer.zero_grad(set_to_none=self._slices is None)

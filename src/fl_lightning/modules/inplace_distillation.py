@@ -200,8 +200,9 @@ def sandwich_step(passes: Sequence[Pass], x: torch.Tensor, targets: torch.Tensor
     """Run ``passes`` in order on the same ``(x, targets)``, backpropagating each at once.
 
     For each pass: ``activate(point.key)``, ``logits = forward(x)``, the pass's loss, then
-    ``backward(loss)`` (``LightningModule.manual_backward`` in a client module, so precision
-    plugins scale it; ``torch.Tensor.backward`` elsewhere). Gradients therefore accumulate
+    ``backward(loss)`` (in a client module its own backward: through the kept slices, or
+    ``manual_backward``, either with the precision plugin's loss scaling;
+    ``torch.Tensor.backward`` elsewhere). Gradients therefore accumulate
     over the passes and each graph is freed before the next forward. The caller zeroes the
     gradients before and clips/steps after, once per mini-batch.
 

@@ -41,8 +41,9 @@ def train_locally(fabric, module: "L.LightningModule", data: ClientData, cfg: Lo
     ``on_train_end`` are called where a Trainer calls them too.
 
     A module with ``automatic_optimization = False`` backpropagates inside ``training_step``
-    (several passes per batch, each through ``self.manual_backward``) and returns the loss to
-    report; this loop still zeroes, clips and steps once per batch.
+    (several passes per batch, each through ``self.manual_backward`` or, FEAST's client, through
+    its kept slices with Fabric's loss scaling) and returns the loss to report; this loop still
+    zeroes, clips and steps once per batch.
     """
     start = time.perf_counter()
     module.fabric = fabric

@@ -13,8 +13,11 @@ the slice the same additions in the same order, outside none instead of addition
 Each pass is backpropagated by :meth:`PersistentSlices.backward`, which asks autograd for the
 pass's gradients (``torch.autograd.grad``) instead of letting it add them into each parameter
 and leaf one by one, and adds them into the kept gradients with one multi-tensor operation
-(two where some kept slices are not dense: a GPU's multi-tensor kernel takes dense tensors
-only). The additions are the same, in the same order of passes.
+for the dense ones and one for the strided ones (a GPU's multi-tensor kernel takes dense
+tensors only). Where each parameter is reached at most once per pass (every elastic model
+here), these are autograd's additions in the same order; a parameter reached several times in
+one pass gets its gradients added one reach after another, where autograd may sum them first
+(the same up to rounding).
 
 The gradients must then outlive a step, so the client zeroes them in place
 (``zero_grad(set_to_none=False)``), and the step drops the gradient of every parameter that no
@@ -112,7 +115,12 @@ class PersistentSlices:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one pass's ``loss`` and add its gradients into the kept gradients of the
-        parameters and of the partial slices this pass used."""
+        parameters and of the partial slices this pass used.
+
+        One multi-tensor addition takes the gradients whose kept tensor and gradient are both
+        dense, one the others; a parameter the pass reaches more than once (whole and sliced, or
+        at two widths) has its further gradients added by later calls, one per further reach,
+        so that no call adds into overlapping memory (a GPU's multi-tensor kernel would race)."""
         leaves = list(self._pass_leaves.values())
         self._pass_leaves.clear()
         inputs = [*self._parameters, *(entry.leaf for entry in leaves)]
@@ -120,28 +128,32 @@ class PersistentSlices:
         grads = torch.autograd.grad(loss, inputs, allow_unused=True)
         dense: tuple[list, list] = ([], [])
         strided: tuple[list, list] = ([], [])
-        again: tuple[list, list] = ([], [])  # a parameter reached whole and sliced in one pass
-        seen: set[int] = set()
+        further: list[tuple[list, list]] = []  # [k]: each parameter's (k + 2)-th reach in this pass
+        reaches: dict[int, int] = {}  # id(parameter) -> reaches so far in this pass
         for tensor, owner, grad in zip(inputs, owners, grads):
             if grad is None:
                 continue
-            if tensor is owner and owner.grad is None:
+            whole = tensor is owner
+            if whole and owner.grad is None:
                 owner.grad = torch.zeros_like(owner)
-            sink = owner.grad if tensor is owner else tensor.grad
-            if id(owner) in seen:
-                group = again
+            sink = owner.grad if whole else tensor.grad
+            reach = reaches.get(id(owner), 0)
+            reaches[id(owner)] = reach + 1
+            if reach:
+                if len(further) < reach:
+                    further.append(([], []))
+                group = further[reach - 1]
             elif sink.is_contiguous() and grad.is_contiguous():
                 group = dense
             else:
                 group = strided
-            seen.add(id(owner))
             group[0].append(sink)
             group[1].append(grad)
-        self._reached.update(seen)
+        self._reached.update(reaches)
         with torch.no_grad():
-            for sinks, made in (dense, strided, again):
+            for sinks, addends in (dense, strided, *further):
                 if sinks:
-                    torch._foreach_add_(sinks, made)
+                    torch._foreach_add_(sinks, addends)
 
     def _drop_unreached(self) -> None:
         """Set aside the (zero) gradient of every parameter no pass of this step reached."""
