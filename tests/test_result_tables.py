@@ -115,3 +115,14 @@ def test_paired_p_value_by_hand():
 ])
 def test_holm_is_the_step_down_correction(p_values, expected):
     assert holm_survivors(p_values) == expected
+
+
+@pytest.mark.parametrize("accs, expected", [
+    ([0.50, 0.90, 0.952, 0.960, 0.958], True),  # climbed early, the last three within 0.8 points
+    ([0.960, 0.970, 0.950, 0.962, 0.955], False),  # the last two agree, the third from last is 1.2 below
+    ([0.960, 0.958], False),  # fewer than three evaluations: not yet levelled
+])
+def test_a_run_has_levelled_when_its_last_three_evaluations_lie_within_a_point(accs, expected):
+    from submodel_tables import levelled
+
+    assert levelled(accs) is expected

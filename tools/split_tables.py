@@ -4,7 +4,8 @@
         [--noise runs/split/resnet18_narrow_threads2]
 
 Each root holds one setting (dataset, partition, backbone). Prints, per method, best (peak test accuracy over the evaluations) and final test accuracy
-as mean +- std over seeds (Tables 2-4, Fig. 4), paired per-seed differences against the
+as mean +- std over seeds (Tables 2-4, Fig. 4), how many runs have levelled off (last three
+evaluations within 1 point), paired per-seed differences against the
 reference with the 95% interval of their mean and what it shows (a difference is a finding
 only when the interval excludes zero), the split decisions (mean candidate index, share of client rounds at p1, share of
 calibration labels that found p1 sufficient), and the client cost per client and round
@@ -116,12 +117,12 @@ def root_tables(root: Path, reference: str) -> dict:
         whole = whole_model_cost(next(iter(next(iter(runs.values())).values()))["config"])
     cost = {m: {s: cost_figures(r, whole) for s, r in seeds.items()} for m, seeds in runs.items()}
     print(f"### {root}\n")
-    print("| method | seeds | best acc (%) | final acc (%) | mean cut index | at p1 | p1 sufficient |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| method | seeds | best acc (%) | final acc (%) | levelled | mean cut index | at p1 | p1 sufficient |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for method, seeds in accuracy.items():
         vals, costs = list(seeds.values()), list(cost[method].values())
         print(f"| {method} | {len(vals)} | {pm([v['best'] for v in vals])} | {pm([v['final'] for v in vals])} | "
-              f"{pm([c['cut'] for c in costs], 1.0, 2)} | {pm([c['p1'] for c in costs], 1.0, 2)} | "
+              f"{sum(v['levelled'] for v in vals)} of {len(vals)} | {pm([c['cut'] for c in costs], 1.0, 2)} | {pm([c['p1'] for c in costs], 1.0, 2)} | "
               f"{pm([c['sufficient'] for c in costs], 1.0, 2)} |")
     print_paired(accuracy, reference, "method")
     adaptive = {m: c for m, c in cost.items() if any(np.isfinite(x["probe_p1"]) for x in c.values())}

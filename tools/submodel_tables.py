@@ -39,7 +39,15 @@ def run_figures(run) -> dict:
     final = run["summary"]["final"]["test_acc"] if run["summary"] else (accs[-1] if accs else float("nan"))
     widths = [m["p_bar"] for m in run["metrics"] if "p_bar" in m]
     return {"best": max(accs) if accs else float("nan"), "final": final,
-            "p": float(np.mean(widths)) if widths else 1.0, "largest": largest_allocation(run)}
+            "p": float(np.mean(widths)) if widths else 1.0, "largest": largest_allocation(run),
+            "levelled": levelled(accs)}
+
+
+def levelled(accs: list, window: int = 3, points: float = 1.0) -> bool:
+    """Whether a run has levelled off: its last ``window`` evaluations lie within ``points``
+    accuracy points of each other (a run still climbing or swinging has not)."""
+    last = accs[-window:]
+    return len(last) == window and 100.0 * (max(last) - min(last)) <= points
 
 
 def largest_allocation(run) -> float:

@@ -66,7 +66,12 @@ def run_fit(spec: RunSpec) -> dict:
     if spec.fabric.strategy == "ddp_spawn":  # spawned ranks would receive the data pickled: they build it
         prepared = None
     if not forked:
-        return fabric.launch(_fit, spec, run_dir, origin, forked, prepared)
+        result = fabric.launch(_fit, spec, run_dir, origin, forked, prepared)
+        # Ranks started by torchrun leave the process group together: a rank whose process
+        # group outlives the store's host can hang in teardown at exit.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return result
     with interrupts.forwarded_to_ranks() as interrupted:
         try:
             result = fabric.launch(_fit, spec, run_dir, origin, forked, prepared)
