@@ -126,3 +126,17 @@ def test_a_run_has_levelled_when_its_last_three_evaluations_lie_within_a_point(a
     from submodel_tables import levelled
 
     assert levelled(accs) is expected
+
+
+def test_split_tables_refuse_an_unknown_reference_before_printing(tmp_path, capsys):
+    from split_tables import main
+
+    (tmp_path / "fedsga_s0").mkdir()
+    (tmp_path / "fedsga_s0" / "summary.json").write_text("{}")
+    (tmp_path / "splitfed_s0").mkdir()  # unfinished: no summary, not a method of the table
+    with pytest.raises(SystemExit) as unknown:
+        main([str(tmp_path), "--reference", "splitfed"])
+    out, err = capsys.readouterr()
+    assert unknown.value.code == 2 and out == ""
+    assert err.strip().splitlines()[-1].endswith(
+        f"--reference: no runs named splitfed_s<seed> under {tmp_path} (methods there: fedsga)")

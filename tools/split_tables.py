@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from submodel_tables import collect, print_before_after, print_noise_floor, print_paired, run_figures
+from submodel_tables import collect, finished_runs, print_before_after, print_noise_floor, print_paired, run_figures
 from submodel_tables import pm as _pm
 
 from fl_lightning.tool_parser import ToolParser
@@ -164,6 +164,11 @@ def main(argv=None) -> int:
     for option, folder in [("roots", r) for r in args.roots] + [("--noise", args.noise), ("--before", args.before)]:
         if folder is not None and not folder.is_dir():
             parser.error(f"{option}: no folder at {folder}")
+    for root in args.roots:  # refused before any table is printed
+        methods = sorted({method for method, _, _ in finished_runs(root)})
+        if args.reference not in methods:
+            parser.error(f"--reference: no runs named {args.reference}_s<seed> under {root} "
+                         f"(methods there: {', '.join(methods) or 'none'})")
     tables = {root: root_tables(root, args.reference) for root in args.roots}
     if args.noise is not None:
         other = {m: {s: run_figures(r) for s, r in seeds.items()} for m, seeds in collect(args.noise).items()}

@@ -99,12 +99,18 @@ def print_table4(policy: str, rows: dict) -> None:
     print("| 95% CI | " + " | ".join(f"{m:+.2f} ± {h:.2f}" for m, h in intervals) + " |")
 
 
-def collect(root: Path) -> dict:
-    runs = defaultdict(dict)
+def finished_runs(root: Path):
+    """``(method, seed, folder)`` of every finished run (``<method>_s<seed>`` with a summary) under ``root``."""
     for folder in sorted(root.iterdir()):
         match = re.fullmatch(r"(.+)_s(\d+)", folder.name)
         if match and (folder / "summary.json").exists():
-            runs[match.group(1)][int(match.group(2))] = load_run(folder)
+            yield match.group(1), int(match.group(2)), folder
+
+
+def collect(root: Path) -> dict:
+    runs = defaultdict(dict)
+    for method, seed, folder in finished_runs(root):
+        runs[method][seed] = load_run(folder)
     return runs
 
 
